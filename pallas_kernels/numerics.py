@@ -1,0 +1,128 @@
+"""The arithmetic rules every SageBwd implementation shares.
+
+The Pallas kernels and the pure-JAX reference call these same functions on
+tiles of the same shape, so the int8 values they form agree bit for bit (SPEC:
+"the rounding rule is one rule"). Everything here is plain `jnp` that lowers
+through Pallas' Triton backend, runs in interpret mode, and runs under XLA.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+INT8_MAX = 127.0
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+# 1.5 * 2**23: adding it to an fp32 |x| < 2**22 leaves round-half-even(x) in
+# the low mantissa bits. Triton has no round instruction in Pallas' lowering,
+# and this is one fp32 add instead of a quarter-rate conversion.
+_ROUND_MAGIC_F32 = 12582912.0
+_ROUND_MAGIC_I32 = 0x4B400000
+
+
+def round_to_int8(x: jax.Array) -> jax.Array:
+  """Round fp32 values in [-127.5, 127.5] half-to-even and return int8."""
+  biased = lax.bitcast_convert_type(x + _ROUND_MAGIC_F32, jnp.int32)
+  return (biased - _ROUND_MAGIC_I32).astype(jnp.int8)
+
+
+def int32_to_float(x: jax.Array) -> jax.Array:
+  """Exact int32 -> fp32 for |x| < 2**22 (any int8 dot of depth <= 256)."""
+  biased = lax.bitcast_convert_type(x + _ROUND_MAGIC_I32, jnp.float32)
+  return biased - _ROUND_MAGIC_F32
+
+
+def inverse_scale(amax: jax.Array) -> jax.Array:
+  """127 / amax, and 0 for all-zero tiles so they quantize to zeros."""
+  safe = jnp.where(amax > 0, amax, 1.0)
+  return jnp.where(amax > 0, INT8_MAX / safe, 0.0)
+
+
+def quantize_tile(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """psi(X) on one tile: symmetric int8 with one fp32 scale for the tile."""
+  amax = jnp.max(jnp.abs(x))
+  return round_to_int8(x * inverse_scale(amax)), amax / INT8_MAX
+
+
+def quantize_rows(x: jax.Array, row_max: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Per-row int8 of a non-negative tile whose row maxima are known.
+
+  Used for the forward's P: `row_max` is exp2(rowmax(S) - m_new), the largest
+  value of the row, so no extra reduction pass is needed. The clamp guards an
+  exp2 that is not perfectly monotone from ever producing 128.
+  """
+  scaled = jnp.minimum(x * inverse_scale(row_max)[..., None], INT8_MAX)
+  return round_to_int8(scaled), row_max / INT8_MAX
+
+
+def int8_dot(a: jax.Array, b: jax.Array) -> jax.Array:
+  """a @ b.T for int8 a (M, K) and b (N, K): exact int32 accumulation.
+
+  The second operand has its contraction dimension last (contiguous), the
+  only layout that reaches the int8 tensor cores through Triton.
+  """
+  return lax.dot_general(
+      a, b, (((a.ndim - 1,), (b.ndim - 1,)), ((), ())),
+      preferred_element_type=jnp.int32)
+
+
+def dequantize(acc: jax.Array, a_scale: jax.Array, b_scale: jax.Array) -> jax.Array:
+  """An int32 product back to fp32: one multiply by the product of scales."""
+  return int32_to_float(acc) * (a_scale * b_scale)
+
+
+def float_dot(a: jax.Array, b: jax.Array) -> jax.Array:
+  """a @ b.T in the inputs' dtype with fp32 accumulation (dO.V^T)."""
+  return lax.dot_general(
+      a, b, (((a.ndim - 1,), (b.ndim - 1,)), ((), ())),
+      preferred_element_type=jnp.float32)
+
+
+def tile_mask(
+    q_pos: jax.Array,
+    kv_pos: jax.Array,
+    *,
+    q_length: jax.Array | None,
+    kv_length: jax.Array | None,
+    causal: bool,
+    q_segment_ids: jax.Array | None = None,
+    kv_segment_ids: jax.Array | None = None,
+) -> jax.Array | None:
+  """Which (query, key) pairs of a tile may attend: True where allowed.
+
+  `q_pos` is a column (bq, 1) of query positions and `kv_pos` a row (1, bk)
+  of key positions; segment ids are shaped the same way. Returns None when no
+  rule applies, so callers skip the select entirely.
+  """
+  mask = None
+
+  def both(a, b):
+    return b if a is None else jnp.logical_and(a, b)
+
+  if q_length is not None:
+    mask = both(mask, q_pos < q_length)
+  if kv_length is not None:
+    mask = both(mask, kv_pos < kv_length)
+  if causal:
+    mask = both(mask, q_pos >= kv_pos)
+  if q_segment_ids is not None:
+    mask = both(mask, q_segment_ids == kv_segment_ids)
+  return mask
+
+
+def q_smoothing_bias(k8: jax.Array, k_scale: jax.Array, q_mean: jax.Array) -> jax.Array:
+  """q_mean . K_j^T for Q-smoothing, from the int8 K tile: shape (..., bk)."""
+  return jnp.sum(k8.astype(jnp.float32) * q_mean[..., None, :], axis=-1) * k_scale
+
+
+def safe_row_max(m: jax.Array) -> jax.Array:
+  """The running max with -inf (nothing seen yet) replaced by 0.
+
+  exp2(S - m) then gives 0 for masked (-inf) scores instead of NaN.
+  """
+  return jnp.where(m == -jnp.inf, 0.0, m)

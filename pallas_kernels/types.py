@@ -1,0 +1,82 @@
+"""What flows between the stages: quantize -> forward -> residuals -> backward.
+
+Every backend (the Pallas kernels, the pure-JAX reference) consumes and
+produces these same containers, so one backend's quantized tensors can be fed
+to another's forward and compared exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Protocol
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Static options of one attention call (hashable: a jit static argument).
+
+  `scale` multiplies Q.K^T. Sequences are already padded to multiples of
+  `block_q` (queries) and `block_kv` (keys) when a backend sees them.
+  """
+
+  scale: float
+  causal: bool
+  smooth_q: bool
+  block_q: int
+  block_kv: int
+
+
+class Masks(NamedTuple):
+  """Which keys each query may see, besides causality. Any field may be None.
+
+  Lengths are (B,) int32 counts of valid tokens; segment ids are (B, T)
+  int32 and a query sees only keys of its own segment.
+  """
+
+  q_lengths: jax.Array | None = None
+  kv_lengths: jax.Array | None = None
+  q_segment_ids: jax.Array | None = None
+  kv_segment_ids: jax.Array | None = None
+
+
+class QuantizedQKV(NamedTuple):
+  """Output of the quantization pass; head-major layout (B, H, T, D).
+
+  Q is quantized after folding in `scale * log2(e)` (scores are base-2
+  logits) and, with Q-smoothing, after subtracting each block's mean
+  `q_mean`. K is quantized after K-smoothing. The `_t` arrays are the same
+  int8 values stored (B, H, D, T): the int8 dots that contract over tokens
+  need their second operand in that layout.
+  """
+
+  q8: jax.Array  # (B, H, Tq, D) int8
+  q8_t: jax.Array  # (B, H, D, Tq) int8
+  q_scale: jax.Array  # (B, H, Tq // block_q) fp32
+  q_mean: jax.Array | None  # (B, H, Tq // block_q, D) fp32, Q-smoothing only
+  k8: jax.Array  # (B, Hkv, Tk, D) int8
+  k8_t: jax.Array  # (B, Hkv, D, Tk) int8
+  k_scale: jax.Array  # (B, Hkv, Tk // block_kv) fp32
+  v8_t: jax.Array  # (B, Hkv, D, Tk) int8
+  v_scale: jax.Array  # (B, Hkv, Tk // block_kv) fp32
+
+
+class Backend(Protocol):
+  """One implementation of SageBwd's stages. Inputs are (B, T, H, D)."""
+
+  def quantize(self, q: jax.Array, k: jax.Array, v: jax.Array,
+               k_mean: jax.Array | None, config: Config) -> QuantizedQKV:
+    """psi of Q (scaled, optionally smoothed), K - k_mean and V, per block."""
+    ...
+
+  def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config,
+              out_dtype) -> tuple[jax.Array, jax.Array]:
+    """O (B, Tq, H, D) and the base-2 log-sum-exp `lse` (B, H, Tq)."""
+    ...
+
+  def backward(self, qkv: QuantizedQKV, v: jax.Array, o: jax.Array,
+               lse: jax.Array, do: jax.Array, masks: Masks,
+               config: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """dQ, dK, dV (fp32, (B, T, H, D)) from the saved residuals and dO."""
+    ...

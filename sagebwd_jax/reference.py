@@ -1,0 +1,244 @@
+"""SageBwd in pure JAX, tile for tile as the kernels compute it; and an oracle.
+
+`ReferenceBackend` is the CPU fallback and the kernels' test oracle. It forms
+the same tiles as the Pallas kernels (`block_q` query rows by `block_kv` key
+rows), calls the same rules from `pallas_kernels.numerics` on them, and so
+produces the same int8 tensors. Where the kernels loop, it vectorizes over
+the query blocks and scans over key blocks, like the forward and dQ kernels.
+
+`full_precision_attention` is plain softmax attention in fp32 (fp64 under
+`jax_enable_x64`): the independent oracle for accuracy.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import numerics as nm
+from pallas_kernels.types import Config, Masks, QuantizedQKV
+
+_f32 = jnp.float32
+
+
+def _heads(x: jax.Array) -> jax.Array:
+  """(B, T, H, D) -> (B, H, T, D)."""
+  return jnp.swapaxes(x, 1, 2)
+
+
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+  """(..., T, D) -> (..., T // block, block, D)."""
+  return x.reshape(*x.shape[:-2], x.shape[-2] // block, block, x.shape[-1])
+
+
+def _unblock(x: jax.Array) -> jax.Array:
+  return x.reshape(*x.shape[:-3], x.shape[-3] * x.shape[-2], x.shape[-1])
+
+
+def _quantize_blocks(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """psi over every (block, D) tile of x (..., n, block, D)."""
+  lead = x.shape[:-2]
+  x8, scale = jax.vmap(nm.quantize_tile)(x.reshape(-1, *x.shape[-2:]))
+  return x8.reshape(x.shape), scale.reshape(lead)
+
+
+def _transposed(x8: jax.Array) -> jax.Array:
+  return jnp.swapaxes(x8, -1, -2)
+
+
+def _group(x: jax.Array, num_kv_heads: int) -> jax.Array:
+  """Split the head axis (axis 1) into (kv head, group member)."""
+  return x.reshape(x.shape[0], num_kv_heads, x.shape[1] // num_kv_heads, *x.shape[2:])
+
+
+class ReferenceBackend:
+  """The SPEC's algorithm in `jnp`; see `pallas_kernels.types.Backend`."""
+
+  def quantize(self, q, k, v, k_mean, config: Config) -> QuantizedQKV:
+    q_blocks = _blocks(_heads(q).astype(_f32) * (config.scale * nm.LOG2_E), config.block_q)
+    q_mean = None
+    if config.smooth_q:
+      q_mean = jnp.mean(q_blocks, axis=-2)
+      q_blocks = q_blocks - q_mean[..., None, :]
+    q8, q_scale = _quantize_blocks(q_blocks)
+
+    k_heads = _heads(k).astype(_f32)
+    if k_mean is not None:
+      k_heads = k_heads - k_mean[:, :, None, :]
+    k8, k_scale = _quantize_blocks(_blocks(k_heads, config.block_kv))
+    v8, v_scale = _quantize_blocks(_blocks(_heads(v).astype(_f32), config.block_kv))
+
+    q8, k8, v8 = _unblock(q8), _unblock(k8), _unblock(v8)
+    return QuantizedQKV(q8=q8, q8_t=_transposed(q8), q_scale=q_scale, q_mean=q_mean,
+                        k8=k8, k8_t=_transposed(k8), k_scale=k_scale,
+                        v8_t=_transposed(v8), v_scale=v_scale)
+
+  def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype):
+    batch, num_heads, q_len, head_dim = qkv.q8.shape
+    num_kv_heads = qkv.k8.shape[1]
+    tiles = _Tiles(qkv, masks, config)
+    shape = (batch, num_kv_heads, num_heads // num_kv_heads, q_len // config.block_q,
+             config.block_q)
+
+    def kv_step(carry, j):
+      acc, m, l = carry
+      s = tiles.scores(j)
+      m_tile = jnp.max(s, axis=-1)
+      m_new = jnp.maximum(m, m_tile)
+      m_safe = nm.safe_row_max(m_new)
+      alpha = jnp.exp2(m - m_safe)
+      p = jnp.exp2(s - m_safe[..., None])
+      l = alpha * l + jnp.sum(p, axis=-1)
+      p8, p_scale = nm.quantize_rows(p, jnp.exp2(m_tile - m_safe))
+      pv = jnp.einsum("bhgiqk,bhdk->bhgiqd", p8, tiles.kv_block(qkv.v8_t, j, axis=-1),
+                      preferred_element_type=jnp.int32)
+      v_scale = qkv.v_scale[:, :, j][:, :, None, None, None, None]
+      acc = acc * alpha[..., None] + nm.dequantize(pv, p_scale[..., None], v_scale)
+      return (acc, m_new, l), None
+
+    init = (jnp.zeros((*shape, head_dim), _f32), jnp.full(shape, -jnp.inf, _f32),
+            jnp.zeros(shape, _f32))
+    (acc, m, l), _ = jax.lax.scan(kv_step, init, jnp.arange(tiles.num_kv_blocks))
+    o = acc / jnp.where(l == 0, 1.0, l)[..., None]
+    lse = jnp.where(l == 0, jnp.inf, nm.safe_row_max(m) + jnp.log2(jnp.where(l == 0, 1.0, l)))
+    o = o.reshape(batch, num_heads, q_len, head_dim)
+    return jnp.swapaxes(o, 1, 2).astype(out_dtype), lse.reshape(batch, num_heads, q_len)
+
+  def backward(self, qkv: QuantizedQKV, v, o, lse, do, masks: Masks, config: Config):
+    batch, num_heads, q_len, head_dim = qkv.q8.shape
+    num_kv_heads = qkv.k8.shape[1]
+    tiles = _Tiles(qkv, masks, config)
+    grouped = lambda x: _group(_blocks(x, config.block_q), num_kv_heads)
+
+    # Pre-pass: Delta = rowsum(dO * O) and psi(dO) per block_q rows.
+    delta = jnp.sum(_heads(do).astype(_f32) * _heads(o).astype(_f32), axis=-1)
+    delta = grouped(delta[..., None])[..., 0]
+    do8, do_scale = _quantize_blocks(grouped(_heads(do).astype(_f32)))
+    do_blocks = grouped(_heads(do))
+    lse = grouped(lse[..., None])[..., 0]
+    v_heads = _heads(v)
+
+    def kv_step(dq, j):
+      s = tiles.scores(j)
+      p = jnp.exp2(s - lse[..., None])
+      p8, p_scale = _quantize_blocks(p)
+      dv_tiles = jnp.einsum("bhgiqk,bhgiqd->bhgikd", p8, do8, preferred_element_type=jnp.int32)
+      dv = jnp.sum(nm.dequantize(dv_tiles, p_scale[..., None, None],
+                                 do_scale[..., None, None]), axis=(2, 3))
+
+      dp = jnp.einsum("bhgiqd,bhkd->bhgiqk", do_blocks, tiles.kv_block(v_heads, j, axis=-2),
+                      preferred_element_type=_f32)
+      ds = p * (dp - delta[..., None])
+      ds8, ds_scale = _quantize_blocks(ds)
+
+      k_scale = qkv.k_scale[:, :, j][:, :, None, None, None, None]
+      dq_tiles = jnp.einsum("bhgiqk,bhdk->bhgiqd", ds8, tiles.kv_block(qkv.k8_t, j, axis=-1),
+                            preferred_element_type=jnp.int32)
+      dq = dq + nm.dequantize(dq_tiles, ds_scale[..., None, None], k_scale)
+
+      dk_tiles = jnp.einsum("bhgiqk,bhgiqd->bhgikd", ds8, tiles.q8,
+                            preferred_element_type=jnp.int32)
+      dk_tiles = nm.dequantize(dk_tiles, ds_scale[..., None, None],
+                               tiles.q_scale[..., None, None])
+      if config.smooth_q:
+        dk_tiles = dk_tiles + jnp.sum(ds, axis=-2)[..., None] * tiles.q_mean[..., None, :]
+      dk = jnp.sum(dk_tiles, axis=(2, 3))
+      return dq, (dk, dv)
+
+    dq0 = jnp.zeros((*tiles.q8.shape[:-1], head_dim), _f32)
+    dq, (dk, dv) = jax.lax.scan(kv_step, dq0, jnp.arange(tiles.num_kv_blocks))
+    # S was formed from Q * scale * log2(e): dQ takes `scale` once, dK ln 2.
+    dq = jnp.swapaxes(dq.reshape(batch, num_heads, q_len, head_dim), 1, 2) * config.scale
+    # Scan outputs are (key block, B, Hkv, row, D).
+    kv_seq = lambda x: jnp.transpose(x, (1, 0, 3, 2, 4)).reshape(batch, -1, num_kv_heads,
+                                                                 head_dim)
+    dk = kv_seq(dk) * nm.LN_2
+    dv = kv_seq(dv)
+    return dq, dk, dv
+
+
+class _Tiles:
+  """Score tiles S[i, j] for all query blocks i and one key block j.
+
+  Arrays are laid out (B, Hkv, group, query block, row, ...), so one key block
+  broadcasts across the query heads that share it (GQA without copies).
+  """
+
+  def __init__(self, qkv: QuantizedQKV, masks: Masks, config: Config):
+    num_kv_heads = qkv.k8.shape[1]
+    self.config, self.qkv, self.masks = config, qkv, masks
+    group = lambda x: _group(x, num_kv_heads)
+    self.q8 = group(_blocks(qkv.q8, config.block_q))
+    self.q_scale = group(qkv.q_scale)
+    self.q_mean = None if qkv.q_mean is None else group(qkv.q_mean)
+    self.num_kv_blocks = qkv.k8.shape[2] // config.block_kv
+    num_q_blocks = qkv.q8.shape[2] // config.block_q
+    self.q_pos = (jnp.arange(num_q_blocks)[:, None] * config.block_q
+                  + jnp.arange(config.block_q))[:, :, None]
+
+  def kv_block(self, x: jax.Array, j, *, axis: int) -> jax.Array:
+    return jax.lax.dynamic_slice_in_dim(x, j * self.config.block_kv, self.config.block_kv,
+                                        axis=axis % x.ndim)
+
+  def scores(self, j) -> jax.Array:
+    """Base-2 logits of tiles (i, j), masked with -inf: (B, Hkv, G, nq, bq, bk)."""
+    config, qkv, masks = self.config, self.qkv, self.masks
+    k8 = self.kv_block(qkv.k8, j, axis=-2)
+    k_scale = qkv.k_scale[:, :, j][:, :, None, None, None, None]
+    s = nm.dequantize(jnp.einsum("bhgiqd,bhkd->bhgiqk", self.q8, k8,
+                                 preferred_element_type=jnp.int32),
+                      self.q_scale[..., None, None], k_scale)
+    if self.q_mean is not None:
+      bias = nm.q_smoothing_bias(k8[:, :, None, None], k_scale[..., 0], self.q_mean)
+      s = s + bias[..., None, :]
+
+    per_batch = lambda x: None if x is None else x[:, None, None, None, None, None]
+    kv_pos = j * config.block_kv + jnp.arange(config.block_kv)
+    q_seg = kv_seg = None
+    if masks.q_segment_ids is not None:
+      q_seg = _blocks(masks.q_segment_ids[..., None], config.block_q)[:, None, None]
+      kv_seg = self.kv_block(masks.kv_segment_ids, j, axis=-1)[:, None, None, None, None, :]
+    mask = nm.tile_mask(self.q_pos, kv_pos, q_length=per_batch(masks.q_lengths),
+                        kv_length=per_batch(masks.kv_lengths), causal=config.causal,
+                        q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+    return s if mask is None else jnp.where(mask, s, -jnp.inf)
+
+
+def full_precision_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: jax.Array | None = None,
+    key_value_seq_lengths: jax.Array | None = None,
+    segment_ids: jax.Array | tuple[jax.Array, jax.Array] | None = None,
+) -> jax.Array:
+  """Exact softmax attention, (B, T, H, D) layout, GQA by head grouping.
+
+  Computes in fp32, or in fp64 when given fp64 inputs (needs
+  `jax_enable_x64`). Rows with no visible key give 0, like SageBwd.
+  """
+  dtype = jnp.float64 if query.dtype == jnp.float64 else _f32
+  q, k, v = (x.astype(dtype) for x in (query, key, value))
+  group = q.shape[2] // k.shape[2]
+  k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+  scale = q.shape[-1] ** -0.5 if scale is None else scale
+  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+  q_seg, kv_seg = (segment_ids if isinstance(segment_ids, tuple)
+                   else (segment_ids, segment_ids))
+  per_batch = lambda x: None if x is None else x[:, None, None, None]
+  mask = nm.tile_mask(
+      jnp.arange(q.shape[1])[:, None], jnp.arange(k.shape[1])[None, :],
+      q_length=per_batch(query_seq_lengths), kv_length=per_batch(key_value_seq_lengths),
+      causal=is_causal,
+      q_segment_ids=None if q_seg is None else q_seg[:, None, :, None],
+      kv_segment_ids=None if kv_seg is None else kv_seg[:, None, None, :])
+  if mask is not None:
+    logits = jnp.where(mask, logits, -jnp.inf)
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+  l = jnp.sum(p, axis=-1, keepdims=True)
+  p = p / jnp.where(l == 0, 1.0, l)
+  return jnp.einsum("bhqk,bkhd->bqhd", p, v).astype(query.dtype)

@@ -1,0 +1,58 @@
+"""SageBwd as one `jax.custom_vjp`: SPEC.md's algorithm, stage by stage.
+
+forward:  K-smoothing -> quantize Q, K, V -> INT8 attention -> residuals
+backward: Delta and psi(dO) -> recomputed P -> INT8 dV, dQ, dK (dP in bf16)
+
+Which code runs each stage is the `backend` (Pallas kernels or the pure-JAX
+reference); this file only wires the stages together. Sequences arrive padded
+to whole blocks, with the true lengths in `masks`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.types import Backend, Config, Masks
+
+
+def key_mean(k: jax.Array, kv_lengths: jax.Array | None) -> jax.Array:
+  """Mean of K over each sequence's valid tokens: (B, Hkv, D) fp32.
+
+  Subtracting it shifts every score row by a constant, so softmax is
+  unchanged, while the int8 grid no longer spends its range on the channel
+  bias that K typically carries. Padding never enters the mean.
+  """
+  k = k.astype(jnp.float32)
+  if kv_lengths is None:
+    return jnp.mean(k, axis=1)
+  valid = jnp.arange(k.shape[1])[None, :] < kv_lengths[:, None]
+  total = jnp.einsum("bthd,bt->bhd", k, valid.astype(jnp.float32))
+  return total / jnp.maximum(kv_lengths, 1).astype(jnp.float32)[:, None, None]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def sagebwd_attention(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks,
+                      config: Config, backend: Backend, smooth_k: bool) -> jax.Array:
+  """INT8 attention on block-padded (B, T, H, D) inputs; output like q."""
+  return _forward(q, k, v, masks, config, backend, smooth_k)[0]
+
+
+def _forward(q, k, v, masks, config, backend, smooth_k):
+  k_mean = key_mean(k, masks.kv_lengths) if smooth_k else None
+  qkv = backend.quantize(q, k, v, k_mean, config)
+  o, lse = backend.forward(qkv, masks, config, q.dtype)
+  return o, (qkv, v, o, lse, masks)
+
+
+def _backward(config, backend, smooth_k, residuals, do):
+  del smooth_k  # rows of dS sum to zero: the smoothing mean has no gradient term
+  qkv, v, o, lse, masks = residuals
+  dq, dk, dv = backend.backward(qkv, v, o, lse, do, masks, config)
+  dtype = lambda x, like: x.astype(like.dtype)
+  return dtype(dq, o), dtype(dk, v), dtype(dv, v), None
+
+
+sagebwd_attention.defvjp(_forward, _backward)
