@@ -49,15 +49,20 @@ def quantize_tile(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return round_to_int8(x * inverse_scale(amax)), amax / INT8_MAX
 
 
-def quantize_rows(x: jax.Array, row_max: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Per-row int8 of a non-negative tile whose row maxima are known.
+def quantize_rows(x: jax.Array, row_amax: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
+  """Per-token int8: one fp32 scale per row of the tile.
 
-  Used for the forward's P: `row_max` is exp2(rowmax(S) - m_new), the largest
-  value of the row, so no extra reduction pass is needed. The clamp guards an
-  exp2 that is not perfectly monotone from ever producing 128.
+  Used for the first operand of every int8 dot whose rows are tokens of the
+  output (P and dS), because a row scale factors out of the product. The
+  forward passes `row_amax` = exp2(rowmax(S) - m_new), the largest P of the
+  row, so it needs no extra reduction; the clamp keeps an exp2 that is not
+  perfectly monotone from ever producing 128.
   """
-  scaled = jnp.minimum(x * inverse_scale(row_max)[..., None], INT8_MAX)
-  return round_to_int8(scaled), row_max / INT8_MAX
+  if row_amax is None:
+    row_amax = jnp.max(jnp.abs(x), axis=-1)
+  scaled = jnp.clip(x * inverse_scale(row_amax)[..., None], -INT8_MAX, INT8_MAX)
+  return round_to_int8(scaled), row_amax / INT8_MAX
 
 
 def int8_dot(a: jax.Array, b: jax.Array) -> jax.Array:

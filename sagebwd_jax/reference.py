@@ -121,24 +121,26 @@ class ReferenceBackend:
     def kv_step(dq, j):
       s = tiles.scores(j)
       p = jnp.exp2(s - lse[..., None])
-      p8, p_scale = _quantize_blocks(p)
-      dv_tiles = jnp.einsum("bhgiqk,bhgiqd->bhgikd", p8, do8, preferred_element_type=jnp.int32)
-      dv = jnp.sum(nm.dequantize(dv_tiles, p_scale[..., None, None],
-                                 do_scale[..., None, None]), axis=(2, 3))
+      # dV = P^T.dO: P^T quantized per key (a row of the dK/dV kernel's tile).
+      p8_t, p_scale = nm.quantize_rows(jnp.swapaxes(p, -1, -2))
+      dv_tiles = jnp.einsum("bhgikq,bhgiqd->bhgikd", p8_t, do8, preferred_element_type=jnp.int32)
+      dv = jnp.sum(nm.dequantize(dv_tiles, p_scale[..., None], do_scale[..., None, None]),
+                   axis=(2, 3))
 
       dp = jnp.einsum("bhgiqd,bhkd->bhgiqk", do_blocks, tiles.kv_block(v_heads, j, axis=-2),
                       preferred_element_type=_f32)
       ds = p * (dp - delta[..., None])
-      ds8, ds_scale = _quantize_blocks(ds)
 
       k_scale = qkv.k_scale[:, :, j][:, :, None, None, None, None]
+      ds8, ds_scale = nm.quantize_rows(ds)
       dq_tiles = jnp.einsum("bhgiqk,bhdk->bhgiqd", ds8, tiles.kv_block(qkv.k8_t, j, axis=-1),
                             preferred_element_type=jnp.int32)
-      dq = dq + nm.dequantize(dq_tiles, ds_scale[..., None, None], k_scale)
+      dq = dq + nm.dequantize(dq_tiles, ds_scale[..., None], k_scale)
 
-      dk_tiles = jnp.einsum("bhgiqk,bhgiqd->bhgikd", ds8, tiles.q8,
+      ds8_t, ds_t_scale = nm.quantize_rows(jnp.swapaxes(ds, -1, -2))
+      dk_tiles = jnp.einsum("bhgikq,bhgiqd->bhgikd", ds8_t, tiles.q8,
                             preferred_element_type=jnp.int32)
-      dk_tiles = nm.dequantize(dk_tiles, ds_scale[..., None, None],
+      dk_tiles = nm.dequantize(dk_tiles, ds_t_scale[..., None],
                                tiles.q_scale[..., None, None])
       if config.smooth_q:
         dk_tiles = dk_tiles + jnp.sum(ds, axis=-2)[..., None] * tiles.q_mean[..., None, :]
