@@ -88,35 +88,25 @@ def float_dot(a: jax.Array, b: jax.Array) -> jax.Array:
       preferred_element_type=jnp.float32)
 
 
-def tile_mask(
-    q_pos: jax.Array,
-    kv_pos: jax.Array,
-    *,
-    q_length: jax.Array | None,
-    kv_length: jax.Array | None,
-    causal: bool,
-    q_segment_ids: jax.Array | None = None,
-    kv_segment_ids: jax.Array | None = None,
-) -> jax.Array | None:
+# Ids of tokens past a sequence length: they match no id, not even each other.
+Q_INVALID_ID = -(2**31)
+KV_INVALID_ID = -(2**31) + 1
+
+
+def tile_mask(q_pos: jax.Array, kv_pos: jax.Array, *, causal: bool,
+              q_ids: jax.Array | None = None,
+              kv_ids: jax.Array | None = None) -> jax.Array | None:
   """Which (query, key) pairs of a tile may attend: True where allowed.
 
-  `q_pos` is a column (bq, 1) of query positions and `kv_pos` a row (1, bk)
-  of key positions; segment ids are shaped the same way. Returns None when no
-  rule applies, so callers skip the select entirely.
+  Positions and ids of queries are columns (bq, 1) and of keys rows (1, bk).
+  Returns None when nothing is masked, so callers skip the select.
   """
   mask = None
-
-  def both(a, b):
-    return b if a is None else jnp.logical_and(a, b)
-
-  if q_length is not None:
-    mask = both(mask, q_pos < q_length)
-  if kv_length is not None:
-    mask = both(mask, kv_pos < kv_length)
+  if q_ids is not None:
+    mask = q_ids == kv_ids
   if causal:
-    mask = both(mask, q_pos >= kv_pos)
-  if q_segment_ids is not None:
-    mask = both(mask, q_segment_ids == kv_segment_ids)
+    after = q_pos >= kv_pos
+    mask = after if mask is None else jnp.logical_and(mask, after)
   return mask
 
 

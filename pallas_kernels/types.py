@@ -29,16 +29,16 @@ class Config:
 
 
 class Masks(NamedTuple):
-  """Which keys each query may see, besides causality. Any field may be None.
+  """Which keys each query may see, besides causality: per-token ids.
 
-  Lengths are (B,) int32 counts of valid tokens; segment ids are (B, T)
-  int32 and a query sees only keys of its own segment.
+  A query sees a key only when their ids are equal. Segment ids, sequence
+  lengths and block padding all fold into these two (B, T) int32 arrays
+  (tokens past a length get a sentinel id that matches nothing), so a kernel
+  tests one equality per score. Both are None when every pair is allowed.
   """
 
-  q_lengths: jax.Array | None = None
-  kv_lengths: jax.Array | None = None
-  q_segment_ids: jax.Array | None = None
-  kv_segment_ids: jax.Array | None = None
+  q_ids: jax.Array | None = None
+  kv_ids: jax.Array | None = None
 
 
 class QuantizedQKV(NamedTuple):
@@ -48,18 +48,19 @@ class QuantizedQKV(NamedTuple):
   logits) and, with Q-smoothing, after subtracting each block's mean
   `q_mean`. K is quantized after K-smoothing. The `_t` arrays are the same
   int8 values stored (B, H, D, T): the int8 dots that contract over tokens
-  need their second operand in that layout.
+  need their second operand in that layout. Scales are stored per token
+  (repeated over the block's rows) so kernels load them as row vectors.
   """
 
   q8: jax.Array  # (B, H, Tq, D) int8
   q8_t: jax.Array  # (B, H, D, Tq) int8
-  q_scale: jax.Array  # (B, H, Tq // block_q) fp32
+  q_scale: jax.Array  # (B, H, Tq) fp32, each block's scale on each of its rows
   q_mean: jax.Array | None  # (B, H, Tq // block_q, D) fp32, Q-smoothing only
   k8: jax.Array  # (B, Hkv, Tk, D) int8
   k8_t: jax.Array  # (B, Hkv, D, Tk) int8
-  k_scale: jax.Array  # (B, Hkv, Tk // block_kv) fp32
+  k_scale: jax.Array  # (B, Hkv, Tk) fp32
   v8_t: jax.Array  # (B, Hkv, D, Tk) int8
-  v_scale: jax.Array  # (B, Hkv, Tk // block_kv) fp32
+  v_scale: jax.Array  # (B, Hkv, Tk) fp32
 
 
 class Backend(Protocol):

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import numerics as nm
 from pallas_kernels.types import Backend, Config, Masks
 from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import sagebwd_attention
@@ -94,18 +95,17 @@ def dot_product_attention(
 
   q_lengths = _lengths("query_seq_lengths", query_seq_lengths, batch)
   kv_lengths = _lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
-  q_ids, kv_ids = _segments(segment_ids, batch, q_len, kv_len)
+  q_seg, kv_seg = _segments(segment_ids, batch, q_len, kv_len)
 
   q_pad, kv_pad = -q_len % block_q, -kv_len % block_kv
-  if kv_pad and kv_lengths is None:
-    kv_lengths = jnp.full((batch,), kv_len, jnp.int32)
-  pad_tokens = lambda x, n, fill=0: jnp.pad(
-      x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+  pad_tokens = lambda x, n: jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2))
   query = pad_tokens(query, q_pad)
   key, value = pad_tokens(key, kv_pad), pad_tokens(value, kv_pad)
-  if q_ids is not None:
-    q_ids, kv_ids = pad_tokens(q_ids, q_pad, -1), pad_tokens(kv_ids, kv_pad, -1)
-  masks = Masks(q_lengths, kv_lengths, q_ids, kv_ids)
+  masks = Masks()  # padded query rows need no mask: they are sliced off
+  if q_lengths is not None or kv_lengths is not None or q_seg is not None or kv_pad:
+    masks = Masks(
+        _token_ids(q_seg, q_lengths, batch, q_len, q_len + q_pad, nm.Q_INVALID_ID),
+        _token_ids(kv_seg, kv_lengths, batch, kv_len, kv_len + kv_pad, nm.KV_INVALID_ID))
 
   out = sagebwd_attention(query, key, value, masks, config, backend, bool(smooth_k))
   out = out[:, :q_len]
@@ -201,6 +201,16 @@ def _lengths(name: str, lengths, batch: int) -> jax.Array | None:
   if not jnp.issubdtype(lengths.dtype, jnp.integer):
     raise TypeError(f"{name} must be an integer array; got {lengths.dtype}")
   return lengths.astype(jnp.int32)
+
+
+def _token_ids(segment_ids, lengths, batch: int, seq_len: int, padded_len: int,
+               invalid: int) -> jax.Array:
+  """Segment ids (0 without them), `invalid` past the length and in padding."""
+  ids = jnp.zeros((batch, padded_len), jnp.int32)
+  if segment_ids is not None:
+    ids = ids.at[:, :seq_len].set(segment_ids)
+  length = seq_len if lengths is None else jnp.minimum(lengths, seq_len)[:, None]
+  return jnp.where(jnp.arange(padded_len)[None, :] < length, ids, invalid)
 
 
 def _segments(segment_ids, batch: int, q_len: int, kv_len: int):

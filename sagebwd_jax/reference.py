@@ -42,6 +42,11 @@ def _quantize_blocks(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return x8.reshape(x.shape), scale.reshape(lead)
 
 
+def _per_token(scale: jax.Array, block: int) -> jax.Array:
+  """Block scales (..., n) -> the same scale on each row (..., n * block)."""
+  return jnp.repeat(scale, block, axis=-1)
+
+
 def _transposed(x8: jax.Array) -> jax.Array:
   return jnp.swapaxes(x8, -1, -2)
 
@@ -61,12 +66,14 @@ class ReferenceBackend:
       q_mean = jnp.mean(q_blocks, axis=-2)
       q_blocks = q_blocks - q_mean[..., None, :]
     q8, q_scale = _quantize_blocks(q_blocks)
+    q_scale = _per_token(q_scale, config.block_q)
 
     k_heads = _heads(k).astype(_f32)
     if k_mean is not None:
       k_heads = k_heads - k_mean[:, :, None, :]
     k8, k_scale = _quantize_blocks(_blocks(k_heads, config.block_kv))
     v8, v_scale = _quantize_blocks(_blocks(_heads(v).astype(_f32), config.block_kv))
+    k_scale, v_scale = (_per_token(x, config.block_kv) for x in (k_scale, v_scale))
 
     q8, k8, v8 = _unblock(q8), _unblock(k8), _unblock(v8)
     return QuantizedQKV(q8=q8, q8_t=_transposed(q8), q_scale=q_scale, q_mean=q_mean,
@@ -92,7 +99,7 @@ class ReferenceBackend:
       p8, p_scale = nm.quantize_rows(p, jnp.exp2(m_tile - m_safe))
       pv = jnp.einsum("bhgiqk,bhdk->bhgiqd", p8, tiles.kv_block(qkv.v8_t, j, axis=-1),
                       preferred_element_type=jnp.int32)
-      v_scale = qkv.v_scale[:, :, j][:, :, None, None, None, None]
+      v_scale = tiles.block_scale(qkv.v_scale, j)
       acc = acc * alpha[..., None] + nm.dequantize(pv, p_scale[..., None], v_scale)
       return (acc, m_new, l), None
 
@@ -131,7 +138,7 @@ class ReferenceBackend:
                       preferred_element_type=_f32)
       ds = p * (dp - delta[..., None])
 
-      k_scale = qkv.k_scale[:, :, j][:, :, None, None, None, None]
+      k_scale = tiles.block_scale(qkv.k_scale, j)
       ds8, ds_scale = nm.quantize_rows(ds)
       dq_tiles = jnp.einsum("bhgiqk,bhdk->bhgiqd", ds8, tiles.kv_block(qkv.k8_t, j, axis=-1),
                             preferred_element_type=jnp.int32)
@@ -141,7 +148,7 @@ class ReferenceBackend:
       dk_tiles = jnp.einsum("bhgikq,bhgiqd->bhgikd", ds8_t, tiles.q8,
                             preferred_element_type=jnp.int32)
       dk_tiles = nm.dequantize(dk_tiles, ds_t_scale[..., None],
-                               tiles.q_scale[..., None, None])
+                               tiles.q_scale[..., :1, None])
       if config.smooth_q:
         dk_tiles = dk_tiles + jnp.sum(ds, axis=-2)[..., None] * tiles.q_mean[..., None, :]
       dk = jnp.sum(dk_tiles, axis=(2, 3))
@@ -171,7 +178,7 @@ class _Tiles:
     self.config, self.qkv, self.masks = config, qkv, masks
     group = lambda x: _group(x, num_kv_heads)
     self.q8 = group(_blocks(qkv.q8, config.block_q))
-    self.q_scale = group(qkv.q_scale)
+    self.q_scale = group(_blocks(qkv.q_scale[..., None], config.block_q)[..., 0])
     self.q_mean = None if qkv.q_mean is None else group(qkv.q_mean)
     self.num_kv_blocks = qkv.k8.shape[2] // config.block_kv
     num_q_blocks = qkv.q8.shape[2] // config.block_q
@@ -182,27 +189,28 @@ class _Tiles:
     return jax.lax.dynamic_slice_in_dim(x, j * self.config.block_kv, self.config.block_kv,
                                         axis=axis % x.ndim)
 
+  def block_scale(self, scale: jax.Array, j) -> jax.Array:
+    """The scale of key block j, from per-token scales, broadcast to tiles."""
+    return scale[:, :, j * self.config.block_kv][:, :, None, None, None, None]
+
   def scores(self, j) -> jax.Array:
     """Base-2 logits of tiles (i, j), masked with -inf: (B, Hkv, G, nq, bq, bk)."""
     config, qkv, masks = self.config, self.qkv, self.masks
     k8 = self.kv_block(qkv.k8, j, axis=-2)
-    k_scale = qkv.k_scale[:, :, j][:, :, None, None, None, None]
+    k_scale = self.kv_block(qkv.k_scale, j, axis=-1)[:, :, None, None]
     s = nm.dequantize(jnp.einsum("bhgiqd,bhkd->bhgiqk", self.q8, k8,
                                  preferred_element_type=jnp.int32),
-                      self.q_scale[..., None, None], k_scale)
+                      self.q_scale[..., None], k_scale[..., None, :])
     if self.q_mean is not None:
-      bias = nm.q_smoothing_bias(k8[:, :, None, None], k_scale[..., 0], self.q_mean)
+      bias = nm.q_smoothing_bias(k8[:, :, None, None], k_scale, self.q_mean)
       s = s + bias[..., None, :]
 
-    per_batch = lambda x: None if x is None else x[:, None, None, None, None, None]
     kv_pos = j * config.block_kv + jnp.arange(config.block_kv)
-    q_seg = kv_seg = None
-    if masks.q_segment_ids is not None:
-      q_seg = _blocks(masks.q_segment_ids[..., None], config.block_q)[:, None, None]
-      kv_seg = self.kv_block(masks.kv_segment_ids, j, axis=-1)[:, None, None, None, None, :]
-    mask = nm.tile_mask(self.q_pos, kv_pos, q_length=per_batch(masks.q_lengths),
-                        kv_length=per_batch(masks.kv_lengths), causal=config.causal,
-                        q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+    q_ids = kv_ids = None
+    if masks.q_ids is not None:
+      q_ids = _blocks(masks.q_ids[..., None], config.block_q)[:, None, None]
+      kv_ids = self.kv_block(masks.kv_ids, j, axis=-1)[:, None, None, None, None, :]
+    mask = nm.tile_mask(self.q_pos, kv_pos, causal=config.causal, q_ids=q_ids, kv_ids=kv_ids)
     return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
 
@@ -228,17 +236,19 @@ def full_precision_attention(
   k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
-  q_seg, kv_seg = (segment_ids if isinstance(segment_ids, tuple)
-                   else (segment_ids, segment_ids))
-  per_batch = lambda x: None if x is None else x[:, None, None, None]
-  mask = nm.tile_mask(
-      jnp.arange(q.shape[1])[:, None], jnp.arange(k.shape[1])[None, :],
-      q_length=per_batch(query_seq_lengths), kv_length=per_batch(key_value_seq_lengths),
-      causal=is_causal,
-      q_segment_ids=None if q_seg is None else q_seg[:, None, :, None],
-      kv_segment_ids=None if kv_seg is None else kv_seg[:, None, None, :])
-  if mask is not None:
-    logits = jnp.where(mask, logits, -jnp.inf)
+  q_pos, kv_pos = jnp.arange(q.shape[1])[:, None], jnp.arange(k.shape[1])[None, :]
+  mask = jnp.ones((q.shape[0], 1, q.shape[1], k.shape[1]), bool)
+  if is_causal:
+    mask &= q_pos >= kv_pos
+  if query_seq_lengths is not None:
+    mask &= (q_pos < query_seq_lengths[:, None, None, None])
+  if key_value_seq_lengths is not None:
+    mask &= (kv_pos < key_value_seq_lengths[:, None, None, None])
+  if segment_ids is not None:
+    q_seg, kv_seg = (segment_ids if isinstance(segment_ids, tuple)
+                     else (segment_ids, segment_ids))
+    mask &= q_seg[:, None, :, None] == kv_seg[:, None, None, :]
+  logits = jnp.where(mask, logits, -jnp.inf)
   m = jnp.max(logits, axis=-1, keepdims=True)
   p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
   l = jnp.sum(p, axis=-1, keepdims=True)

@@ -15,10 +15,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import numerics as nm
 from pallas_kernels.types import Backend, Config, Masks
 
 
-def key_mean(k: jax.Array, kv_lengths: jax.Array | None) -> jax.Array:
+def key_mean(k: jax.Array, kv_ids: jax.Array | None) -> jax.Array:
   """Mean of K over each sequence's valid tokens: (B, Hkv, D) fp32.
 
   Subtracting it shifts every score row by a constant, so softmax is
@@ -26,11 +27,11 @@ def key_mean(k: jax.Array, kv_lengths: jax.Array | None) -> jax.Array:
   bias that K typically carries. Padding never enters the mean.
   """
   k = k.astype(jnp.float32)
-  if kv_lengths is None:
+  if kv_ids is None:
     return jnp.mean(k, axis=1)
-  valid = jnp.arange(k.shape[1])[None, :] < kv_lengths[:, None]
-  total = jnp.einsum("bthd,bt->bhd", k, valid.astype(jnp.float32))
-  return total / jnp.maximum(kv_lengths, 1).astype(jnp.float32)[:, None, None]
+  valid = (kv_ids != nm.KV_INVALID_ID).astype(jnp.float32)
+  total = jnp.einsum("bthd,bt->bhd", k, valid)
+  return total / jnp.maximum(jnp.sum(valid, axis=1), 1.0)[:, None, None]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -41,7 +42,7 @@ def sagebwd_attention(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks,
 
 
 def _forward(q, k, v, masks, config, backend, smooth_k):
-  k_mean = key_mean(k, masks.kv_lengths) if smooth_k else None
+  k_mean = key_mean(k, masks.kv_ids) if smooth_k else None
   qkv = backend.quantize(q, k, v, k_mean, config)
   o, lse = backend.forward(qkv, masks, config, q.dtype)
   return o, (qkv, v, o, lse, masks)

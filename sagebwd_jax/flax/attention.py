@@ -1,0 +1,162 @@
+"""`Attention`: an nnx self-attention layer for decoder LMs, SageBwd inside."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sagebwd_jax.api import SUPPORTED_HEAD_DIMS, dot_product_attention
+
+AttentionImpl = Literal["sage", "full", "reference"]
+IMPLEMENTATIONS = ("sage", "full", "reference")
+
+
+class RMSNorm(nnx.Module):
+  """RMS normalization over the last axis with a learned gain.
+
+  Statistics are taken in fp32 whatever the compute dtype: bf16 sums of
+  squares lose too many bits at model widths.
+  """
+
+  def __init__(self, dim: int, *, eps: float = 1e-6, dtype: Any = jnp.float32,
+               param_dtype: Any = jnp.float32):
+    self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+    self.eps = eps
+    self.dtype = dtype
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (x32 * self.weight[...].astype(jnp.float32)).astype(self.dtype)
+
+
+def apply_rope(x: jax.Array, theta: float) -> jax.Array:
+  """Rotary position embedding on (B, T, H, D), positions 0..T-1.
+
+  Rotates the first half of the head dim against the second half (the
+  Llama / GPT-NeoX layout); angles are computed in fp32 because bf16
+  positions above 256 are not exact.
+  """
+  seq_len, head_dim = x.shape[1], x.shape[-1]
+  inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+  angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+  cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return rotated.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """Multi-head self-attention with GQA, optional QK-norm, RoPE and SageBwd.
+
+  Input and output are (B, T, in_features). Projections have no bias (as in
+  Llama). With `qk_norm`, q and k are RMS-normalized per head (a learned gain
+  over the head dim, shared by all heads) before RoPE.
+  """
+
+  def __init__(
+      self,
+      in_features: int,
+      num_heads: int,
+      *,
+      num_kv_heads: int | None = None,
+      head_dim: int | None = None,
+      causal: bool = True,
+      qk_norm: bool = False,
+      norm_eps: float = 1e-6,
+      rope_theta: float | None = 10000.0,
+      implementation: AttentionImpl = "sage",
+      smooth_k: bool = True,
+      smooth_q: bool = False,
+      dtype: Any = jnp.bfloat16,
+      param_dtype: Any = jnp.float32,
+      kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
+      out_kernel_init: nnx.Initializer | None = None,
+      rngs: nnx.Rngs,
+  ):
+    """
+    Args:
+      in_features: model width.
+      num_heads: query heads.
+      num_kv_heads: key/value heads (GQA); must divide num_heads. Default
+        num_heads (plain multi-head attention).
+      head_dim: default in_features // num_heads; must be 64 or 128 unless
+        implementation="full".
+      causal: each token attends to itself and earlier tokens only.
+      qk_norm: RMS-normalize q and k per head before RoPE.
+      norm_eps: epsilon of the QK-norm.
+      rope_theta: RoPE base; None disables RoPE.
+      implementation: "sage" (SageBwd; Pallas kernels on GPU, the pure-JAX
+        reference elsewhere), "reference" (SageBwd, always the pure-JAX
+        reference) or "full" (full-precision jax.nn.dot_product_attention,
+        cuDNN on GPU for bf16/fp16) as the baseline.
+      smooth_k, smooth_q: SageBwd smoothing options (ignored by "full").
+      dtype: compute dtype of projections and attention.
+      param_dtype: dtype of the parameters.
+      kernel_init: initializer of the q/k/v projections.
+      out_kernel_init: initializer of the output projection (default
+        kernel_init); LMs scale it down with depth.
+      rngs: parameter initialization keys.
+    """
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    head_dim = in_features // num_heads if head_dim is None else head_dim
+    if implementation not in IMPLEMENTATIONS:
+      raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}; "
+                       f"got {implementation!r}")
+    if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+      raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of "
+                       f"num_kv_heads ({num_kv_heads})")
+    if implementation != "full" and head_dim not in SUPPORTED_HEAD_DIMS:
+      raise ValueError(f"head_dim={head_dim} is not supported by SageBwd (need one of "
+                       f"{SUPPORTED_HEAD_DIMS}); change in_features/num_heads or "
+                       "head_dim, or use implementation='full'")
+    self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+    self.causal = causal
+    self.rope_theta = rope_theta
+    self.implementation = implementation
+    self.smooth_k, self.smooth_q = smooth_k, smooth_q
+    self.dtype = dtype
+
+    def linear(fan_in: int, fan_out: int, init: nnx.Initializer) -> nnx.Linear:
+      return nnx.Linear(fan_in, fan_out, use_bias=False, dtype=dtype,
+                        param_dtype=param_dtype, kernel_init=init, rngs=rngs)
+
+    self.q_proj = linear(in_features, num_heads * head_dim, kernel_init)
+    self.k_proj = linear(in_features, num_kv_heads * head_dim, kernel_init)
+    self.v_proj = linear(in_features, num_kv_heads * head_dim, kernel_init)
+    self.out_proj = linear(num_heads * head_dim, in_features, out_kernel_init or kernel_init)
+    if qk_norm:
+      self.q_norm = RMSNorm(head_dim, eps=norm_eps, dtype=dtype, param_dtype=param_dtype)
+      self.k_norm = RMSNorm(head_dim, eps=norm_eps, dtype=dtype, param_dtype=param_dtype)
+    else:
+      self.q_norm = self.k_norm = None
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """(B, T, in_features) -> (B, T, in_features) in the compute dtype."""
+    if x.ndim != 3:
+      raise ValueError(f"x must have shape (batch, length, features); got {x.shape}")
+    batch, seq_len, _ = x.shape
+    q = self.q_proj(x).reshape(batch, seq_len, self.num_heads, self.head_dim)
+    k = self.k_proj(x).reshape(batch, seq_len, self.num_kv_heads, self.head_dim)
+    v = self.v_proj(x).reshape(batch, seq_len, self.num_kv_heads, self.head_dim)
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    if self.rope_theta is not None:
+      q, k = apply_rope(q, self.rope_theta), apply_rope(k, self.rope_theta)
+    q, k, v = (t.astype(self.dtype) for t in (q, k, v))
+    out = self._attend(q, k, v)
+    return self.out_proj(out.reshape(batch, seq_len, self.num_heads * self.head_dim))
+
+  def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    if self.implementation == "full":
+      # cuDNN's fused kernel is the fast full-precision baseline on GPU, but
+      # it takes only half-precision inputs.
+      use_cudnn = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+      return jax.nn.dot_product_attention(
+          q, k, v, is_causal=self.causal, implementation="cudnn" if use_cudnn else "xla")
+    return dot_product_attention(
+        q, k, v, is_causal=self.causal, smooth_k=self.smooth_k, smooth_q=self.smooth_q,
+        implementation="reference" if self.implementation == "reference" else None)

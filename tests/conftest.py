@@ -1,0 +1,123 @@
+"""Shared fixtures and helpers for the SageBwd test suite.
+
+`BACKENDS` lists every implementation the shared accuracy / mask / transform
+tests run against (one suite, every backend). Extend it when a backend lands,
+e.g. `BACKENDS = ["reference", "pallas"]`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sagebwd_jax import dot_product_attention, full_precision_attention
+
+BACKENDS = ["reference"]
+
+
+def pytest_collection_modifyitems(config, items):
+  """Tests marked `@pytest.mark.gpu` only run where JAX's default backend is a GPU."""
+  del config
+  if jax.default_backend() == "gpu":
+    return
+  skip_gpu = pytest.mark.skip(reason="needs a GPU (jax.default_backend() != 'gpu')")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip_gpu)
+
+
+@pytest.fixture(params=BACKENDS)
+def implementation(request) -> str:
+  """Each shared test runs once per backend in `BACKENDS`."""
+  return request.param
+
+
+@pytest.fixture
+def x64():
+  """fp64 enabled for the duration of a test (restored afterwards)."""
+  with jax.enable_x64(True):
+    yield
+
+
+def gaussian_qkv(key, B, Tq, Tk, H, Hkv, D, sigma=1.0, dtype=jnp.bfloat16):
+  """q, k ~ N(0, sigma^2); v, do ~ N(0, 1). Shapes (B, T, H, D); `do` like q.
+
+  With B=None the arrays are unbatched (T, H, D).
+  """
+  kq, kk, kv, kd = jax.random.split(key, 4)
+  lead = () if B is None else (B,)
+  q = sigma * jax.random.normal(kq, (*lead, Tq, H, D), jnp.float32)
+  k = sigma * jax.random.normal(kk, (*lead, Tk, Hkv, D), jnp.float32)
+  v = jax.random.normal(kv, (*lead, Tk, Hkv, D), jnp.float32)
+  do = jax.random.normal(kd, (*lead, Tq, H, D), jnp.float32)
+  return tuple(x.astype(dtype) for x in (q, k, v, do))
+
+
+def value_and_grads(fn, q, k, v, do):
+  """O = fn(q, k, v) and grads of sum(O * dO) w.r.t. q, k, v (via the VJP)."""
+  o, vjp = jax.vjp(fn, q, k, v)
+  return o, vjp(do.astype(o.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("kwargs_items",))
+def _sage_jit(q, k, v, do, arrays, kwargs_items):
+  kwargs = dict(kwargs_items)
+  fn = lambda q, k, v: dot_product_attention(q, k, v, **kwargs, **arrays)
+  return value_and_grads(fn, q, k, v, do)
+
+
+def _split_kwargs(kwargs):
+  """Array-valued keyword arguments are traced; the rest are static."""
+  arrays, static = {}, {}
+  for name, value in kwargs.items():
+    if value is None or isinstance(value, (bool, int, float, str)):
+      static[name] = value
+    else:
+      arrays[name] = value
+  return arrays, tuple(sorted(static.items()))
+
+
+def sage(q, k, v, do, **kwargs):
+  """Jitted SageBwd: (O, (dQ, dK, dV)). kwargs go to `dot_product_attention`."""
+  arrays, static = _split_kwargs(kwargs)
+  return _sage_jit(q, k, v, do, arrays, static)
+
+
+@functools.partial(jax.jit, static_argnames=("kwargs_items",))
+def _oracle_jit(q, k, v, do, arrays, kwargs_items):
+  kwargs = dict(kwargs_items)
+  fn = lambda q, k, v: full_precision_attention(q, k, v, **kwargs, **arrays)
+  return value_and_grads(fn, q, k, v, do)
+
+
+def oracle(q, k, v, do, **kwargs):
+  """Full-precision attention and its exact grads, computed in fp32 from the
+  same (possibly bf16) input values. Use `oracle64` for the fp64 version."""
+  arrays, static = _split_kwargs(kwargs)
+  up = lambda x: x.astype(jnp.float32)
+  return _oracle_jit(up(q), up(k), up(v), up(do), arrays, static)
+
+
+def oracle64(q, k, v, do, **kwargs):
+  """`oracle` in fp64 (enables x64 for the call only); returns numpy arrays."""
+  q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
+  arrays, static = _split_kwargs(kwargs)
+  with jax.enable_x64(True):
+    arrays = {n: jnp.asarray(np.asarray(a)) for n, a in arrays.items()}
+    o, grads = _oracle_jit(*(jnp.asarray(x) for x in (q, k, v, do)), arrays, static)
+    assert o.dtype == jnp.float64
+    return np.asarray(o), tuple(np.asarray(g) for g in grads)
+
+
+def rel_l2(x, ref) -> float:
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def cosine(x, ref) -> float:
+  x, ref = np.asarray(x, np.float64).ravel(), np.asarray(ref, np.float64).ravel()
+  return float(np.dot(x, ref) / (np.linalg.norm(x) * np.linalg.norm(ref)))

@@ -1,0 +1,265 @@
+"""Flax integration: attention_fn in Flax's modules, our Attention and Llama."""
+
+import pathlib
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from sagebwd_jax.flax import Attention, Llama, LlamaConfig, attention_fn, make_attention_fn
+from sagebwd_jax.flax.llama import count_params
+from sagebwd_jax.metrics import cosine_similarity, relative_l2
+
+B, T, HEADS, HEAD_DIM = 2, 64, 2, 64
+FEATURES = HEADS * HEAD_DIM
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _x(seed=0, shape=(B, T, FEATURES)):
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def _assert_close(ours, ref):
+  assert ours.shape == ref.shape and ours.dtype == ref.dtype
+  assert bool(jnp.all(jnp.isfinite(ours)))
+  assert float(cosine_similarity(ours, ref)) >= 0.999
+
+
+def _assert_trees_close(ours, ref):
+  leaves, ref_leaves = jax.tree.leaves(ours), jax.tree.leaves(ref)
+  assert len(leaves) == len(ref_leaves) > 0
+  for a, b in zip(leaves, ref_leaves):
+    _assert_close(a, b)
+
+
+def _nnx_value_and_grads(module, x, **call_kwargs):
+  def loss(module, x):
+    y = module(x, **call_kwargs)
+    return jnp.sum(y * jnp.cos(y)), y  # a non-linear loss: dO varies per element
+
+  (_, y), (g_module, g_x) = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(module, x)
+  return y, nnx.state(g_module, nnx.Param), g_x
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_nnx_multihead_attention_matches_flax_default(is_causal):
+  ref = nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, decode=False,
+                               rngs=nnx.Rngs(0))
+  ours = nnx.clone(ref)
+  ours.attention_fn = attention_fn
+  x = _x()
+  y_ref, g_ref, gx_ref = _nnx_value_and_grads(ref, x, is_causal=is_causal)
+  y, g, gx = _nnx_value_and_grads(ours, x, is_causal=is_causal)
+  _assert_close(y, y_ref)
+  _assert_trees_close(g, g_ref)
+  _assert_close(gx, gx_ref)
+  # The int8 path really ran: it is close to, not equal to, full precision.
+  assert float(relative_l2(y, y_ref)) > 1e-5
+
+
+def test_nnx_concrete_causal_mask_is_mapped_to_is_causal():
+  ours = nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, decode=False,
+                                attention_fn=attention_fn, rngs=nnx.Rngs(0))
+  x = _x()
+  causal = ours(x, is_causal=True)
+  np.testing.assert_array_equal(ours(x, mask=nnx.make_causal_mask(x[..., 0])), causal)
+  all_true = jnp.ones((B, HEADS, T, T), bool)
+  np.testing.assert_array_equal(ours(x, mask=all_true), ours(x))
+  assert float(relative_l2(ours(x), causal)) > 1e-2
+
+
+def test_linen_multihead_attention_matches_flax_default():
+  ref = nn.MultiHeadDotProductAttention(num_heads=HEADS)
+  ours = nn.MultiHeadDotProductAttention(num_heads=HEADS,
+                                         attention_fn=make_attention_fn(is_causal=True))
+  x = _x()
+  params = ref.init(jax.random.key(0), x)
+  mask = nn.make_causal_mask(x[..., 0])
+
+  def value_and_grads(module, **kwargs):
+    def loss(params, x):
+      y = module.apply(params, x, **kwargs)
+      return jnp.sum(y * jnp.cos(y)), y
+    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+    return y, grads
+
+  y_ref, g_ref = value_and_grads(ref, mask=mask)
+  y, g = value_and_grads(ours)
+  _assert_close(y, y_ref)
+  _assert_trees_close(g, g_ref)
+  assert float(relative_l2(y, y_ref)) > 1e-5
+
+
+def test_linen_jit_bf16_output_dtype():
+  module = nn.MultiHeadDotProductAttention(num_heads=HEADS, dtype=jnp.bfloat16,
+                                           attention_fn=attention_fn)
+  x = _x().astype(jnp.bfloat16)
+  params = module.init(jax.random.key(0), x)
+  y = jax.jit(module.apply)(params, x)
+  y_ref = nn.MultiHeadDotProductAttention(num_heads=HEADS, dtype=jnp.bfloat16).apply(params, x)
+  assert y.dtype == y_ref.dtype == jnp.bfloat16
+  assert float(cosine_similarity(y, y_ref)) >= 0.995
+
+
+def _qkv(shape=(B, T, HEADS, HEAD_DIM)):
+  keys = jax.random.split(jax.random.key(1), 3)
+  return [jax.random.normal(k, shape, jnp.float32) for k in keys]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(bias=jnp.zeros((B, HEADS, T, T))), "bias is not supported"),
+    (dict(dropout_rate=0.1, deterministic=False, dropout_rng=jax.random.key(0)),
+     "dropout_rate=0.1"),
+    (dict(mask=jax.random.bernoulli(jax.random.key(2), 0.5, (B, HEADS, T, T))),
+     "mask: .*neither"),
+    (dict(mask=jnp.ones((B, HEADS, T, T - 1), bool)), "mask of shape"),
+    (dict(module=object()), "sow_weights"),
+    (dict(qk_attn_weights_einsum=jnp.einsum), "qk_attn_weights_einsum"),
+])
+def test_attention_fn_refuses_what_it_cannot_honour(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    attention_fn(*_qkv(), **kwargs)
+
+
+def test_attention_fn_refuses_traced_mask():
+  q, k, v = _qkv()
+  mask = jnp.tril(jnp.ones((T, T), bool))
+  with pytest.raises(ValueError, match="mask: a traced .*is_causal=True"):
+    jax.jit(lambda q, k, v, m: attention_fn(q, k, v, mask=m))(q, k, v, mask)
+
+
+def test_attention_fn_refuses_extra_batch_dims():
+  q, k, v = _qkv((2, B, T, HEADS, HEAD_DIM))
+  with pytest.raises(ValueError, match="query must have rank 4"):
+    attention_fn(q, k, v)
+
+
+def test_nnx_dropout_refused_in_training_accepted_when_deterministic():
+  module = nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, decode=False,
+                                  dropout_rate=0.1, attention_fn=attention_fn,
+                                  rngs=nnx.Rngs(0))
+  x = _x()
+  with pytest.raises(ValueError, match="attention dropout"):
+    module(x, deterministic=False)
+  assert module(x, deterministic=True).shape == x.shape
+
+
+def _attention_pair(**kwargs):
+  ours = Attention(FEATURES * 2, 4, implementation="reference", dtype=jnp.float32,
+                   rngs=nnx.Rngs(0), **kwargs)
+  full = nnx.clone(ours)
+  full.implementation = "full"
+  return ours, full
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_gqa_attention_module_matches_full_precision(qk_norm):
+  ours, full = _attention_pair(num_kv_heads=2, qk_norm=qk_norm)
+  assert ours.k_proj.kernel.shape == (FEATURES * 2, 2 * HEAD_DIM)
+  assert ours.q_proj.kernel.shape == (FEATURES * 2, 4 * HEAD_DIM)
+  if qk_norm:
+    assert ours.q_norm.weight.shape == ours.k_norm.weight.shape == (HEAD_DIM,)
+  x = _x(shape=(B, T, FEATURES * 2))
+  y_ref, g_ref, gx_ref = _nnx_value_and_grads(full, x)
+  y, g, gx = _nnx_value_and_grads(ours, x)
+  _assert_close(y, y_ref)
+  _assert_trees_close(g, g_ref)
+  _assert_close(gx, gx_ref)
+
+
+def test_attention_module_is_causal_by_default():
+  ours, _ = _attention_pair(num_kv_heads=1)
+  x = _x(shape=(B, T, FEATURES * 2))
+  future_changed = x.at[:, T // 2:].set(_x(7, (B, T - T // 2, FEATURES * 2)))
+  y, y_changed = ours(x), ours(future_changed)
+  np.testing.assert_array_equal(y[:, :T // 2], y_changed[:, :T // 2])
+  assert not np.allclose(y[:, T // 2:], y_changed[:, T // 2:])
+
+  bidirectional = Attention(FEATURES * 2, 4, causal=False, implementation="reference",
+                            dtype=jnp.float32, rngs=nnx.Rngs(0))
+  y, y_changed = bidirectional(x), bidirectional(future_changed)
+  assert not np.allclose(y[:, :T // 2], y_changed[:, :T // 2])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(implementation="flash"), "implementation must be one of"),
+    (dict(num_kv_heads=3), "num_heads \\(4\\) must be a positive multiple of num_kv_heads"),
+    (dict(head_dim=32), "head_dim=32 is not supported"),
+])
+def test_attention_module_refuses_bad_arguments(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    Attention(FEATURES * 2, 4, rngs=nnx.Rngs(0), **kwargs)
+
+
+TINY = dict(vocab_size=64, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=256,
+            max_seq_len=64)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(n_heads=4), "head_dim = dim // n_heads = 32"),
+    (dict(n_kv_heads=3), "n_heads \\(2\\) must be a multiple of n_kv_heads \\(3\\)"),
+    (dict(attention="flash"), "LlamaConfig.attention must be one of"),
+    (dict(dim=100), "dim \\(100\\) must be divisible by n_heads"),
+])
+def test_llama_config_refuses_bad_values(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    LlamaConfig(**{**TINY, **kwargs})
+
+
+def test_llama_tied_embeddings_share_the_output_matrix():
+  untied = count_params(Llama(LlamaConfig(**TINY), rngs=nnx.Rngs(0)))
+  tied = count_params(Llama(LlamaConfig(**TINY, tie_embeddings=True), rngs=nnx.Rngs(0)))
+  assert untied - tied == TINY["vocab_size"] * TINY["dim"]
+
+
+def test_llama_sage_logits_match_full_precision():
+  tokens = jax.random.randint(jax.random.key(3), (B, 32), 0, TINY["vocab_size"])
+  sage = Llama(LlamaConfig(**TINY, dtype=jnp.float32), rngs=nnx.Rngs(0))
+  full = Llama(LlamaConfig(**TINY, dtype=jnp.float32, attention="full"), rngs=nnx.Rngs(0))
+  logits = sage(tokens)
+  assert logits.shape == (B, 32, TINY["vocab_size"]) and logits.dtype == jnp.float32
+  _assert_close(logits, full(tokens))
+  with pytest.raises(ValueError, match="tokens must be an integer array"):
+    sage(tokens.astype(jnp.float32))
+
+
+def test_llama_loss_decreases_with_adamw():
+  model = Llama(LlamaConfig(**TINY), rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)
+  tokens = jax.random.randint(jax.random.key(4), (4, 33), 0, TINY["vocab_size"])
+
+  @nnx.jit
+  def step(model, optimizer, tokens):
+    def loss_fn(model):
+      logits = model(tokens[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = [float(step(model, optimizer, tokens)) for _ in range(12)]
+  assert all(np.isfinite(losses))
+  assert losses[-1] < losses[0] - 0.5
+
+
+def _readme_snippets():
+  text = README.read_text()
+  section = text.split("## Flax: one-argument swap", 1)[1].split("\n## ", 1)[0]
+  return re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+
+
+def test_readme_snippets_run():
+  snippets = _readme_snippets()
+  assert len(snippets) == 2
+  for snippet in snippets:
+    assert "attention_fn" in snippet
+    namespace = {}
+    exec(compile(snippet, str(README), "exec"), namespace)
+    y = namespace["y"]
+    assert y.shape == (2, 128, 256) and y.dtype == jnp.bfloat16
+    assert bool(jnp.all(jnp.isfinite(y)))

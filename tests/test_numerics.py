@@ -1,0 +1,218 @@
+"""The shared int8 rules (pallas_kernels.numerics), exactly, against numpy."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import numerics as nm
+
+
+def _round_grid() -> np.ndarray:
+  """Every multiple of 1/8 in [-127.5, 127.5] (all .5 ties, both limits) plus
+  values just beside the ties and random fp32 values."""
+  grid = np.arange(-127.5 * 8, 127.5 * 8 + 1, dtype=np.float64) / 8
+  ties = np.arange(-127, 127, dtype=np.float64) + 0.5
+  near = np.concatenate([np.nextafter(ties.astype(np.float32), np.float32(np.inf)),
+                         np.nextafter(ties.astype(np.float32), np.float32(-np.inf))])
+  rand = np.random.default_rng(0).uniform(-127.5, 127.5, 20000)
+  values = np.concatenate([grid, near, rand, [0.0, -0.0, 127.0, -127.0, 127.5, -127.5]])
+  return values.astype(np.float32)
+
+
+def test_round_to_int8_is_round_half_even():
+  x = _round_grid()
+  got = np.asarray(jax.jit(nm.round_to_int8)(jnp.asarray(x)))
+  assert got.dtype == np.int8
+  np.testing.assert_array_equal(got.astype(np.int64), np.rint(x).astype(np.int64))
+
+
+def test_round_to_int8_ties_go_to_even():
+  x = np.array([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5, 125.5], np.float32)
+  got = np.asarray(nm.round_to_int8(jnp.asarray(x)))
+  np.testing.assert_array_equal(got, [0, 2, 2, 0, -2, -2, 126, -126, 126])
+
+
+def test_round_to_int8_limits():
+  # +-127.5 is a tie between 127 and +-128; half-to-even would give 128, which
+  # int8 cannot hold. The rule's domain is [-127.5, 127.5]; quantizers clip to
+  # 127 before rounding, so only +-127.49... ever reach it in practice.
+  x = np.array([127.0, -127.0, np.nextafter(np.float32(127.5), np.float32(0)),
+                np.nextafter(np.float32(-127.5), np.float32(0))], np.float32)
+  got = np.asarray(nm.round_to_int8(jnp.asarray(x)))
+  np.testing.assert_array_equal(got, [127, -127, 127, -127])
+
+
+def test_int32_to_float_exact():
+  rng = np.random.default_rng(1)
+  lim = 2 ** 22 - 1
+  x = np.concatenate([rng.integers(-lim, lim + 1, 50000), np.arange(-1000, 1001),
+                      [lim, -lim, 2 ** 21, -2 ** 21, 127 * 127 * 256, -127 * 127 * 256]])
+  x = x.astype(np.int32)
+  got = np.asarray(jax.jit(nm.int32_to_float)(jnp.asarray(x)))
+  assert got.dtype == np.float32
+  np.testing.assert_array_equal(got.astype(np.float64), x.astype(np.float64))
+
+
+def test_inverse_scale():
+  amax = jnp.asarray([0.0, 1.0, 127.0, 0.5], jnp.float32)
+  np.testing.assert_array_equal(np.asarray(nm.inverse_scale(amax)),
+                                np.float32([0.0, 127.0, 1.0, 254.0]))
+
+
+def _np_quantize(x: np.ndarray, axis=None):
+  """Independent psi: scale = amax/127, round-half-even(x * (127/amax))."""
+  x = x.astype(np.float32)
+  amax = np.max(np.abs(x), axis=axis, keepdims=axis is not None)
+  with np.errstate(divide="ignore"):
+    inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+  x8 = np.clip(np.rint(x * inv), -127, 127).astype(np.int8)
+  scale = (amax / np.float32(127)).astype(np.float32)
+  return x8, (scale if axis is None else scale.squeeze(axis))
+
+
+@pytest.mark.parametrize("shape,sigma", [((64, 128), 1.0), ((128, 64), 30.0), ((16, 64), 1e-3)])
+def test_quantize_tile(shape, sigma):
+  x = (sigma * np.random.default_rng(2).standard_normal(shape)).astype(np.float32)
+  x8, scale = jax.jit(nm.quantize_tile)(jnp.asarray(x))
+  x8, scale = np.asarray(x8), np.asarray(scale)
+  assert x8.dtype == np.int8 and scale.shape == () and scale.dtype == np.float32
+  assert np.max(np.abs(x8.astype(np.int32))) == 127
+  np.testing.assert_allclose(scale, np.max(np.abs(x)) / 127, rtol=1e-6)
+  err = np.abs(x8.astype(np.float64) * scale - x)
+  assert np.all(err <= scale / 2 * (1 + 1e-5))
+  ref8, ref_scale = _np_quantize(x)
+  np.testing.assert_array_equal(x8, ref8)
+  np.testing.assert_array_equal(scale, ref_scale)
+
+
+def test_quantize_tile_zero_tile():
+  x8, scale = nm.quantize_tile(jnp.zeros((64, 64), jnp.float32))
+  assert float(scale) == 0.0
+  np.testing.assert_array_equal(np.asarray(x8), np.zeros((64, 64), np.int8))
+
+
+def test_quantize_tile_sign_and_extremes():
+  x = np.zeros((16, 64), np.float32)
+  x[3, 5], x[7, 9], x[0, 0] = -2.0, 1.0, 0.999
+  x8, scale = nm.quantize_tile(jnp.asarray(x))
+  x8 = np.asarray(x8)
+  assert float(scale) == pytest.approx(2.0 / 127)
+  assert x8[3, 5] == -127 and x8[7, 9] == 64 and x8[0, 0] == 63  # 63.5 -> 64, 63.44 -> 63
+  assert np.count_nonzero(x8) == 3
+
+
+def test_quantize_rows():
+  rng = np.random.default_rng(3)
+  # Rows with very different magnitudes, one all-zero row, one negative-only row.
+  x = rng.standard_normal((64, 128)).astype(np.float32) * np.logspace(-4, 3, 64)[:, None]
+  x[10] = 0.0
+  x[20] = -np.abs(x[20])
+  x = x.astype(np.float32)
+  x8, scale = jax.jit(nm.quantize_rows)(jnp.asarray(x))
+  x8, scale = np.asarray(x8), np.asarray(scale)
+  assert x8.dtype == np.int8 and scale.shape == (64,)
+  amax8 = np.max(np.abs(x8.astype(np.int32)), axis=1)
+  assert amax8[10] == 0 and scale[10] == 0
+  assert np.all(np.delete(amax8, 10) == 127)
+  err = np.abs(x8.astype(np.float64) * scale[:, None] - x)
+  assert np.all(err <= scale[:, None] / 2 * (1 + 1e-5))
+  ref8, ref_scale = _np_quantize(x, axis=1)
+  np.testing.assert_array_equal(x8, ref8)
+  np.testing.assert_array_equal(scale, ref_scale)
+
+
+def test_quantize_rows_given_row_amax_clips():
+  # A row_amax slightly below the true max (an imperfect exp2) must clip to 127.
+  x = jnp.asarray([[1.0, 0.5, 0.0], [2.0, -2.0, 1.0]], jnp.float32)
+  x8, scale = nm.quantize_rows(x, jnp.asarray([0.99, 2.0], jnp.float32))
+  np.testing.assert_array_equal(np.asarray(x8), [[127, 64, 0], [127, -127, 64]])
+  np.testing.assert_allclose(np.asarray(scale), [0.99 / 127, 2.0 / 127], rtol=1e-6)
+
+
+@pytest.mark.parametrize("m,n,k", [(64, 64, 128), (128, 64, 64), (16, 32, 256)])
+def test_int8_dot_exact(m, n, k):
+  rng = np.random.default_rng(m + n + k)
+  a = rng.integers(-127, 128, (m, k)).astype(np.int8)
+  b = rng.integers(-127, 128, (n, k)).astype(np.int8)
+  a[0, :], b[0, :] = 127, 127  # extreme: 127*127*k, the largest possible sum
+  a[1, :], b[1, :] = -127, 127  # the most negative
+  got = np.asarray(jax.jit(nm.int8_dot)(jnp.asarray(a), jnp.asarray(b)))
+  assert got.dtype == np.int32
+  want = a.astype(np.int64) @ b.astype(np.int64).T
+  assert want[0, 0] == 127 * 127 * k and want[1, 0] == -127 * 127 * k
+  np.testing.assert_array_equal(got.astype(np.int64), want)
+  # And back to float exactly (|sum| < 2**22 for depth <= 256).
+  np.testing.assert_array_equal(np.asarray(nm.int32_to_float(jnp.asarray(got))),
+                                want.astype(np.float32))
+
+
+def test_dequantize():
+  acc = jnp.asarray([[100, -3], [0, 16129]], jnp.int32)
+  got = nm.dequantize(acc, jnp.float32(0.5), jnp.float32(0.25))
+  np.testing.assert_array_equal(np.asarray(got), np.float32([[12.5, -0.375], [0, 2016.125]]))
+
+
+def test_float_dot():
+  rng = np.random.default_rng(4)
+  a = rng.standard_normal((32, 64)).astype(np.float32)
+  b = rng.standard_normal((16, 64)).astype(np.float32)
+  got = nm.float_dot(jnp.asarray(a, jnp.bfloat16), jnp.asarray(b, jnp.bfloat16))
+  assert got.dtype == jnp.float32
+  a16 = np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)
+  b16 = np.asarray(jnp.asarray(b, jnp.bfloat16), np.float64)
+  np.testing.assert_allclose(np.asarray(got), a16 @ b16.T, rtol=1e-5, atol=1e-5)
+
+
+def _pos(bq, bk, q0=0, k0=0):
+  return jnp.arange(q0, q0 + bq)[:, None], jnp.arange(k0, k0 + bk)[None, :]
+
+
+def test_tile_mask_none_when_no_rule():
+  q_pos, kv_pos = _pos(4, 4)
+  assert nm.tile_mask(q_pos, kv_pos, q_length=None, kv_length=None, causal=False) is None
+
+
+@pytest.mark.parametrize("q0,k0", [(0, 0), (16, 0), (0, 16), (32, 16)])
+def test_tile_mask_causal(q0, k0):
+  q_pos, kv_pos = _pos(16, 16, q0, k0)
+  got = np.asarray(nm.tile_mask(q_pos, kv_pos, q_length=None, kv_length=None, causal=True))
+  qi = np.arange(q0, q0 + 16)[:, None]
+  kj = np.arange(k0, k0 + 16)[None, :]
+  np.testing.assert_array_equal(got, np.broadcast_to(qi >= kj, (16, 16)))
+
+
+def test_tile_mask_lengths_and_segments():
+  rng = np.random.default_rng(5)
+  q_pos, kv_pos = _pos(16, 32, 16, 0)
+  q_seg = rng.integers(0, 3, (16, 1))
+  kv_seg = rng.integers(0, 3, (1, 32))
+  got = np.asarray(nm.tile_mask(q_pos, kv_pos, q_length=jnp.int32(20), kv_length=jnp.int32(25),
+                                causal=True, q_segment_ids=jnp.asarray(q_seg),
+                                kv_segment_ids=jnp.asarray(kv_seg)))
+  qi = np.arange(16, 32)[:, None]
+  kj = np.arange(32)[None, :]
+  want = (qi < 20) & (kj < 25) & (qi >= kj) & (q_seg == kv_seg)
+  np.testing.assert_array_equal(got, want)
+  only_kv = np.asarray(nm.tile_mask(q_pos, kv_pos, q_length=None, kv_length=jnp.int32(3),
+                                    causal=False))
+  np.testing.assert_array_equal(only_kv, np.broadcast_to(kj < 3, (16, 32)))
+
+
+def test_q_smoothing_bias():
+  rng = np.random.default_rng(6)
+  k8 = rng.integers(-127, 128, (32, 64)).astype(np.int8)
+  q_mean = rng.standard_normal(64).astype(np.float32)
+  got = nm.q_smoothing_bias(jnp.asarray(k8), jnp.float32(0.01), jnp.asarray(q_mean))
+  want = (k8.astype(np.float64) * 0.01) @ q_mean.astype(np.float64)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_safe_row_max():
+  m = jnp.asarray([-jnp.inf, 3.0, -2.0], jnp.float32)
+  np.testing.assert_array_equal(np.asarray(nm.safe_row_max(m)), [0.0, 3.0, -2.0])
+  # exp2(S - m) for a fully masked row gives 0, not NaN.
+  s = jnp.full((3,), -jnp.inf)
+  assert np.all(np.asarray(jnp.exp2(s - nm.safe_row_max(m)[0])) == 0)

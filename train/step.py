@@ -1,0 +1,61 @@
+"""The model and the compiled steps.
+
+The flax nnx model is split once into a graph definition (static), its
+parameters (what we train) and any other state (constant here). The train
+state is then a plain pytree `{"params", "opt", "step"}` and the steps are
+ordinary `jax.jit` functions of it: the state is donated, so its buffers are
+updated in place.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from train.config import Config
+
+
+def build_model(cfg: Config, vocab_size: int) -> nnx.Module:
+  from sagebwd_jax.flax import Llama, LlamaConfig
+  mcfg = LlamaConfig(
+      vocab_size=vocab_size, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+      n_kv_heads=cfg.n_kv_heads, ffn_dim=cfg.ffn_dim, max_seq_len=cfg.seq_len,
+      rope_theta=cfg.rope_theta, qk_norm=cfg.qk_norm, tie_embeddings=cfg.tie_embeddings,
+      attention=cfg.attention, smooth_k=cfg.smooth_k, smooth_q=cfg.smooth_q,
+      dtype=getattr(jnp, cfg.dtype), param_dtype=jnp.float32)
+  return Llama(mcfg, rngs=nnx.Rngs(cfg.seed))
+
+
+def make_steps(model: nnx.Module, tx: optax.GradientTransformation):
+  """Initial train state, jitted train_step(state, batch), jitted eval_step(params, batch)."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss_fn(params, tokens):  # tokens (B, T + 1): next-token cross-entropy
+    logits = nnx.merge(graphdef, params, rest)(tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), tokens[:, 1:]).mean()
+
+  def train_step(state, batch):  # batch (grad_accum, B, T + 1)
+    params = state["params"]
+
+    def micro_step(grad_sum, tokens):
+      loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+      return jax.tree.map(jnp.add, grad_sum, grads), loss
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grad_sum, losses = jax.lax.scan(micro_step, zeros, batch)
+    grads = jax.tree.map(lambda g: g / batch.shape[0], grad_sum)
+    updates, opt = tx.update(grads, state["opt"], params)
+    params = optax.apply_updates(params, updates)
+    metrics = {"loss": losses.mean(), "grad_norm": optax.global_norm(grads),
+               "param_norm": optax.global_norm(params)}
+    return {"params": params, "opt": opt, "step": state["step"] + 1}, metrics
+
+  state = {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+  return state, jax.jit(train_step, donate_argnums=0), jax.jit(loss_fn)
+
+
+def count_params(params) -> int:
+  return sum(x.size for x in jax.tree.leaves(params))
