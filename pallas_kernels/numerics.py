@@ -121,3 +121,29 @@ def safe_row_max(m: jax.Array) -> jax.Array:
   exp2(S - m) then gives 0 for masked (-inf) scores instead of NaN.
   """
   return jnp.where(m == -jnp.inf, 0.0, m)
+
+
+def online_softmax_step(s: jax.Array, m: jax.Array, l: jax.Array):
+  """One key tile of the forward's online softmax over base-2 scores `s`.
+
+  Returns (P8, P scale per row, correction alpha for the old accumulator,
+  new running max, new running sum). P is quantized per token with the row
+  maximum exp2(rowmax(S) - m_new), known without another pass over P.
+  """
+  m_tile = jnp.max(s, axis=-1)
+  m_new = jnp.maximum(m, m_tile)
+  m_safe = safe_row_max(m_new)
+  alpha = jnp.exp2(m - m_safe)
+  p = jnp.exp2(s - m_safe[..., None])
+  l = alpha * l + jnp.sum(p, axis=-1)
+  p8, p_scale = quantize_rows(p, jnp.exp2(m_tile - m_safe))
+  return p8, p_scale, alpha, m_new, l
+
+
+def finalize_rows(acc: jax.Array, m: jax.Array, l: jax.Array):
+  """O = acc / l and the base-2 log-sum-exp; rows that saw no key give O = 0
+  and lse = +inf, so the backward's exp2(S - lse) is 0 there, not NaN."""
+  empty = l == 0
+  l_safe = jnp.where(empty, 1.0, l)
+  lse = jnp.where(empty, jnp.inf, safe_row_max(m) + jnp.log2(l_safe))
+  return acc / l_safe[..., None], lse

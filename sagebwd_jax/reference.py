@@ -60,11 +60,14 @@ class ReferenceBackend:
   """The SPEC's algorithm in `jnp`; see `pallas_kernels.types.Backend`."""
 
   def quantize(self, q, k, v, k_mean, config: Config) -> QuantizedQKV:
-    q_blocks = _blocks(_heads(q).astype(_f32) * (config.scale * nm.LOG2_E), config.block_q)
+    multiplier = config.scale * nm.LOG2_E
+    q_blocks = _blocks(_heads(q).astype(_f32), config.block_q)
     q_mean = None
     if config.smooth_q:
       q_mean = jnp.mean(q_blocks, axis=-2)
       q_blocks = q_blocks - q_mean[..., None, :]
+      q_mean = q_mean * multiplier
+    q_blocks = q_blocks * multiplier
     q8, q_scale = _quantize_blocks(q_blocks)
     q_scale = _per_token(q_scale, config.block_q)
 
@@ -90,13 +93,7 @@ class ReferenceBackend:
     def kv_step(carry, j):
       acc, m, l = carry
       s = tiles.scores(j)
-      m_tile = jnp.max(s, axis=-1)
-      m_new = jnp.maximum(m, m_tile)
-      m_safe = nm.safe_row_max(m_new)
-      alpha = jnp.exp2(m - m_safe)
-      p = jnp.exp2(s - m_safe[..., None])
-      l = alpha * l + jnp.sum(p, axis=-1)
-      p8, p_scale = nm.quantize_rows(p, jnp.exp2(m_tile - m_safe))
+      p8, p_scale, alpha, m_new, l = nm.online_softmax_step(s, m, l)
       pv = jnp.einsum("bhgiqk,bhdk->bhgiqd", p8, tiles.kv_block(qkv.v8_t, j, axis=-1),
                       preferred_element_type=jnp.int32)
       v_scale = tiles.block_scale(qkv.v_scale, j)
@@ -106,8 +103,7 @@ class ReferenceBackend:
     init = (jnp.zeros((*shape, head_dim), _f32), jnp.full(shape, -jnp.inf, _f32),
             jnp.zeros(shape, _f32))
     (acc, m, l), _ = jax.lax.scan(kv_step, init, jnp.arange(tiles.num_kv_blocks))
-    o = acc / jnp.where(l == 0, 1.0, l)[..., None]
-    lse = jnp.where(l == 0, jnp.inf, nm.safe_row_max(m) + jnp.log2(jnp.where(l == 0, 1.0, l)))
+    o, lse = nm.finalize_rows(acc, m, l)
     o = o.reshape(batch, num_heads, q_len, head_dim)
     return jnp.swapaxes(o, 1, 2).astype(out_dtype), lse.reshape(batch, num_heads, q_len)
 

@@ -37,12 +37,33 @@ def _assert_trees_close(ours, ref):
     _assert_close(a, b)
 
 
+def _assert_grads_close_but_key_bias(ours, ref):
+  """The key bias shifts every score of a row equally, so its exact gradient
+  is zero and a cosine against it is meaningless; SageBwd's int8 dS rows do
+  not sum exactly to zero, so it must only stay small next to the kernel's."""
+  def split(grads):
+    flat = {jax.tree_util.keystr(p): g for p, g in jax.tree_util.tree_leaves_with_path(grads)}
+    key_bias = [k for k in flat if "'key'" in k and "'bias'" in k]
+    assert len(key_bias) == 1
+    return flat.pop(key_bias[0]), flat
+
+  key_bias, rest = split(ours)
+  key_bias_ref, rest_ref = split(ref)
+  assert rest.keys() == rest_ref.keys()
+  _assert_trees_close(list(rest.values()), list(rest_ref.values()))
+  key_kernel = next(g for k, g in rest.items() if "'key'" in k)
+  assert float(jnp.linalg.norm(key_bias_ref)) < 1e-4
+  assert float(jnp.linalg.norm(key_bias)) < 1e-2 * float(jnp.linalg.norm(key_kernel))
+
+
 def _nnx_value_and_grads(module, x, **call_kwargs):
   def loss(module, x):
     y = module(x, **call_kwargs)
     return jnp.sum(y * jnp.cos(y)), y  # a non-linear loss: dO varies per element
 
-  (_, y), (g_module, g_x) = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(module, x)
+  # Compiled: eager dispatch of the reference op's many small ops is slower.
+  value_and_grad = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+  (_, y), (g_module, g_x) = value_and_grad(module, x)
   return y, nnx.state(g_module, nnx.Param), g_x
 
 
@@ -56,7 +77,7 @@ def test_nnx_multihead_attention_matches_flax_default(is_causal):
   y_ref, g_ref, gx_ref = _nnx_value_and_grads(ref, x, is_causal=is_causal)
   y, g, gx = _nnx_value_and_grads(ours, x, is_causal=is_causal)
   _assert_close(y, y_ref)
-  _assert_trees_close(g, g_ref)
+  _assert_grads_close_but_key_bias(g, g_ref)
   _assert_close(gx, gx_ref)
   # The int8 path really ran: it is close to, not equal to, full precision.
   assert float(relative_l2(y, y_ref)) > 1e-5
@@ -88,10 +109,11 @@ def test_linen_multihead_attention_matches_flax_default():
     (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
     return y, grads
 
-  y_ref, g_ref = value_and_grads(ref, mask=mask)
-  y, g = value_and_grads(ours)
+  y_ref, (g_ref, gx_ref) = value_and_grads(ref, mask=mask)
+  y, (g, gx) = value_and_grads(ours)
   _assert_close(y, y_ref)
-  _assert_trees_close(g, g_ref)
+  _assert_grads_close_but_key_bias(g, g_ref)
+  _assert_close(gx, gx_ref)
   assert float(relative_l2(y, y_ref)) > 1e-5
 
 
@@ -173,17 +195,18 @@ def test_gqa_attention_module_matches_full_precision(qk_norm):
 
 
 def test_attention_module_is_causal_by_default():
-  ours, _ = _attention_pair(num_kv_heads=1)
-  x = _x(shape=(B, T, FEATURES * 2))
-  future_changed = x.at[:, T // 2:].set(_x(7, (B, T - T // 2, FEATURES * 2)))
-  y, y_changed = ours(x), ours(future_changed)
-  np.testing.assert_array_equal(y[:, :T // 2], y_changed[:, :T // 2])
-  assert not np.allclose(y[:, T // 2:], y_changed[:, T // 2:])
-
+  ours, full = _attention_pair(num_kv_heads=1)
   bidirectional = Attention(FEATURES * 2, 4, causal=False, implementation="reference",
                             dtype=jnp.float32, rngs=nnx.Rngs(0))
-  y, y_changed = bidirectional(x), bidirectional(future_changed)
-  assert not np.allclose(y[:, :T // 2], y_changed[:, :T // 2])
+  x = _x(shape=(B, T, FEATURES * 2))
+  future_changed = x.at[:, T // 2:].set(_x(7, (B, T - T // 2, FEATURES * 2)))
+  past_change = lambda m: float(relative_l2(m(future_changed)[:, :T // 2], m(x)[:, :T // 2]))
+
+  assert past_change(full) == 0.0
+  # A K block's int8 scale and the K-smoothing mean are taken over all of its
+  # tokens, future ones included, so the past moves by quantization noise only.
+  assert past_change(ours) < 0.05
+  assert past_change(bidirectional) > 0.5
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -204,7 +227,7 @@ TINY = dict(vocab_size=64, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim
     (dict(n_heads=4), "head_dim = dim // n_heads = 32"),
     (dict(n_kv_heads=3), "n_heads \\(2\\) must be a multiple of n_kv_heads \\(3\\)"),
     (dict(attention="flash"), "LlamaConfig.attention must be one of"),
-    (dict(dim=100), "dim \\(100\\) must be divisible by n_heads"),
+    (dict(n_heads=3), "dim \\(128\\) must be divisible by n_heads \\(3\\)"),
 ])
 def test_llama_config_refuses_bad_values(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -221,9 +244,10 @@ def test_llama_sage_logits_match_full_precision():
   tokens = jax.random.randint(jax.random.key(3), (B, 32), 0, TINY["vocab_size"])
   sage = Llama(LlamaConfig(**TINY, dtype=jnp.float32), rngs=nnx.Rngs(0))
   full = Llama(LlamaConfig(**TINY, dtype=jnp.float32, attention="full"), rngs=nnx.Rngs(0))
-  logits = sage(tokens)
+  forward = nnx.jit(lambda model, tokens: model(tokens))
+  logits = forward(sage, tokens)
   assert logits.shape == (B, 32, TINY["vocab_size"]) and logits.dtype == jnp.float32
-  _assert_close(logits, full(tokens))
+  _assert_close(logits, forward(full, tokens))
   with pytest.raises(ValueError, match="tokens must be an integer array"):
     sage(tokens.astype(jnp.float32))
 

@@ -87,6 +87,25 @@ def preset(name: str, **overrides) -> Config:
   return Config(name=name, **{**PRESETS[name], **overrides})
 
 
+HELP = {
+    "name": "run name; the run folder defaults to runs/<name>",
+    "vocab_size": "default: 256 for text (bytes), the tokens' maximum rounded up to 64 for .bin",
+    "qk_norm": "RMSNorm on each head's q and k before RoPE (SPEC: needed at large batches)",
+    "smooth_k": "subtract K's per-channel mean before quantizing (sage/reference)",
+    "smooth_q": "per-block Q-smoothing (sage/reference; off by default)",
+    "dtype": "compute dtype; parameters and optimizer state stay float32",
+    "seq_len": "tokens per sequence", "batch_size": "sequences per micro-batch",
+    "grad_accum": "micro-batches per optimizer step (tokens per step = batch x seq x accum)",
+    "lr": "peak learning rate (after --warmup steps, cosine decay to lr x --min-lr-ratio)",
+    "warmup": "linear warmup steps", "eval_every": "evaluate every N steps",
+    "eval_batches": "validation batches per evaluation (the same ones each time)",
+    "ckpt_every": "save a checkpoint every N steps (and at the end)",
+    "keep": "checkpoints kept (the most recent)", "out": "run folder (default runs/<name>)",
+    "resume": "continue from the run folder's latest checkpoint, exactly",
+    "seed": "model init and the data order (batches are a function of seed and step)",
+}
+
+
 def _flag(name: str) -> str:
   return "--" + name.replace("_", "-")
 
@@ -98,6 +117,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
   for f in dataclasses.fields(Config):
     flag, default = _flag(f.name), argparse.SUPPRESS  # absent flags keep the preset
+    kw = {"help": HELP[f.name]} if f.name in HELP else {}
     if f.name == "attention":
       p.add_argument(flag, choices=["sage", "full", "reference"], default=default,
                      help="sage: SageBwd INT8 (Pallas on GPU, pure JAX elsewhere); "
@@ -107,15 +127,15 @@ def parser() -> argparse.ArgumentParser:
                      help="text files, folders (every text file inside) or one "
                           "nanoGPT .bin of uint16 tokens; default: the stdlib sources")
     elif f.name == "dtype":
-      p.add_argument(flag, choices=["bfloat16", "float32"], default=default)
+      p.add_argument(flag, choices=["bfloat16", "float32"], default=default, **kw)
     elif f.type in ("bool", bool):
-      p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+      p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, **kw)
     elif f.type in ("int", "int | None"):
-      p.add_argument(flag, type=int, default=default)
+      p.add_argument(flag, type=int, default=default, **kw)
     elif f.type == "float":
-      p.add_argument(flag, type=float, default=default)
+      p.add_argument(flag, type=float, default=default, **kw)
     else:
-      p.add_argument(flag, default=default)
+      p.add_argument(flag, default=default, **kw)
   return p
 
 

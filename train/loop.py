@@ -54,6 +54,10 @@ def train(cfg: Config) -> dict:
   log(f"model: {count_params(state['params']) / 1e6:.2f}M parameters, "
       f"attention={cfg.attention}, qk_norm={cfg.qk_norm}, smooth_k={cfg.smooth_k}, "
       f"smooth_q={cfg.smooth_q}, compute {cfg.dtype}")
+  n_decay = sum(x.size for x, d in zip(jax.tree.leaves(state["params"]),
+                                        jax.tree.leaves(optim.decay_mask(state["params"]))) if d)
+  log(f"weight decay {cfg.weight_decay} on {n_decay / 1e6:.2f}M parameters (linear layers' "
+      f"matrices; not norms, biases, embedding)")
   log(f"tokens per step: {cfg.tokens_per_step:,} = batch {cfg.batch_size} x "
       f"seq {cfg.seq_len} x grad_accum {cfg.grad_accum}")
 
@@ -101,7 +105,8 @@ def train(cfg: Config) -> dict:
             f"non-finite values at step {done}: loss={m['loss']}, grad_norm={m['grad_norm']}, "
             f"param_norm={m['param_norm']}; stopping. The last good checkpoint "
             f"(step {ckpts.latest_step()}) in {ckpt_dir} is untouched.")
-      bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{last['tokens_per_s']:,.0f}")
+      bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{last['tokens_per_s']:,.0f}",
+                      refresh=False)
       if done % cfg.eval_every == 0 or done == cfg.steps:
         last["val_loss"] = eval_and_log(done)
       if done % cfg.ckpt_every == 0 or done == cfg.steps:

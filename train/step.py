@@ -49,8 +49,8 @@ def make_steps(model: nnx.Module, tx: optax.GradientTransformation):
     grads = jax.tree.map(lambda g: g / batch.shape[0], grad_sum)
     updates, opt = tx.update(grads, state["opt"], params)
     params = optax.apply_updates(params, updates)
-    metrics = {"loss": losses.mean(), "grad_norm": optax.global_norm(grads),
-               "param_norm": optax.global_norm(params)}
+    metrics = {"loss": losses.mean(), "grad_norm": optax.tree.norm(grads),
+               "param_norm": optax.tree.norm(params)}
     return {"params": params, "opt": opt, "step": state["step"] + 1}, metrics
 
   state = {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}

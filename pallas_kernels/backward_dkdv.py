@@ -1,0 +1,109 @@
+"""dK and dV: one program per (key block, batch, query head) loops over the
+query blocks that see its keys. It works on transposed tiles (S^T = K.Q^T,
+dP^T = V.dO^T) so P^T and dS^T are the first operands of their INT8 dots and
+are quantized per key (a row here). With GQA each query head writes its own
+partial dK, dV; the caller sums the group."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import common
+from pallas_kernels import numerics as nm
+from pallas_kernels.common import LaunchConfig
+from pallas_kernels.types import Config, Masks, QuantizedQKV
+
+
+def _kernel(k8_ref, k_scale_ref, v_ref, kv_ids_ref, q8_ref, q8_t_ref, q_scale_ref,
+            q_mean_ref, lse_ref, delta_ref, do_ref, do8_t_ref, do_scale_ref, q_ids_ref,
+            dk_ref, dv_ref, *, config: Config, num_q_blocks: int):
+  block_q, block_kv = config.block_q, config.block_kv
+  j = pl.program_id(0)
+  k8, k_scale, v = k8_ref[...], k_scale_ref[...], v_ref[...]
+  kv_ids = None if kv_ids_ref is None else kv_ids_ref[...][:, None]
+  kv_pos = (j * block_kv + jnp.arange(block_kv))[:, None]
+
+  def q_step(i, carry, *, causal):
+    dk, dv = carry
+    rows = pl.ds(i * block_q, block_q)
+    q_mean = None if q_mean_ref is None else q_mean_ref[i, :]
+    s_t = common.scores_t(k8, k_scale, q8_ref[rows, :], q_scale_ref[rows], q_mean)
+    q_ids = None if q_ids_ref is None else q_ids_ref[rows][None, :]
+    q_pos = (i * block_q + jnp.arange(block_q))[None, :]
+    s_t = common.masked(s_t, nm.tile_mask(q_pos, kv_pos, causal=causal, q_ids=q_ids,
+                                          kv_ids=kv_ids))
+    p_t = jnp.exp2(s_t - lse_ref[rows][None, :])
+
+    p8_t, p_scale = nm.quantize_rows(p_t)
+    dv = dv + nm.dequantize(nm.int8_dot(p8_t, do8_t_ref[:, rows]), p_scale[:, None],
+                            common.block_scale(do_scale_ref, rows))
+
+    dp_t = nm.float_dot(v, do_ref[rows, :])
+    ds_t = p_t * (dp_t - delta_ref[rows][None, :])
+    ds8_t, ds_scale = nm.quantize_rows(ds_t)
+    dk = dk + nm.dequantize(nm.int8_dot(ds8_t, q8_t_ref[:, rows]), ds_scale[:, None],
+                            common.block_scale(q_scale_ref, rows))
+    if q_mean is not None:
+      dk = dk + jnp.sum(ds_t, axis=1)[:, None] * q_mean[None, :]
+    return dk, dv
+
+  head_dim = k8.shape[-1]
+  zeros = jnp.zeros((block_kv, head_dim), jnp.float32)
+  carry = (zeros, zeros)
+  if config.causal:
+    start, full, end = common.causal_q_blocks(j, block_q, block_kv, num_q_blocks)
+    carry = lax.fori_loop(start, full, functools.partial(q_step, causal=True), carry)
+    carry = lax.fori_loop(full, end, functools.partial(q_step, causal=False), carry)
+  else:
+    carry = lax.fori_loop(0, num_q_blocks, functools.partial(q_step, causal=False), carry)
+  dk, dv = carry
+  # Q was quantized as Q * scale * log2(e); the product above carries log2(e).
+  dk_ref[...] = dk * nm.LN_2
+  dv_ref[...] = dv
+
+
+def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: Masks,
+                  config: Config, launch: LaunchConfig):
+  """dK, dV in fp32, (B, Tk, Hkv, D), summed over each kv head's group."""
+  batch, heads, q_len, head_dim = qkv.q8.shape
+  kv_heads, kv_len = qkv.k8.shape[1], qkv.k8.shape[2]
+  group = heads // kv_heads
+  kv_head = common.head_map(group)
+  bk = config.block_kv
+  with_ids = masks.q_ids is not None
+  q_full = lambda j, b, h: (b, h, 0, 0)
+  q_rows = lambda j, b, h: (b, h, 0)
+  in_specs = [
+      pl.BlockSpec((None, None, bk, head_dim), lambda j, b, h: (b, kv_head(h), j, 0)),
+      pl.BlockSpec((None, None, bk), lambda j, b, h: (b, kv_head(h), j)),
+      pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, kv_head(h), 0)),
+      pl.BlockSpec((None, bk), lambda j, b, h: (b, j)) if with_ids else None,
+      pl.BlockSpec((None, None, q_len, head_dim), q_full),
+      pl.BlockSpec((None, None, head_dim, q_len), q_full),
+      pl.BlockSpec((None, None, q_len), q_rows),
+      (pl.BlockSpec((None, None, q_len // config.block_q, head_dim), q_full)
+       if config.smooth_q else None),
+      pl.BlockSpec((None, None, q_len), q_rows),
+      pl.BlockSpec((None, None, q_len), q_rows),
+      pl.BlockSpec((None, q_len, None, head_dim), lambda j, b, h: (b, 0, h, 0)),
+      pl.BlockSpec((None, None, head_dim, q_len), q_full),
+      pl.BlockSpec((None, None, q_len), q_rows),
+      pl.BlockSpec((None, q_len), lambda j, b, h: (b, 0)) if with_ids else None,
+  ]
+  partial = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, h, 0))
+  shape = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), jnp.float32)
+  kernel = functools.partial(_kernel, config=config, num_q_blocks=q_len // config.block_q)
+  dk, dv = launch.call(kernel, grid=(kv_len // bk, batch, heads), in_specs=in_specs,
+                       out_specs=[partial, partial], out_shape=[shape, shape],
+                       name="sagebwd_backward_dkdv")(
+      qkv.k8, qkv.k_scale, v, masks.kv_ids, qkv.q8, qkv.q8_t, qkv.q_scale, qkv.q_mean,
+      lse, delta, do, do8_t, do_scale, masks.q_ids)
+  if group > 1:
+    sum_group = lambda x: x.reshape(batch, kv_len, kv_heads, group, head_dim).sum(axis=3)
+    dk, dv = sum_group(dk), sum_group(dv)
+  return dk, dv

@@ -1,0 +1,86 @@
+"""dQ: one program per (query block, batch, query head) loops over the key
+blocks its queries see, recomputing P and dS like the forward; dS is the
+first operand of INT8 dS.K and is quantized per query (a row here)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import common
+from pallas_kernels import numerics as nm
+from pallas_kernels.common import LaunchConfig
+from pallas_kernels.types import Config, Masks, QuantizedQKV
+
+
+def _kernel(q8_ref, q_scale_ref, q_mean_ref, lse_ref, delta_ref, do_ref, q_ids_ref, k8_ref,
+            k8_t_ref, k_scale_ref, v_ref, kv_ids_ref, dq_ref, *, config: Config,
+            num_kv_blocks: int):
+  block_q, block_kv = config.block_q, config.block_kv
+  i = pl.program_id(0)
+  q8, q_scale = q8_ref[...], q_scale_ref[...]
+  q_mean = None if q_mean_ref is None else q_mean_ref[...]
+  lse, delta, do = lse_ref[...], delta_ref[...], do_ref[...]
+  q_ids = None if q_ids_ref is None else q_ids_ref[...][:, None]
+  q_pos = (i * block_q + jnp.arange(block_q))[:, None]
+
+  def kv_step(j, dq, *, causal):
+    kv = pl.ds(j * block_kv, block_kv)
+    k_scale = k_scale_ref[kv]
+    s = common.scores(q8, q_scale, k8_ref[kv, :], k_scale, q_mean)
+    kv_ids = None if kv_ids_ref is None else kv_ids_ref[kv][None, :]
+    kv_pos = (j * block_kv + jnp.arange(block_kv))[None, :]
+    s = common.masked(s, nm.tile_mask(q_pos, kv_pos, causal=causal, q_ids=q_ids,
+                                      kv_ids=kv_ids))
+    p = jnp.exp2(s - lse[:, None])
+    ds = p * (nm.float_dot(do, v_ref[kv, :]) - delta[:, None])
+    ds8, ds_scale = nm.quantize_rows(ds)
+    return dq + nm.dequantize(nm.int8_dot(ds8, k8_t_ref[:, kv]), ds_scale[:, None],
+                              common.block_scale(k_scale_ref, kv))
+
+  dq = jnp.zeros(q8.shape, jnp.float32)
+  if config.causal:
+    full, end = common.causal_kv_blocks(i, block_q, block_kv, num_kv_blocks)
+    dq = lax.fori_loop(0, full, functools.partial(kv_step, causal=False), dq)
+    dq = lax.fori_loop(full, end, functools.partial(kv_step, causal=True), dq)
+  else:
+    dq = lax.fori_loop(0, num_kv_blocks, functools.partial(kv_step, causal=False), dq)
+  dq_ref[...] = dq * config.scale
+
+
+def backward_dq(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, config: Config,
+                launch: LaunchConfig):
+  """dQ in fp32, (B, Tq, H, D)."""
+  batch, heads, q_len, head_dim = qkv.q8.shape
+  kv_heads, kv_len = qkv.k8.shape[1], qkv.k8.shape[2]
+  kv_head = common.head_map(heads // kv_heads)
+  bq = config.block_q
+  with_ids = masks.q_ids is not None
+  rows = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
+  tokens = pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0))
+  kv_full = lambda i, b, h: (b, kv_head(h), 0, 0)
+  in_specs = [
+      pl.BlockSpec((None, None, bq, head_dim), lambda i, b, h: (b, h, i, 0)),
+      rows,
+      (pl.BlockSpec((None, None, None, head_dim), lambda i, b, h: (b, h, i, 0))
+       if config.smooth_q else None),
+      rows, rows, tokens,
+      pl.BlockSpec((None, bq), lambda i, b, h: (b, i)) if with_ids else None,
+      pl.BlockSpec((None, None, kv_len, head_dim), kv_full),
+      pl.BlockSpec((None, None, head_dim, kv_len), kv_full),
+      pl.BlockSpec((None, None, kv_len), lambda i, b, h: (b, kv_head(h), 0)),
+      pl.BlockSpec((None, kv_len, None, head_dim), lambda i, b, h: (b, 0, kv_head(h), 0)),
+      pl.BlockSpec((None, kv_len), lambda i, b, h: (b, 0)) if with_ids else None,
+  ]
+  kernel = functools.partial(_kernel, config=config, num_kv_blocks=kv_len // config.block_kv)
+  return launch.call(kernel, grid=(q_len // bq, batch, heads), in_specs=in_specs,
+                     out_specs=tokens,
+                     out_shape=jax.ShapeDtypeStruct((batch, q_len, heads, head_dim),
+                                                    jnp.float32),
+                     name="sagebwd_backward_dq")(
+      qkv.q8, qkv.q_scale, qkv.q_mean, lse, delta, do, masks.q_ids, qkv.k8, qkv.k8_t,
+      qkv.k_scale, v, masks.kv_ids)

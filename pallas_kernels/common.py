@@ -1,0 +1,75 @@
+"""Pieces every Pallas kernel of this package shares: tiles of scores, loop
+bounds for causal block skipping, compiler options."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import numerics as nm
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+  """How kernels are launched (does not change results)."""
+
+  interpret: bool = False
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def call(self, kernel, *, grid, in_specs, out_specs, out_shape, name):
+    return pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        interpret=self.interpret, name=name,
+        compiler_params=plgpu.CompilerParams(num_warps=self.num_warps,
+                                             num_stages=self.num_stages))
+
+
+def scores(q8, q_scale, k8, k_scale, q_mean):
+  """Base-2 logits of one (block_q, block_kv) tile from int8 Q and K."""
+  s = nm.dequantize(nm.int8_dot(q8, k8), q_scale[:, None], k_scale[None, :])
+  if q_mean is not None:
+    s = s + nm.q_smoothing_bias(k8, k_scale, q_mean)[None, :]
+  return s
+
+
+def scores_t(k8, k_scale, q8, q_scale, q_mean):
+  """The same tile transposed, (block_kv, block_q), computed as K.Q^T so every
+  int8 operand keeps its contraction dimension contiguous."""
+  s_t = nm.dequantize(nm.int8_dot(k8, q8), k_scale[:, None], q_scale[None, :])
+  if q_mean is not None:
+    s_t = s_t + nm.q_smoothing_bias(k8, k_scale, q_mean)[:, None]
+  return s_t
+
+
+def masked(s, mask):
+  return s if mask is None else jnp.where(mask, s, -jnp.inf)
+
+
+def block_scale(scale_ref, rows):
+  """A block's scale from its per-token copies (all equal)."""
+  return jnp.max(scale_ref[rows])
+
+
+def causal_kv_blocks(i, block_q: int, block_kv: int, num_kv_blocks: int):
+  """Key blocks that query block i sees: [0, full) unmasked, [full, end) masked."""
+  full = jnp.minimum(lax.div(i * block_q, block_kv), num_kv_blocks)
+  end = jnp.minimum(lax.div((i + 1) * block_q + block_kv - 1, block_kv), num_kv_blocks)
+  return full, end
+
+
+def causal_q_blocks(j, block_q: int, block_kv: int, num_q_blocks: int):
+  """Query blocks that see key block j: [start, full) masked, [full, end) not."""
+  start = jnp.minimum(lax.div(j * block_kv, block_q), num_q_blocks)
+  full = jnp.minimum(lax.div((j + 1) * block_kv + block_q - 2, block_q), num_q_blocks)
+  return start, full, num_q_blocks
+
+
+def head_map(group: int):
+  """Index maps from a query head's grid position to its kv head (GQA)."""
+  return lambda h: h // group

@@ -1,0 +1,91 @@
+"""The forward kernel: INT8 Q.K^T, online softmax, per-token INT8 P, INT8 P.V.
+
+One program per (query block, batch, query head); it loops over the key
+blocks its queries can see (causal block skipping), applying the causal mask
+only on the diagonal blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import common
+from pallas_kernels import numerics as nm
+from pallas_kernels.common import LaunchConfig
+from pallas_kernels.types import Config, Masks, QuantizedQKV
+
+
+def _kernel(q8_ref, q_scale_ref, q_mean_ref, k8_ref, k_scale_ref, v8_t_ref, v_scale_ref,
+            q_ids_ref, kv_ids_ref, o_ref, lse_ref, *, config: Config, num_kv_blocks: int):
+  block_q, block_kv = config.block_q, config.block_kv
+  i = pl.program_id(0)
+  q8, q_scale = q8_ref[...], q_scale_ref[...]
+  q_mean = None if q_mean_ref is None else q_mean_ref[...]
+  q_ids = None if q_ids_ref is None else q_ids_ref[...][:, None]
+  q_pos = (i * block_q + jnp.arange(block_q))[:, None]
+
+  def kv_step(j, carry, *, causal):
+    acc, m, l = carry
+    kv = pl.ds(j * block_kv, block_kv)
+    k8, k_scale = k8_ref[kv, :], k_scale_ref[kv]
+    s = common.scores(q8, q_scale, k8, k_scale, q_mean)
+    kv_ids = None if kv_ids_ref is None else kv_ids_ref[kv][None, :]
+    kv_pos = (j * block_kv + jnp.arange(block_kv))[None, :]
+    s = common.masked(s, nm.tile_mask(q_pos, kv_pos, causal=causal, q_ids=q_ids,
+                                      kv_ids=kv_ids))
+    p8, p_scale, alpha, m, l = nm.online_softmax_step(s, m, l)
+    pv = nm.int8_dot(p8, v8_t_ref[:, kv])
+    acc = acc * alpha[:, None] + nm.dequantize(pv, p_scale[:, None],
+                                               common.block_scale(v_scale_ref, kv))
+    return acc, m, l
+
+  head_dim = q8.shape[-1]
+  carry = (jnp.zeros((block_q, head_dim), jnp.float32),
+           jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32))
+  if config.causal:
+    full, end = common.causal_kv_blocks(i, block_q, block_kv, num_kv_blocks)
+    carry = lax.fori_loop(0, full, functools.partial(kv_step, causal=False), carry)
+    carry = lax.fori_loop(full, end, functools.partial(kv_step, causal=True), carry)
+  else:
+    carry = lax.fori_loop(0, num_kv_blocks, functools.partial(kv_step, causal=False), carry)
+  o, lse = nm.finalize_rows(*carry)
+  o_ref[...] = o.astype(o_ref.dtype)
+  lse_ref[...] = lse
+
+
+def forward(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
+            launch: LaunchConfig):
+  """O (B, Tq, H, D) in `out_dtype` and the base-2 log-sum-exp (B, H, Tq)."""
+  batch, heads, q_len, head_dim = qkv.q8.shape
+  kv_heads, kv_len = qkv.k8.shape[1], qkv.k8.shape[2]
+  kv_head = common.head_map(heads // kv_heads)
+  bq = config.block_q
+  q_block = lambda i, b, h: (b, h, i, 0)
+  kv_full = lambda i, b, h: (b, kv_head(h), 0, 0)
+  kv_scale = lambda i, b, h: (b, kv_head(h), 0)
+  with_ids = masks.q_ids is not None
+  in_specs = [
+      pl.BlockSpec((None, None, bq, head_dim), q_block),
+      pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i)),
+      pl.BlockSpec((None, None, None, head_dim), q_block) if config.smooth_q else None,
+      pl.BlockSpec((None, None, kv_len, head_dim), kv_full),
+      pl.BlockSpec((None, None, kv_len), kv_scale),
+      pl.BlockSpec((None, None, head_dim, kv_len), kv_full),
+      pl.BlockSpec((None, None, kv_len), kv_scale),
+      pl.BlockSpec((None, bq), lambda i, b, h: (b, i)) if with_ids else None,
+      pl.BlockSpec((None, kv_len), lambda i, b, h: (b, 0)) if with_ids else None,
+  ]
+  out_specs = [pl.BlockSpec((None, bq, None, head_dim), lambda i, b, h: (b, i, h, 0)),
+               pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))]
+  out_shape = [jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), out_dtype),
+               jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)]
+  kernel = functools.partial(_kernel, config=config, num_kv_blocks=kv_len // config.block_kv)
+  return launch.call(kernel, grid=(q_len // bq, batch, heads), in_specs=in_specs,
+                     out_specs=out_specs, out_shape=out_shape, name="sagebwd_forward")(
+                         qkv.q8, qkv.q_scale, qkv.q_mean, qkv.k8, qkv.k_scale, qkv.v8_t,
+                         qkv.v_scale, masks.q_ids, masks.kv_ids)
