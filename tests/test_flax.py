@@ -11,8 +11,8 @@ import optax
 import pytest
 from flax import nnx
 
-from sagebwd_jax.flax import Attention, Llama, LlamaConfig, attention_fn, make_attention_fn
-from sagebwd_jax.flax.llama import count_params
+from sagebwd_jax.flax import (Attention, Llama, LlamaConfig, attention_fn, count_params,
+                              make_attention_fn)
 from sagebwd_jax.metrics import cosine_similarity, relative_l2
 
 B, T, HEADS, HEAD_DIM = 2, 64, 2, 64
@@ -56,12 +56,15 @@ def _assert_grads_close_but_key_bias(ours, ref):
   assert float(jnp.linalg.norm(key_bias)) < 1e-2 * float(jnp.linalg.norm(key_kernel))
 
 
+# Compiled: eager dispatch of the reference op's many small ops is slower.
+_forward = nnx.jit(lambda module, x: module(x))
+
+
 def _nnx_value_and_grads(module, x, **call_kwargs):
   def loss(module, x):
     y = module(x, **call_kwargs)
     return jnp.sum(y * jnp.cos(y)), y  # a non-linear loss: dO varies per element
 
-  # Compiled: eager dispatch of the reference op's many small ops is slower.
   value_and_grad = nnx.jit(nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True))
   (_, y), (g_module, g_x) = value_and_grad(module, x)
   return y, nnx.state(g_module, nnx.Param), g_x
@@ -200,7 +203,8 @@ def test_attention_module_is_causal_by_default():
                             dtype=jnp.float32, rngs=nnx.Rngs(0))
   x = _x(shape=(B, T, FEATURES * 2))
   future_changed = x.at[:, T // 2:].set(_x(7, (B, T - T // 2, FEATURES * 2)))
-  past_change = lambda m: float(relative_l2(m(future_changed)[:, :T // 2], m(x)[:, :T // 2]))
+  past_change = lambda m: float(relative_l2(_forward(m, future_changed)[:, :T // 2],
+                                             _forward(m, x)[:, :T // 2]))
 
   assert past_change(full) == 0.0
   # A K block's int8 scale and the K-smoothing mean are taken over all of its
@@ -244,10 +248,9 @@ def test_llama_sage_logits_match_full_precision():
   tokens = jax.random.randint(jax.random.key(3), (B, 32), 0, TINY["vocab_size"])
   sage = Llama(LlamaConfig(**TINY, dtype=jnp.float32), rngs=nnx.Rngs(0))
   full = Llama(LlamaConfig(**TINY, dtype=jnp.float32, attention="full"), rngs=nnx.Rngs(0))
-  forward = nnx.jit(lambda model, tokens: model(tokens))
-  logits = forward(sage, tokens)
+  logits = _forward(sage, tokens)
   assert logits.shape == (B, 32, TINY["vocab_size"]) and logits.dtype == jnp.float32
-  _assert_close(logits, forward(full, tokens))
+  _assert_close(logits, _forward(full, tokens))
   with pytest.raises(ValueError, match="tokens must be an integer array"):
     sage(tokens.astype(jnp.float32))
 
