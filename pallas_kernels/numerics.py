@@ -26,8 +26,14 @@ _ROUND_MAGIC_I32 = 0x4B400000
 
 
 def round_to_int8(x: jax.Array) -> jax.Array:
-  """Round fp32 values in [-127.5, 127.5] half-to-even and return int8."""
-  biased = lax.bitcast_convert_type(x + _ROUND_MAGIC_F32, jnp.int32)
+  """Clip fp32 values to [-127, 127], round half-to-even, return int8.
+
+  The clip is SPEC's, and it also matters for exactness: it stands between
+  the scaling multiply and the magic add, so no compiler can contract the two
+  into one FMA that rounds differently on one backend than on another.
+  """
+  biased = lax.bitcast_convert_type(jnp.clip(x, -INT8_MAX, INT8_MAX) + _ROUND_MAGIC_F32,
+                                    jnp.int32)
   return (biased - _ROUND_MAGIC_I32).astype(jnp.int8)
 
 
@@ -56,13 +62,12 @@ def quantize_rows(x: jax.Array, row_amax: jax.Array | None = None
   Used for the first operand of every int8 dot whose rows are tokens of the
   output (P and dS), because a row scale factors out of the product. The
   forward passes `row_amax` = exp2(rowmax(S) - m_new), the largest P of the
-  row, so it needs no extra reduction; the clamp keeps an exp2 that is not
-  perfectly monotone from ever producing 128.
+  row, so it needs no extra reduction (the clip in `round_to_int8` keeps an
+  exp2 that is not perfectly monotone from producing 128).
   """
   if row_amax is None:
     row_amax = jnp.max(jnp.abs(x), axis=-1)
-  scaled = jnp.clip(x * inverse_scale(row_amax)[..., None], -INT8_MAX, INT8_MAX)
-  return round_to_int8(scaled), row_amax / INT8_MAX
+  return round_to_int8(x * inverse_scale(row_amax)[..., None]), row_amax / INT8_MAX
 
 
 def int8_dot(a: jax.Array, b: jax.Array) -> jax.Array:

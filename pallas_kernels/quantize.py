@@ -15,12 +15,13 @@ from pallas_kernels.types import Config, QuantizedQKV
 
 
 def quantize_block(x, *, multiplier: float = 1.0, mean=None, smooth_rows: bool = False):
-  """psi of one (block, D) tile after optional centering and scaling.
+  """psi of one (block, D) tile of `x * multiplier` after optional centering.
 
-  Returns (x8, scale, row_mean); row_mean (already multiplied) is the
-  block's mean row when `smooth_rows` (Q-smoothing), else None. Centering
-  comes before the multiply so no backend can fuse them into one FMA and
-  round differently.
+  Returns (x8, scale, row_mean); row_mean (in multiplied units) is the
+  block's mean row when `smooth_rows` (Q-smoothing), else None. The
+  multiplier goes into the scale, not the values: one multiply per element
+  leaves no product that a compiler could fuse or reassociate differently
+  on different backends.
   """
   x = x.astype(jnp.float32)
   if mean is not None:
@@ -30,10 +31,8 @@ def quantize_block(x, *, multiplier: float = 1.0, mean=None, smooth_rows: bool =
     row_mean = jnp.mean(x, axis=0)
     x = x - row_mean[None, :]
     row_mean = row_mean * multiplier
-  if multiplier != 1.0:
-    x = x * multiplier
   x8, scale = nm.quantize_tile(x)
-  return x8, scale, row_mean
+  return x8, scale * multiplier, row_mean
 
 
 def _kernel(x_ref, *refs, multiplier, has_mean, smooth_rows, natural, transposed):

@@ -60,6 +60,7 @@ class ReferenceBackend:
   """The SPEC's algorithm in `jnp`; see `pallas_kernels.types.Backend`."""
 
   def quantize(self, q, k, v, k_mean, config: Config) -> QuantizedQKV:
+    # Scores are base-2 logits: scale * log2(e) goes into Q's scale.
     multiplier = config.scale * nm.LOG2_E
     q_blocks = _blocks(_heads(q).astype(_f32), config.block_q)
     q_mean = None
@@ -67,9 +68,8 @@ class ReferenceBackend:
       q_mean = jnp.mean(q_blocks, axis=-2)
       q_blocks = q_blocks - q_mean[..., None, :]
       q_mean = q_mean * multiplier
-    q_blocks = q_blocks * multiplier
     q8, q_scale = _quantize_blocks(q_blocks)
-    q_scale = _per_token(q_scale, config.block_q)
+    q_scale = _per_token(q_scale * multiplier, config.block_q)
 
     k_heads = _heads(k).astype(_f32)
     if k_mean is not None:
