@@ -15,20 +15,32 @@ from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 @dataclasses.dataclass(frozen=True)
 class PallasBackend:
-  """SageBwd on Pallas kernels (Triton lowering; `interpret` runs them on CPU)."""
+  """SageBwd on Pallas kernels (Triton lowering; `interpret` runs them on CPU).
 
-  launch: LaunchConfig = LaunchConfig()
+  The forward (with its quantization pass) and the backward kernels are
+  launched with their own warps and pipeline stages.
+  """
+
+  forward_launch: LaunchConfig = LaunchConfig()
+  backward_launch: LaunchConfig = LaunchConfig()
+
+  @classmethod
+  def tuned(cls, *, interpret: bool) -> "PallasBackend":
+    """Launch settings measured fastest on an H200 (B=4, T=4096, H=16, D=128,
+    64 x 64 tiles): forward 4 warps, 3 stages; backward 4 warps, 2 stages."""
+    return cls(LaunchConfig(interpret=interpret, num_warps=4, num_stages=3),
+               LaunchConfig(interpret=interpret, num_warps=4, num_stages=2))
 
   def quantize(self, q, k, v, k_mean, config: Config) -> QuantizedQKV:
-    return quantize_qkv(q, k, v, k_mean, config, self.launch)
+    return quantize_qkv(q, k, v, k_mean, config, self.forward_launch)
 
   def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype):
-    return forward(qkv, masks, config, out_dtype, self.launch)
+    return forward(qkv, masks, config, out_dtype, self.forward_launch)
 
   def backward(self, qkv: QuantizedQKV, v, o, lse, do, masks: Masks, config: Config):
     delta, do8_t, do_scale = backward_prepass(o, do, block_q=config.block_q,
-                                              launch=self.launch)
+                                              launch=self.backward_launch)
     dk, dv = backward_dkdv(qkv, v, lse, delta, do, do8_t, do_scale, masks, config,
-                           self.launch)
-    dq = backward_dq(qkv, v, lse, delta, do, masks, config, self.launch)
+                           self.backward_launch)
+    dq = backward_dq(qkv, v, lse, delta, do, masks, config, self.backward_launch)
     return dq, dk, dv

@@ -15,7 +15,6 @@ import numpy as np
 
 from pallas_kernels import numerics as nm
 from pallas_kernels.backend import PallasBackend
-from pallas_kernels.common import LaunchConfig
 from pallas_kernels.types import Backend, Config, Masks
 from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import sagebwd_attention
@@ -158,7 +157,7 @@ def _backend(implementation) -> Backend:
   if implementation == "reference":
     return ReferenceBackend()
   if implementation == "pallas":
-    return PallasBackend(LaunchConfig(interpret=jax.default_backend() != "gpu"))
+    return PallasBackend.tuned(interpret=jax.default_backend() != "gpu")
   raise ValueError(f"implementation must be 'pallas', 'reference' or None; "
                    f"got {implementation!r}")
 

@@ -1,0 +1,179 @@
+"""Attention speed: SageBwd's Pallas kernels against cuDNN BF16, XLA and jax's
+own Pallas `mha`, in one process, forward and forward+backward.
+
+    PYTHONPATH=. python benchmarks/attention.py [--quick] [--out DIR]
+
+Prints a table (TFLOP/s-equivalent TOPS and the ratio to cuDNN measured in the
+same run), writes attention.csv and attention.png to --out (default $OUT or
+.). FLOPs: forward 4*B*H*Tq*Tk*D (halved when causal), forward+backward 3.5x.
+Peak memory is XLA's compiled estimate (arguments + outputs + temporaries).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import os
+import statistics
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+import sagebwd_jax
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+def _implementations():
+  from jax.experimental.pallas.ops.gpu import attention as pallas_mha
+
+  def mha(q, k, v, causal):
+    d = q.shape[-1]
+    sizes = pallas_mha.BlockSizes(block_q=128, block_k=64, block_q_dkv=64, block_kv_dkv=64,
+                                  block_q_dq=64, block_kv_dq=64)
+    return pallas_mha.mha(q, k, v, None, sm_scale=d**-0.5, causal=causal, block_sizes=sizes)
+
+  return {
+      "sage": lambda q, k, v, causal: sagebwd_jax.dot_product_attention(
+          q, k, v, is_causal=causal, implementation="pallas"),
+      "cudnn": lambda q, k, v, causal: jax.nn.dot_product_attention(
+          q, k, v, is_causal=causal, implementation="cudnn"),
+      "xla": lambda q, k, v, causal: jax.nn.dot_product_attention(
+          q, k, v, is_causal=causal, implementation="xla"),
+      "pallas_mha": mha,
+  }
+
+
+def time_call(fn, *args, warmup: int = 2, iters: int = 20) -> float:
+  """Median seconds of `fn(*args)`, each call waited for."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(iters):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def peak_bytes(fn, *args) -> int:
+  stats = jax.jit(fn).lower(*args).compile().memory_analysis()
+  return (stats.argument_size_in_bytes + stats.output_size_in_bytes
+          + stats.temp_size_in_bytes)
+
+
+def measure(name, attn, batch, seq, heads, head_dim, causal, with_memory):
+  keys = jax.random.split(jax.random.key(0), 4)
+  shape = (batch, seq, heads, head_dim)
+  q, k, v, do = (jax.random.normal(kk, shape, jnp.bfloat16) for kk in keys)
+  f = functools.partial(attn, causal=causal)
+  fwd = jax.jit(f)
+  loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+  fwd_bwd = jax.jit(jax.grad(loss, (0, 1, 2)))
+  flops = 4 * batch * heads * seq * seq * head_dim * (0.5 if causal else 1.0)
+  row = dict(impl=name, B=batch, T=seq, H=heads, D=head_dim, causal=causal)
+  try:
+    row["fwd_tops"] = flops / time_call(fwd, q, k, v) / 1e12
+  except Exception as e:  # an implementation may not support a case
+    row["fwd_tops"], row["error"] = float("nan"), type(e).__name__
+  try:
+    row["fwd_bwd_tops"] = 3.5 * flops / time_call(fwd_bwd, q, k, v) / 1e12
+    if with_memory:
+      row["fwd_bwd_peak_gib"] = peak_bytes(jax.grad(loss, (0, 1, 2)), q, k, v) / 2**30
+  except Exception as e:
+    row["fwd_bwd_tops"], row["error"] = float("nan"), type(e).__name__
+  return row
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true",
+                      help="only B=4, T=4096, H=16, D=128 (the issue's shape)")
+  parser.add_argument("--impls", default="sage,cudnn,xla,pallas_mha")
+  parser.add_argument("--seqs", default="1024,2048,4096,8192,16384",
+                      help="sequence lengths (B*T = 16k)")
+  parser.add_argument("--dims", default="128,64", help="head dims (H*D = 2048)")
+  parser.add_argument("--out", default=os.environ.get("OUT", "."))
+  args = parser.parse_args()
+  impls = {k: v for k, v in _implementations().items() if k in args.impls.split(",")}
+  if args.quick:
+    shapes = [(4, 4096, 16, 128)]
+  else:
+    shapes = [(16384 // t, t, 2048 // d, d) for d in map(int, args.dims.split(","))
+              for t in map(int, args.seqs.split(","))]
+  rows = []
+  for batch, seq, heads, head_dim in shapes:
+    for causal in (False, True):
+      for name, attn in impls.items():
+        if name == "xla" and seq > 8192:
+          continue  # materializes B*H*T*T fp32 logits
+        with_memory = seq == 16384 and name in ("sage", "cudnn")
+        rows.append(measure(name, attn, batch, seq, heads, head_dim, causal, with_memory))
+        print(_fmt(rows[-1]), flush=True)
+  _ratios(rows)
+  print("\n" + _table(rows))
+  _write(rows, args.out)
+
+
+def _ratios(rows):
+  cudnn = {(r["T"], r["D"], r["causal"]): r for r in rows if r["impl"] == "cudnn"}
+  for r in rows:
+    ref = cudnn.get((r["T"], r["D"], r["causal"]))
+    for key in ("fwd", "fwd_bwd"):
+      if ref:
+        r[f"{key}_vs_cudnn"] = r[f"{key}_tops"] / ref[f"{key}_tops"]
+
+
+def _fmt(r):
+  return (f"{r['impl']:>10} B={r['B']} T={r['T']:>5} H={r['H']} D={r['D']} "
+          f"causal={r['causal']!s:5} fwd {r['fwd_tops']:6.1f} fwd+bwd {r['fwd_bwd_tops']:6.1f}"
+          + (f" peak {r['fwd_bwd_peak_gib']:.2f} GiB" if "fwd_bwd_peak_gib" in r else "")
+          + (f" ({r['error']})" if "error" in r else ""))
+
+
+def _table(rows):
+  head = "| impl | B | T | H | D | causal | fwd TOPS | x cuDNN | fwd+bwd TOPS | x cuDNN | peak GiB |"
+  lines = [head, "|" + "---|" * 11]
+  for r in rows:
+    lines.append(
+        f"| {r['impl']} | {r['B']} | {r['T']} | {r['H']} | {r['D']} | {r['causal']} | "
+        f"{r['fwd_tops']:.1f} | {r.get('fwd_vs_cudnn', float('nan')):.2f} | "
+        f"{r['fwd_bwd_tops']:.1f} | {r.get('fwd_bwd_vs_cudnn', float('nan')):.2f} | "
+        f"{r.get('fwd_bwd_peak_gib', float('nan')):.2f} |")
+  return "\n".join(lines)
+
+
+def _write(rows, out):
+  os.makedirs(out, exist_ok=True)
+  fields = sorted({k for r in rows for k in r})
+  with open(os.path.join(out, "attention.csv"), "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=fields)
+    writer.writeheader()
+    writer.writerows(rows)
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  cases = sorted({(r["D"], r["causal"]) for r in rows})
+  fig, axes = plt.subplots(2, len(cases), figsize=(4.5 * len(cases), 7), squeeze=False)
+  for col, (d, causal) in enumerate(cases):
+    for row_i, key in enumerate(("fwd_tops", "fwd_bwd_tops")):
+      ax = axes[row_i][col]
+      for impl in dict.fromkeys(r["impl"] for r in rows):
+        pts = [(r["T"], r[key]) for r in rows
+               if r["impl"] == impl and r["D"] == d and r["causal"] == causal]
+        if pts:
+          ax.plot(*zip(*pts), marker="o", label=impl)
+      ax.set_xscale("log", base=2)
+      ax.set_title(f"{'fwd' if row_i == 0 else 'fwd+bwd'}, D={d}, causal={causal}")
+      ax.set_xlabel("sequence length (B*T = 16k)")
+      ax.set_ylabel("TOPS")
+      ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "attention.png"), dpi=100)
+
+
+if __name__ == "__main__":
+  main()
