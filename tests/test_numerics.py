@@ -11,25 +11,23 @@ from pallas_kernels import numerics as nm
 
 
 def _round_grid() -> np.ndarray:
-  """Every multiple of 1/8 in [-127.5, 127.5) (all .5 ties, the lower limit)
-  plus values just beside the ties and random fp32 values.
-
-  +127.5 itself is left out: half-to-even gives 128, which int8 cannot hold
-  (see test_round_to_int8_limits)."""
-  grid = np.arange(-127.5 * 8, 127.5 * 8, dtype=np.float64) / 8
-  ties = np.arange(-128, 127, dtype=np.float64) + 0.5
-  near = np.concatenate([np.nextafter(ties.astype(np.float32), np.float32(np.inf)),
-                         np.nextafter(ties.astype(np.float32), np.float32(-np.inf))])
+  """Every multiple of 1/8 in [-130, 130] (all .5 ties, the +-127.5 limits
+  and beyond), values just beside the ties, random and huge fp32 values."""
+  grid = np.arange(-130 * 8, 130 * 8 + 1, dtype=np.float64) / 8
+  ties = (np.arange(-128, 128, dtype=np.float64) + 0.5).astype(np.float32)
+  near = np.concatenate([np.nextafter(ties, np.float32(np.inf)),
+                         np.nextafter(ties, np.float32(-np.inf))])
   rand = np.random.default_rng(0).uniform(-127.5, 127.5, 20000)
-  values = np.concatenate([grid, near, rand, [0.0, -0.0, 127.0, -127.0, -127.5]])
+  values = np.concatenate([grid, near, rand, [0.0, -0.0, 1e9, -1e9, 3e38, -3e38]])
   return values.astype(np.float32)
 
 
-def test_round_to_int8_is_round_half_even():
+def test_round_to_int8_is_clipped_round_half_even():
   x = _round_grid()
   got = np.asarray(jax.jit(nm.round_to_int8)(jnp.asarray(x)))
   assert got.dtype == np.int8
-  np.testing.assert_array_equal(got.astype(np.int64), np.rint(x).astype(np.int64))
+  want = np.clip(np.rint(x.astype(np.float64)), -127, 127).astype(np.int64)
+  np.testing.assert_array_equal(got.astype(np.int64), want)
 
 
 def test_round_to_int8_ties_go_to_even():
@@ -39,13 +37,13 @@ def test_round_to_int8_ties_go_to_even():
 
 
 def test_round_to_int8_limits():
-  # +-127.5 is a tie between 127 and +-128; half-to-even would give 128, which
-  # int8 cannot hold. The rule's domain is [-127.5, 127.5]; quantizers clip to
-  # 127 before rounding, so only +-127.49... ever reach it in practice.
-  x = np.array([127.0, -127.0, np.nextafter(np.float32(127.5), np.float32(0)),
-                np.nextafter(np.float32(-127.5), np.float32(0)), -127.5], np.float32)
+  # The int8 range is symmetric: -128 never appears, and +-127.5 (a tie that
+  # half-to-even would send to +-128) clips to +-127.
+  x = np.array([127.0, -127.0, 127.5, -127.5, 128.0, -128.0, 1e6, -1e6,
+                np.nextafter(np.float32(127.5), np.float32(0)),
+                np.nextafter(np.float32(-127.5), np.float32(0))], np.float32)
   got = np.asarray(nm.round_to_int8(jnp.asarray(x)))
-  np.testing.assert_array_equal(got, [127, -127, 127, -127, -128])
+  np.testing.assert_array_equal(got, [127, -127, 127, -127, 127, -127, 127, -127, 127, -127])
 
 
 def test_int32_to_float_exact():
