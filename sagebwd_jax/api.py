@@ -100,6 +100,11 @@ def dot_product_attention(
 
   q_pad, kv_pad = -q_len % block_q, -kv_len % block_kv
   pad_tokens = lambda x, n: jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2))
+  if kv_lengths is not None:
+    # Keys past the length are masked; zeroed, they cannot set their block's
+    # int8 scale either (a large value there would coarsen the valid keys).
+    valid = (jnp.arange(kv_len)[None, :] < kv_lengths[:, None])[:, :, None, None]
+    key, value = jnp.where(valid, key, 0), jnp.where(valid, value, 0)
   query = pad_tokens(query, q_pad)
   key, value = pad_tokens(key, kv_pad), pad_tokens(value, kv_pad)
   masks = Masks()  # padded query rows need no mask: they are sliced off
@@ -185,7 +190,7 @@ def _scale(scale, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
   try:
     scale = float(scale)
-  except (TypeError, jax.errors.ConcretizationTypeError) as e:
+  except (TypeError, ValueError, jax.errors.ConcretizationTypeError) as e:
     raise TypeError(f"scale must be a Python float known at trace time; got {scale!r}") from e
   if not math.isfinite(scale) or scale <= 0:
     raise ValueError(f"scale must be a positive finite float; got {scale}")
