@@ -178,3 +178,10 @@ def test_gpu_kernels_match_reference(case):
 def test_gpu_quantization_pass(head_dim):
   _check_quantize(head_dim, smooth_q=True, smooth_k=False, exact=False)
   _check_quantize(head_dim, smooth_q=False, smooth_k=True, exact=False)
+
+
+@pytest.mark.gpu
+def test_gpu_refuses_the_reference_backend():
+  q, k, v, _ = gaussian_qkv(jax.random.key(0), 1, 64, 64, 1, 1, 64)
+  with pytest.raises(NotImplementedError, match="implementation='pallas'"):
+    dot_product_attention(q, k, v, implementation="reference")
