@@ -45,7 +45,7 @@ def main():
   parser.add_argument("--implementation", default=None, choices=["pallas", "reference"])
   parser.add_argument("--seq", type=int, default=4096)
   args = parser.parse_args()
-  print(f"| sigma | tensor | cosine | rel. L2 | paper rel. L2 | within 1.25x |")
+  print("| sigma | tensor | cosine | rel. L2 | paper rel. L2 | within 1.25x |")
   print("|---|---|---|---|---|---|")
   for sigma, paper in PAPER.items():
     for name, (cos, rel), ref in zip(("O", "dQ", "dK", "dV"),

@@ -8,7 +8,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
@@ -42,13 +41,8 @@ def _kernel(q8_ref, q_scale_ref, q_mean_ref, lse_ref, delta_ref, do_ref, q_ids_r
     return dq + nm.dequantize(nm.int8_dot(ds8, k8_t_ref[:, kv]), ds_scale[:, None],
                               common.block_scale(k_scale_ref, kv))
 
-  dq = jnp.zeros(q8.shape, jnp.float32)
-  if config.causal:
-    full, end = common.causal_kv_blocks(i, block_q, block_kv, num_kv_blocks)
-    dq = lax.fori_loop(0, full, functools.partial(kv_step, causal=False), dq)
-    dq = lax.fori_loop(full, end, functools.partial(kv_step, causal=True), dq)
-  else:
-    dq = lax.fori_loop(0, num_kv_blocks, functools.partial(kv_step, causal=False), dq)
+  dq = common.loop_over_kv_blocks(i, kv_step, jnp.zeros(q8.shape, jnp.float32),
+                                  config=config, num_kv_blocks=num_kv_blocks)
   dq_ref[...] = dq * config.scale
 
 

@@ -4,8 +4,8 @@ bounds for causal block skipping, compiler options."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -56,11 +56,18 @@ def block_scale(scale_ref, rows):
   return jnp.max(scale_ref[rows])
 
 
-def causal_kv_blocks(i, block_q: int, block_kv: int, num_kv_blocks: int):
-  """Key blocks that query block i sees: [0, full) unmasked, [full, end) masked."""
+def loop_over_kv_blocks(i, kv_step, carry, *, config, num_kv_blocks: int):
+  """Runs kv_step(j, carry, causal=...) over the key blocks that query block i
+  sees: with causal masking, [0, full) need no mask and [full, end) do; the
+  blocks past `end` are skipped."""
+  step = lambda causal: functools.partial(kv_step, causal=causal)
+  if not config.causal:
+    return lax.fori_loop(0, num_kv_blocks, step(False), carry)
+  block_q, block_kv = config.block_q, config.block_kv
   full = jnp.minimum(lax.div(i * block_q, block_kv), num_kv_blocks)
   end = jnp.minimum(lax.div((i + 1) * block_q + block_kv - 1, block_kv), num_kv_blocks)
-  return full, end
+  carry = lax.fori_loop(0, full, step(False), carry)
+  return lax.fori_loop(full, end, step(True), carry)
 
 
 def causal_q_blocks(j, block_q: int, block_kv: int, num_q_blocks: int):

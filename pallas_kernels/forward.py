@@ -11,7 +11,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
@@ -47,12 +46,8 @@ def _kernel(q8_ref, q_scale_ref, q_mean_ref, k8_ref, k_scale_ref, v8_t_ref, v_sc
   head_dim = q8.shape[-1]
   carry = (jnp.zeros((block_q, head_dim), jnp.float32),
            jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32))
-  if config.causal:
-    full, end = common.causal_kv_blocks(i, block_q, block_kv, num_kv_blocks)
-    carry = lax.fori_loop(0, full, functools.partial(kv_step, causal=False), carry)
-    carry = lax.fori_loop(full, end, functools.partial(kv_step, causal=True), carry)
-  else:
-    carry = lax.fori_loop(0, num_kv_blocks, functools.partial(kv_step, causal=False), carry)
+  carry = common.loop_over_kv_blocks(i, kv_step, carry, config=config,
+                                     num_kv_blocks=num_kv_blocks)
   o, lse = nm.finalize_rows(*carry)
   o_ref[...] = o.astype(o_ref.dtype)
   lse_ref[...] = lse
