@@ -24,30 +24,31 @@ def _kernel(k8_ref, k_scale_ref, v_ref, kv_ids_ref, q8_ref, q8_t_ref, q_scale_re
             dk_ref, dv_ref, *, config: Config, num_q_blocks: int):
   block_q, block_kv = config.block_q, config.block_kv
   j = pl.program_id(0)
-  k8, k_scale, v = k8_ref[...], k_scale_ref[...], v_ref[...]
+  k8, k_scale, v = k8_ref[...], jnp.max(k_scale_ref[...]), v_ref[...]
   kv_ids = None if kv_ids_ref is None else kv_ids_ref[...][:, None]
   kv_pos = (j * block_kv + jnp.arange(block_kv))[:, None]
 
   def q_step(i, carry, *, causal):
     dk, dv = carry
-    rows = pl.ds(i * block_q, block_q)
+    rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
     q_mean = None if q_mean_ref is None else q_mean_ref[i, :]
-    s_t = common.scores_t(k8, k_scale, q8_ref[rows, :], q_scale_ref[rows], q_mean)
+    q_scale = common.block_scale(q_scale_ref, rows)
+    s_t = common.scores_t(k8, k_scale, q8_ref[rows, :], q_scale, q_mean)
     q_ids = None if q_ids_ref is None else q_ids_ref[rows][None, :]
     q_pos = (i * block_q + jnp.arange(block_q))[None, :]
     s_t = common.masked(s_t, nm.tile_mask(q_pos, kv_pos, causal=causal, q_ids=q_ids,
                                           kv_ids=kv_ids))
     p_t = jnp.exp2(s_t - lse_ref[rows][None, :])
 
-    p8_t, p_scale = nm.quantize_rows(p_t)
+    p8_t, p_scale = nm.quantize_rows(p_t, nonnegative=True, bit_tricks=True)
     dv = dv + nm.dequantize(nm.int8_dot(p8_t, do8_t_ref[:, rows]), p_scale[:, None],
-                            common.block_scale(do_scale_ref, rows))
+                            common.block_scale(do_scale_ref, rows), bit_tricks=True)
 
     dp_t = nm.float_dot(v, do_ref[rows, :])
     ds_t = p_t * (dp_t - delta_ref[rows][None, :])
-    ds8_t, ds_scale = nm.quantize_rows(ds_t)
+    ds8_t, ds_scale = nm.quantize_rows(ds_t, bit_tricks=True)
     dk = dk + nm.dequantize(nm.int8_dot(ds8_t, q8_t_ref[:, rows]), ds_scale[:, None],
-                            common.block_scale(q_scale_ref, rows))
+                            q_scale, bit_tricks=True)
     if q_mean is not None:
       dk = dk + jnp.sum(ds_t, axis=1)[:, None] * q_mean[None, :]
     return dk, dv
@@ -63,13 +64,16 @@ def _kernel(k8_ref, k_scale_ref, v_ref, kv_ids_ref, q8_ref, q8_t_ref, q_scale_re
     carry = lax.fori_loop(0, num_q_blocks, functools.partial(q_step, causal=False), carry)
   dk, dv = carry
   # Q was quantized as Q * scale * log2(e); the product above carries log2(e).
-  dk_ref[...] = dk * nm.LN_2
-  dv_ref[...] = dv
+  dk_ref[...] = (dk * nm.LN_2).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: Masks,
                   config: Config, launch: LaunchConfig):
-  """dK, dV in fp32, (B, Tk, Hkv, D), summed over each kv head's group."""
+  """dK, dV (B, Tk, Hkv, D) in V's dtype, summed over each kv head's group.
+
+  With GQA the per-query-head partials are kept in fp32 until summed.
+  """
   batch, heads, q_len, head_dim = qkv.q8.shape
   kv_heads, kv_len = qkv.k8.shape[1], qkv.k8.shape[2]
   group = heads // kv_heads
@@ -96,7 +100,8 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
       pl.BlockSpec((None, q_len), lambda j, b, h: (b, 0)) if with_ids else None,
   ]
   partial = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, h, 0))
-  shape = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), jnp.float32)
+  shape = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim),
+                               v.dtype if group == 1 else jnp.float32)
   kernel = functools.partial(_kernel, config=config, num_q_blocks=q_len // config.block_q)
   dk, dv = launch.call(kernel, grid=(kv_len // bk, batch, heads), in_specs=in_specs,
                        out_specs=[partial, partial], out_shape=[shape, shape],
@@ -105,5 +110,5 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
       lse, delta, do, do8_t, do_scale, masks.q_ids)
   if group > 1:
     sum_group = lambda x: x.reshape(batch, kv_len, kv_heads, group, head_dim).sum(axis=3)
-    dk, dv = sum_group(dk), sum_group(dv)
+    dk, dv = sum_group(dk).astype(v.dtype), sum_group(dv).astype(v.dtype)
   return dk, dv

@@ -21,15 +21,15 @@ def _kernel(q8_ref, q_scale_ref, q_mean_ref, lse_ref, delta_ref, do_ref, q_ids_r
             num_kv_blocks: int):
   block_q, block_kv = config.block_q, config.block_kv
   i = pl.program_id(0)
-  q8, q_scale = q8_ref[...], q_scale_ref[...]
+  q8, q_scale = q8_ref[...], jnp.max(q_scale_ref[...])
   q_mean = None if q_mean_ref is None else q_mean_ref[...]
   lse, delta, do = lse_ref[...], delta_ref[...], do_ref[...]
   q_ids = None if q_ids_ref is None else q_ids_ref[...][:, None]
   q_pos = (i * block_q + jnp.arange(block_q))[:, None]
 
   def kv_step(j, dq, *, causal):
-    kv = pl.ds(j * block_kv, block_kv)
-    k_scale = k_scale_ref[kv]
+    kv = pl.ds(pl.multiple_of(j * block_kv, block_kv), block_kv)
+    k_scale = common.block_scale(k_scale_ref, kv)
     s = common.scores(q8, q_scale, k8_ref[kv, :], k_scale, q_mean)
     kv_ids = None if kv_ids_ref is None else kv_ids_ref[kv][None, :]
     kv_pos = (j * block_kv + jnp.arange(block_kv))[None, :]
@@ -37,18 +37,18 @@ def _kernel(q8_ref, q_scale_ref, q_mean_ref, lse_ref, delta_ref, do_ref, q_ids_r
                                       kv_ids=kv_ids))
     p = jnp.exp2(s - lse[:, None])
     ds = p * (nm.float_dot(do, v_ref[kv, :]) - delta[:, None])
-    ds8, ds_scale = nm.quantize_rows(ds)
-    return dq + nm.dequantize(nm.int8_dot(ds8, k8_t_ref[:, kv]), ds_scale[:, None],
-                              common.block_scale(k_scale_ref, kv))
+    ds8, ds_scale = nm.quantize_rows(ds, bit_tricks=True)
+    return dq + nm.dequantize(nm.int8_dot(ds8, k8_t_ref[:, kv]), ds_scale[:, None], k_scale,
+                              bit_tricks=True)
 
   dq = common.loop_over_kv_blocks(i, kv_step, jnp.zeros(q8.shape, jnp.float32),
                                   config=config, num_kv_blocks=num_kv_blocks)
-  dq_ref[...] = dq * config.scale
+  dq_ref[...] = (dq * config.scale).astype(dq_ref.dtype)
 
 
 def backward_dq(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, config: Config,
                 launch: LaunchConfig):
-  """dQ in fp32, (B, Tq, H, D)."""
+  """dQ (B, Tq, H, D) in dO's dtype."""
   batch, heads, q_len, head_dim = qkv.q8.shape
   kv_heads, kv_len = qkv.k8.shape[1], qkv.k8.shape[2]
   kv_head = common.head_map(heads // kv_heads)
@@ -74,7 +74,7 @@ def backward_dq(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, config: Conf
   return launch.call(kernel, grid=(q_len // bq, batch, heads), in_specs=in_specs,
                      out_specs=tokens,
                      out_shape=jax.ShapeDtypeStruct((batch, q_len, heads, head_dim),
-                                                    jnp.float32),
+                                                    do.dtype),
                      name="sagebwd_backward_dq")(
       qkv.q8, qkv.q_scale, qkv.q_mean, lse, delta, do, masks.q_ids, qkv.k8, qkv.k8_t,
       qkv.k_scale, v, masks.kv_ids)

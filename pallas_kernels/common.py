@@ -31,8 +31,11 @@ class LaunchConfig:
 
 
 def scores(q8, q_scale, k8, k_scale, q_mean):
-  """Base-2 logits of one (block_q, block_kv) tile from int8 Q and K."""
-  s = nm.dequantize(nm.int8_dot(q8, k8), q_scale[:, None], k_scale[None, :])
+  """Base-2 logits of one (block_q, block_kv) tile from int8 Q and K.
+
+  The scales are the blocks' (scalars): one multiply per score.
+  """
+  s = nm.dequantize(nm.int8_dot(q8, k8), q_scale, k_scale, bit_tricks=True)
   if q_mean is not None:
     s = s + nm.q_smoothing_bias(k8, k_scale, q_mean)[None, :]
   return s
@@ -41,7 +44,7 @@ def scores(q8, q_scale, k8, k_scale, q_mean):
 def scores_t(k8, k_scale, q8, q_scale, q_mean):
   """The same tile transposed, (block_kv, block_q), computed as K.Q^T so every
   int8 operand keeps its contraction dimension contiguous."""
-  s_t = nm.dequantize(nm.int8_dot(k8, q8), k_scale[:, None], q_scale[None, :])
+  s_t = nm.dequantize(nm.int8_dot(k8, q8), k_scale, q_scale, bit_tricks=True)
   if q_mean is not None:
     s_t = s_t + nm.q_smoothing_bias(k8, k_scale, q_mean)[:, None]
   return s_t

@@ -2,8 +2,12 @@
 
 The Pallas kernels and the pure-JAX reference call these same functions on
 tiles of the same shape, so the int8 values they form agree bit for bit (SPEC:
-"the rounding rule is one rule"). Everything here is plain `jnp` that lowers
-through Pallas' Triton backend, runs in interpret mode, and runs under XLA.
+"the rounding rule is one rule"). Each rule has two exact instruction
+selections: plain XLA ops (`jnp.round`, conversions), and, with
+`bit_tricks=True`, fp32 bit manipulations that Pallas' Triton lowering
+accepts (it has no round) and that are cheaper on the GPU. The kernels use the
+tricks; the reference does not, because XLA:GPU fusions were measured to
+miscompile them (wrong int8 under jit on an H200, right op by op).
 """
 
 from __future__ import annotations
@@ -22,23 +26,34 @@ LN_2 = math.log(2.0)
 # the low mantissa bits. Triton has no round instruction in Pallas' lowering,
 # and this is one fp32 add instead of a quarter-rate conversion.
 _ROUND_MAGIC_F32 = 12582912.0
-_ROUND_MAGIC_I32 = 0x4B400000
+_ROUND_MAGIC_I32 = 0x4B400000  # its bits as an int32
 
 
-def round_to_int8(x: jax.Array) -> jax.Array:
+def round_to_int8(x: jax.Array, *, nonnegative: bool = False,
+                  bit_tricks: bool = False) -> jax.Array:
   """Clip fp32 values to [-127, 127], round half-to-even, return int8.
 
   The clip is SPEC's, and it also matters for exactness: it stands between
-  the scaling multiply and the magic add, so no compiler can contract the two
-  into one FMA that rounds differently on one backend than on another.
+  the scaling multiply and the rounding add, so no compiler can contract the
+  two into one FMA that rounds differently on one backend than on another.
+  With `bit_tricks` the rounded integer is read off the low byte of
+  x + 1.5 * 2**23 (whose own low byte is 0). `nonnegative` (P) skips the
+  lower clip.
   """
-  biased = lax.bitcast_convert_type(jnp.clip(x, -INT8_MAX, INT8_MAX) + _ROUND_MAGIC_F32,
-                                    jnp.int32)
-  return (biased - _ROUND_MAGIC_I32).astype(jnp.int8)
+  x = jnp.minimum(x, INT8_MAX) if nonnegative else jnp.clip(x, -INT8_MAX, INT8_MAX)
+  if not bit_tricks:
+    return jnp.round(x).astype(jnp.int8)
+  return lax.bitcast_convert_type(x + _ROUND_MAGIC_F32, jnp.int32).astype(jnp.int8)
 
 
-def int32_to_float(x: jax.Array) -> jax.Array:
-  """Exact int32 -> fp32 for |x| < 2**22 (any int8 dot of depth <= 256)."""
+def int32_to_float(x: jax.Array, *, bit_tricks: bool = False) -> jax.Array:
+  """Exact int32 -> fp32 for |x| < 2**22 (any int8 dot of depth <= 256).
+
+  The bit trick is an integer add and a float subtract instead of a
+  quarter-rate conversion instruction.
+  """
+  if not bit_tricks:
+    return x.astype(jnp.float32)
   biased = lax.bitcast_convert_type(x + _ROUND_MAGIC_I32, jnp.float32)
   return biased - _ROUND_MAGIC_F32
 
@@ -49,13 +64,14 @@ def inverse_scale(amax: jax.Array) -> jax.Array:
   return jnp.where(amax > 0, INT8_MAX / safe, 0.0)
 
 
-def quantize_tile(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def quantize_tile(x: jax.Array, *, bit_tricks: bool = False) -> tuple[jax.Array, jax.Array]:
   """psi(X) on one tile: symmetric int8 with one fp32 scale for the tile."""
   amax = jnp.max(jnp.abs(x))
-  return round_to_int8(x * inverse_scale(amax)), amax / INT8_MAX
+  return round_to_int8(x * inverse_scale(amax), bit_tricks=bit_tricks), amax / INT8_MAX
 
 
-def quantize_rows(x: jax.Array, row_amax: jax.Array | None = None
+def quantize_rows(x: jax.Array, row_amax: jax.Array | None = None, *,
+                  nonnegative: bool = False, bit_tricks: bool = False
                   ) -> tuple[jax.Array, jax.Array]:
   """Per-token int8: one fp32 scale per row of the tile.
 
@@ -63,11 +79,14 @@ def quantize_rows(x: jax.Array, row_amax: jax.Array | None = None
   output (P and dS), because a row scale factors out of the product. The
   forward passes `row_amax` = exp2(rowmax(S) - m_new), the largest P of the
   row, so it needs no extra reduction (the clip in `round_to_int8` keeps an
-  exp2 that is not perfectly monotone from producing 128).
+  exp2 that is not perfectly monotone from producing 128). `nonnegative`
+  (P) spares the absolute value and the lower clip.
   """
   if row_amax is None:
-    row_amax = jnp.max(jnp.abs(x), axis=-1)
-  return round_to_int8(x * inverse_scale(row_amax)[..., None]), row_amax / INT8_MAX
+    row_amax = jnp.max(x if nonnegative else jnp.abs(x), axis=-1)
+  x8 = round_to_int8(x * inverse_scale(row_amax)[..., None], nonnegative=nonnegative,
+                     bit_tricks=bit_tricks)
+  return x8, row_amax / INT8_MAX
 
 
 def int8_dot(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -81,9 +100,10 @@ def int8_dot(a: jax.Array, b: jax.Array) -> jax.Array:
       preferred_element_type=jnp.int32)
 
 
-def dequantize(acc: jax.Array, a_scale: jax.Array, b_scale: jax.Array) -> jax.Array:
+def dequantize(acc: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
+               bit_tricks: bool = False) -> jax.Array:
   """An int32 product back to fp32: one multiply by the product of scales."""
-  return int32_to_float(acc) * (a_scale * b_scale)
+  return int32_to_float(acc, bit_tricks=bit_tricks) * (a_scale * b_scale)
 
 
 def float_dot(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -128,7 +148,8 @@ def safe_row_max(m: jax.Array) -> jax.Array:
   return jnp.where(m == -jnp.inf, 0.0, m)
 
 
-def online_softmax_step(s: jax.Array, m: jax.Array, l: jax.Array):
+def online_softmax_step(s: jax.Array, m: jax.Array, l: jax.Array, *,
+                        bit_tricks: bool = False):
   """One key tile of the forward's online softmax over base-2 scores `s`.
 
   Returns (P8, P scale per row, correction alpha for the old accumulator,
@@ -141,7 +162,8 @@ def online_softmax_step(s: jax.Array, m: jax.Array, l: jax.Array):
   alpha = jnp.exp2(m - m_safe)
   p = jnp.exp2(s - m_safe[..., None])
   l = alpha * l + jnp.sum(p, axis=-1)
-  p8, p_scale = quantize_rows(p, jnp.exp2(m_tile - m_safe))
+  p8, p_scale = quantize_rows(p, jnp.exp2(m_tile - m_safe), nonnegative=True,
+                              bit_tricks=bit_tricks)
   return p8, p_scale, alpha, m_new, l
 
 

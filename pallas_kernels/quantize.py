@@ -31,7 +31,7 @@ def quantize_block(x, *, multiplier: float = 1.0, mean=None, smooth_rows: bool =
     row_mean = jnp.mean(x, axis=0)
     x = x - row_mean[None, :]
     row_mean = row_mean * multiplier
-  x8, scale = nm.quantize_tile(x)
+  x8, scale = nm.quantize_tile(x, bit_tricks=True)
   return x8, scale * multiplier, row_mean
 
 

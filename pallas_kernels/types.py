@@ -79,5 +79,8 @@ class Backend(Protocol):
   def backward(self, qkv: QuantizedQKV, v: jax.Array, o: jax.Array,
                lse: jax.Array, do: jax.Array, masks: Masks,
                config: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """dQ, dK, dV (fp32, (B, T, H, D)) from the saved residuals and dO."""
+    """dQ, dK, dV, (B, T, H, D), from the saved residuals and dO.
+
+    Any float dtype: the op casts them to the inputs' dtype.
+    """
     ...

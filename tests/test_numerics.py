@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,37 +24,53 @@ def _round_grid() -> np.ndarray:
   return values.astype(np.float32)
 
 
-def test_round_to_int8_is_clipped_round_half_even():
+BIT_TRICKS = pytest.mark.parametrize("bit_tricks", [False, True])
+
+
+@BIT_TRICKS
+def test_round_to_int8_is_clipped_round_half_even(bit_tricks):
   x = _round_grid()
-  got = np.asarray(jax.jit(nm.round_to_int8)(jnp.asarray(x)))
+  got = np.asarray(jax.jit(functools.partial(nm.round_to_int8, bit_tricks=bit_tricks))(
+      jnp.asarray(x)))
   assert got.dtype == np.int8
   want = np.clip(np.rint(x.astype(np.float64)), -127, 127).astype(np.int64)
   np.testing.assert_array_equal(got.astype(np.int64), want)
 
 
-def test_round_to_int8_ties_go_to_even():
+@BIT_TRICKS
+def test_round_to_int8_ties_go_to_even(bit_tricks):
   x = np.array([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5, 125.5, -0.0], np.float32)
-  got = np.asarray(nm.round_to_int8(jnp.asarray(x)))
+  got = np.asarray(nm.round_to_int8(jnp.asarray(x), bit_tricks=bit_tricks))
   np.testing.assert_array_equal(got, [0, 2, 2, 0, -2, -2, 126, -126, 126, 0])
 
 
-def test_round_to_int8_limits():
+@BIT_TRICKS
+def test_round_to_int8_limits(bit_tricks):
   # The int8 range is symmetric: -128 never appears, and +-127.5 (a tie that
   # half-to-even would send to +-128) clips to +-127.
   x = np.array([127.0, -127.0, 127.5, -127.5, 128.0, -128.0, 1e6, -1e6,
                 np.nextafter(np.float32(127.5), np.float32(0)),
                 np.nextafter(np.float32(-127.5), np.float32(0))], np.float32)
-  got = np.asarray(nm.round_to_int8(jnp.asarray(x)))
+  got = np.asarray(nm.round_to_int8(jnp.asarray(x), bit_tricks=bit_tricks))
   np.testing.assert_array_equal(got, [127, -127, 127, -127, 127, -127, 127, -127, 127, -127])
 
 
-def test_int32_to_float_exact():
+@BIT_TRICKS
+def test_round_to_int8_nonnegative(bit_tricks):
+  x = np.array([0.0, 0.5, 1.5, 63.5, 126.5, 127.0, 127.5, 1e6], np.float32)
+  got = np.asarray(nm.round_to_int8(jnp.asarray(x), nonnegative=True, bit_tricks=bit_tricks))
+  np.testing.assert_array_equal(got, [0, 0, 2, 64, 126, 127, 127, 127])
+
+
+@BIT_TRICKS
+def test_int32_to_float_exact(bit_tricks):
   rng = np.random.default_rng(1)
   lim = 2 ** 22 - 1
   x = np.concatenate([rng.integers(-lim, lim + 1, 50000), np.arange(-1000, 1001),
                       [lim, -lim, 2 ** 21, -2 ** 21, 127 * 127 * 256, -127 * 127 * 256]])
   x = x.astype(np.int32)
-  got = np.asarray(jax.jit(nm.int32_to_float)(jnp.asarray(x)))
+  got = np.asarray(jax.jit(functools.partial(nm.int32_to_float, bit_tricks=bit_tricks))(
+      jnp.asarray(x)))
   assert got.dtype == np.float32
   np.testing.assert_array_equal(got.astype(np.float64), x.astype(np.float64))
 

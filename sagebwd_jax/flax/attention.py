@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sagebwd_jax.api import SUPPORTED_HEAD_DIMS, dot_product_attention
+from sagebwd_jax.sharding import check_split, shard_attention
 
 AttentionImpl = Literal["sage", "full", "reference"]
 IMPLEMENTATIONS = ("sage", "full", "reference")
@@ -75,6 +76,9 @@ class Attention(nnx.Module):
       param_dtype: Any = jnp.float32,
       kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
       out_kernel_init: nnx.Initializer | None = None,
+      mesh: jax.sharding.Mesh | None = None,
+      batch_axis: str | None = "data",
+      head_axis: str | None = "model",
       rngs: nnx.Rngs,
   ):
     """
@@ -99,6 +103,12 @@ class Attention(nnx.Module):
       kernel_init: initializer of the q/k/v projections.
       out_kernel_init: initializer of the output projection (default
         kernel_init); LMs scale it down with depth.
+      mesh: run the attention op under `jax.shard_map` over this mesh, the
+        batch split on `batch_axis` and the heads (query and key/value) on
+        `head_axis` (see `sagebwd_jax.sharding`); None: no shard_map. Needed
+        for the Pallas kernels on more than one device. num_kv_heads must be
+        divisible by the head axis' size.
+      batch_axis, head_axis: mesh axis names (None: that dimension not split).
       rngs: parameter initialization keys.
     """
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -113,7 +123,11 @@ class Attention(nnx.Module):
       raise ValueError(f"head_dim={head_dim} is not supported by SageBwd (need one of "
                        f"{SUPPORTED_HEAD_DIMS}); change in_features/num_heads or "
                        "head_dim, or use implementation='full'")
+    if mesh is not None:
+      check_split(mesh, batch=None, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                  batch_axis=batch_axis, head_axis=head_axis)
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+    self.mesh, self.batch_axis, self.head_axis = mesh, batch_axis, head_axis
     self.causal = causal
     self.rope_theta = rope_theta
     self.implementation = implementation
@@ -151,6 +165,12 @@ class Attention(nnx.Module):
     return self.out_proj(out.reshape(batch, seq_len, self.num_heads * self.head_dim))
 
   def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    if self.mesh is None:
+      return self._attend_local(q, k, v)
+    return shard_attention(self._attend_local, self.mesh, batch_axis=self.batch_axis,
+                           head_axis=self.head_axis)(q, k, v)
+
+  def _attend_local(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     if self.implementation == "full":
       # cuDNN's fused kernel is the fast full-precision baseline on GPU, but
       # it takes only half-precision inputs.

@@ -106,7 +106,8 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
   """One pre-norm transformer block."""
 
-  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs,
+               mesh: jax.sharding.Mesh | None = None):
     norm = lambda: RMSNorm(config.dim, eps=config.norm_eps, dtype=config.dtype,
                            param_dtype=config.param_dtype)
     self.attn_norm = norm()
@@ -116,7 +117,8 @@ class Block(nnx.Module):
         implementation=config.attention, smooth_k=config.smooth_k,
         smooth_q=config.smooth_q, dtype=config.dtype, param_dtype=config.param_dtype,
         kernel_init=nnx.initializers.normal(_STD),
-        out_kernel_init=nnx.initializers.normal(_residual_std(config)), rngs=rngs)
+        out_kernel_init=nnx.initializers.normal(_residual_std(config)), mesh=mesh,
+        rngs=rngs)
     self.mlp_norm = norm()
     self.mlp = MLP(config, rngs=rngs)
 
@@ -126,14 +128,20 @@ class Block(nnx.Module):
 
 
 class Llama(nnx.Module):
-  """Decoder-only LM: int32 tokens (B, T) -> fp32 logits (B, T, vocab_size)."""
+  """Decoder-only LM: int32 tokens (B, T) -> fp32 logits (B, T, vocab_size).
 
-  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+  With a `mesh` (axes "data" and "model"), attention runs under
+  `jax.shard_map`: batch on "data", heads on "model" (`sagebwd_jax.sharding`);
+  the rest of the model is left to jit's sharding propagation.
+  """
+
+  def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs,
+               mesh: jax.sharding.Mesh | None = None):
     self.config = config
     self.embed = nnx.Embed(config.vocab_size, config.dim, dtype=config.dtype,
                            param_dtype=config.param_dtype,
                            embedding_init=nnx.initializers.normal(_STD), rngs=rngs)
-    self.blocks = nnx.List([Block(config, rngs=rngs) for _ in range(config.n_layers)])
+    self.blocks = nnx.List([Block(config, rngs=rngs, mesh=mesh) for _ in range(config.n_layers)])
     self.norm = RMSNorm(config.dim, eps=config.norm_eps, dtype=config.dtype,
                         param_dtype=config.param_dtype)
     if config.tie_embeddings:
