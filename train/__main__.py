@@ -14,6 +14,11 @@ def main(argv: list[str] | None = None) -> None:
     cfg = from_args(argv)
   except ValueError as e:
     raise SystemExit(f"error: {e}")
+  from train.sharding import initialize_distributed
+  try:
+    initialize_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id)
+  except ValueError as e:
+    raise SystemExit(f"error: {e}")
   from train.loop import NonFiniteError, train  # after argument parsing: jax is slow to import
   from train.plot import plot
 
@@ -24,6 +29,9 @@ def main(argv: list[str] | None = None) -> None:
     raise SystemExit(f"error: {e}")
   except ValueError as e:
     raise SystemExit(f"error: {e}")
+  import jax
+  if jax.process_index() != 0:
+    return  # process 0 writes the plot and the summary
   png = plot([cfg.run_dir], os.path.join(cfg.run_dir, "loss.png"))
   print(f"done in {time.perf_counter() - t0:.0f}s: step {last.get('step')}, "
         f"loss {last.get('loss', float('nan')):.4f}, val_loss "

@@ -52,6 +52,11 @@ class Config:
   resume: bool = False
   seed: int = 0
   progress: bool = True            # tqdm bar
+  # Devices (train/sharding.py): the mesh, and multi-host start-up.
+  mesh: str | None = None          # "data=N,model=M"; None: data = all devices, model = 1
+  coordinator: str | None = None   # host:port of process 0 (or "auto"); None: from the env
+  num_processes: int | None = None
+  process_id: int | None = None
 
   @property
   def tokens_per_step(self) -> int:
@@ -103,6 +108,12 @@ HELP = {
     "keep": "checkpoints kept (the most recent)", "out": "run folder (default runs/<name>)",
     "resume": "continue from the run folder's latest checkpoint, exactly",
     "seed": "model init and the data order (batches are a function of seed and step)",
+    "mesh": "device mesh 'data=N,model=M' (N x M = all devices of all processes): batch "
+            "split on data, attention heads on model; default data=<all devices>,model=1",
+    "coordinator": "multi-host: host:port of process 0's coordinator, or 'auto' (SLURM, "
+                   "Open MPI, ...); default: JAX_COORDINATOR_ADDRESS if set, else one process",
+    "num_processes": "multi-host: number of processes (default: JAX_NUM_PROCESSES or detected)",
+    "process_id": "multi-host: this process's index (default: JAX_PROCESS_ID or detected)",
 }
 
 
@@ -158,5 +169,7 @@ def check(cfg: Config) -> None:
                "eval_batches", "ckpt_every", "keep"):
     if getattr(cfg, name) < 1:
       raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+  from train.sharding import parse_mesh
+  parse_mesh(cfg.mesh)  # the string's form; the device count is checked at start-up
   if not 0.0 < cfg.val_fraction < 1.0:
     raise ValueError(f"val_fraction must be in (0, 1), got {cfg.val_fraction}")

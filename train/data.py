@@ -158,20 +158,28 @@ def load(paths: list[str], val_fraction: float, seq_len: int) -> Dataset:
   return ds
 
 
-def _windows(tokens: np.ndarray, rng: np.random.Generator, shape: tuple, seq_len: int):
+def _windows(tokens: np.ndarray, rng: np.random.Generator, shape: tuple, seq_len: int,
+             rows: slice | None):
   starts = rng.integers(0, len(tokens) - seq_len, size=shape)  # windows of seq_len + 1
+  if rows is not None:  # this process's share of the batch (the draws stay global)
+    starts = starts[..., rows]
   idx = starts[..., None] + np.arange(seq_len + 1)
   return np.asarray(tokens[idx], dtype=np.int32)
 
 
 def train_batch(ds: Dataset, seed: int, step: int, grad_accum: int, batch_size: int,
-                seq_len: int) -> np.ndarray:
-  """Tokens (grad_accum, batch_size, seq_len + 1) for `step`: inputs and targets."""
+                seq_len: int, rows: slice | None = None) -> np.ndarray:
+  """Tokens (grad_accum, batch_size, seq_len + 1) for `step`: inputs and targets.
+
+  `rows`: only these sequences of each micro-batch (a process's share of the
+  global batch); they are the same tokens whatever the number of processes.
+  """
   rng = np.random.default_rng([seed, _TRAIN, step])
-  return _windows(ds.train, rng, (grad_accum, batch_size), seq_len)
+  return _windows(ds.train, rng, (grad_accum, batch_size), seq_len, rows)
 
 
-def val_batch(ds: Dataset, seed: int, index: int, batch_size: int, seq_len: int) -> np.ndarray:
+def val_batch(ds: Dataset, seed: int, index: int, batch_size: int, seq_len: int,
+              rows: slice | None = None) -> np.ndarray:
   """Validation batch `index` (batch_size, seq_len + 1); the same at every evaluation."""
   rng = np.random.default_rng([seed, _VAL, index])
-  return _windows(ds.val, rng, (batch_size,), seq_len)
+  return _windows(ds.val, rng, (batch_size,), seq_len, rows)

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from train import data, optim
+from train import data, optim, sharding
 from train.checkpoint import Checkpoints
 from train.config import Config, check
 from train.metrics import MetricsLog
@@ -24,18 +24,47 @@ class NonFiniteError(RuntimeError):
   """The loss, gradient or parameters stopped being finite."""
 
 
-def evaluate(eval_step, params, ds, cfg: Config) -> float:
-  losses = [eval_step(params, data.val_batch(ds, cfg.seed, i, cfg.batch_size, cfg.seq_len))
-            for i in range(cfg.eval_batches)]
+class Batches:
+  """Global batches on `mesh`, split on "data"; this process loads its rows only."""
+
+  def __init__(self, ds: data.Dataset, cfg: Config, mesh):
+    self.ds, self.cfg = ds, cfg
+    self.train_shape = (cfg.grad_accum, cfg.batch_size, cfg.seq_len + 1)
+    self.val_shape = (cfg.batch_size, cfg.seq_len + 1)
+    self.train_sharding = sharding.batch_sharding(mesh, 3, 1)
+    self.val_sharding = sharding.batch_sharding(mesh, 2, 0)
+    self.train_rows = sharding.local_rows(self.train_sharding, self.train_shape, 1)
+    self.val_rows = sharding.local_rows(self.val_sharding, self.val_shape, 0)
+
+  def train(self, step: int) -> jax.Array:
+    c = self.cfg
+    local = data.train_batch(self.ds, c.seed, step, c.grad_accum, c.batch_size, c.seq_len,
+                             self.train_rows)
+    return sharding.global_batch(local, self.train_sharding, self.train_shape)
+
+  def val(self, index: int) -> jax.Array:
+    c = self.cfg
+    local = data.val_batch(self.ds, c.seed, index, c.batch_size, c.seq_len, self.val_rows)
+    return sharding.global_batch(local, self.val_sharding, self.val_shape)
+
+
+def evaluate(eval_step, params, batches: Batches, cfg: Config) -> float:
+  losses = [eval_step(params, batches.val(i)) for i in range(cfg.eval_batches)]
   return float(np.mean(jax.device_get(losses)))
 
 
 def train(cfg: Config) -> dict:
   """Runs `cfg` to `cfg.steps`; returns the last metrics. Raises NonFiniteError."""
   check(cfg)
+  mesh = sharding.make_mesh(cfg.mesh)  # one device: a mesh of 1, the same code
+  sharding.check_config(cfg, mesh)
+  main = jax.process_index() == 0  # process 0 alone writes logs, metrics, config
   run_dir = cfg.run_dir
   os.makedirs(run_dir, exist_ok=True)
-  log = tqdm.write if cfg.progress else print
+  log = (tqdm.write if cfg.progress else print) if main else (lambda *a, **k: None)
+  log(f"devices: mesh data={mesh.shape['data']} x model={mesh.shape['model']} over "
+      f"{jax.process_count()} process(es), {jax.device_count()} {jax.default_backend()} "
+      f"device(s)")
 
   # Data.
   ds = data.load(cfg.data, cfg.val_fraction, cfg.seq_len)
@@ -44,12 +73,13 @@ def train(cfg: Config) -> dict:
     raise ValueError(f"--vocab-size {vocab} is too small for {ds.source}: its tokens "
                      f"need {ds.vocab_size}")
   log(f"data: {ds.source}: {len(ds.train):,} train / {len(ds.val):,} val tokens")
+  batches = Batches(ds, cfg, mesh)
 
   # Model, optimizer, compiled steps.
-  model = build_model(cfg, vocab)
+  model = build_model(cfg, vocab, mesh)
   tx = optim.optimizer(cfg)
   lr_at = optim.schedule(cfg)
-  state, train_step, eval_step = make_steps(model, tx)
+  state, train_step, eval_step = make_steps(model, tx, mesh)
   del model
   log(f"model: {count_params(state['params']) / 1e6:.2f}M parameters, "
       f"attention={cfg.attention}, qk_norm={cfg.qk_norm}, smooth_k={cfg.smooth_k}, "
@@ -63,9 +93,12 @@ def train(cfg: Config) -> dict:
 
   # Checkpoints: resume from the latest, or start a fresh run in the folder.
   ckpt_dir = os.path.join(run_dir, "checkpoints")
-  if not cfg.resume and os.path.exists(ckpt_dir):
+  if main and not cfg.resume and os.path.exists(ckpt_dir):
     log(f"fresh run: removing the old checkpoints in {ckpt_dir} (use --resume to continue)")
     shutil.rmtree(ckpt_dir)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("sagebwd-train: checkpoint folder ready")
   ckpts = Checkpoints(run_dir, cfg.keep)
   start = 0
   if cfg.resume:
@@ -74,12 +107,13 @@ def train(cfg: Config) -> dict:
     state = ckpts.restore(state)
     start = int(state["step"])
     log(f"resumed from step {start}")
-  metrics = MetricsLog(run_dir, start if cfg.resume else None)
-  with open(os.path.join(run_dir, "config.json"), "w") as f:
-    json.dump(dataclasses.asdict(cfg), f, indent=2)
+  metrics = MetricsLog(run_dir, start if cfg.resume else None, enabled=main)
+  if main:
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+      json.dump(dataclasses.asdict(cfg), f, indent=2)
 
   def eval_and_log(step: int) -> float:
-    val_loss = evaluate(eval_step, state["params"], ds, cfg)
+    val_loss = evaluate(eval_step, state["params"], batches, cfg)
     metrics.write(step=step, tokens=step * cfg.tokens_per_step, val_loss=val_loss)
     log(f"step {step}: val_loss {val_loss:.4f}")
     return val_loss
@@ -87,12 +121,12 @@ def train(cfg: Config) -> dict:
   if start == 0:
     eval_and_log(0)
   last = {}
-  bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not cfg.progress,
+  bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not (cfg.progress and main),
              mininterval=1.0, dynamic_ncols=True)
   try:
     for step in bar:  # `step` steps are done; this one makes it step + 1
       t0 = time.perf_counter()
-      batch = data.train_batch(ds, cfg.seed, step, cfg.grad_accum, cfg.batch_size, cfg.seq_len)
+      batch = batches.train(step)
       state, m = train_step(state, batch)
       m = {k: float(v) for k, v in jax.device_get(m).items()}  # waits for the step
       dt = time.perf_counter() - t0

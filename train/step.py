@@ -5,6 +5,11 @@ parameters (what we train) and any other state (constant here). The train
 state is then a plain pytree `{"params", "opt", "step"}` and the steps are
 ordinary `jax.jit` functions of it: the state is donated, so its buffers are
 updated in place.
+
+With a mesh (train/sharding.py) the state is replicated over it and the
+steps take batches split on "data": jit's partitioner computes each device's
+share and all-reduces the gradients; attention runs under shard_map inside
+the model.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from flax import nnx
 from train.config import Config
 
 
-def build_model(cfg: Config, vocab_size: int) -> nnx.Module:
+def build_model(cfg: Config, vocab_size: int, mesh=None) -> nnx.Module:
   from sagebwd_jax.flax import Llama, LlamaConfig
   mcfg = LlamaConfig(
       vocab_size=vocab_size, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
@@ -25,11 +30,13 @@ def build_model(cfg: Config, vocab_size: int) -> nnx.Module:
       rope_theta=cfg.rope_theta, qk_norm=cfg.qk_norm, tie_embeddings=cfg.tie_embeddings,
       attention=cfg.attention, smooth_k=cfg.smooth_k, smooth_q=cfg.smooth_q,
       dtype=getattr(jnp, cfg.dtype), param_dtype=jnp.float32)
-  return Llama(mcfg, rngs=nnx.Rngs(cfg.seed))
+  return Llama(mcfg, rngs=nnx.Rngs(cfg.seed), mesh=mesh)
 
 
-def make_steps(model: nnx.Module, tx: optax.GradientTransformation):
-  """Initial train state, jitted train_step(state, batch), jitted eval_step(params, batch)."""
+def make_steps(model: nnx.Module, tx: optax.GradientTransformation, mesh=None):
+  """Initial train state, jitted train_step(state, batch), jitted eval_step(params, batch).
+
+  With `mesh`, the state is replicated over it (and stays so after each step)."""
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
   def loss_fn(params, tokens):  # tokens (B, T + 1): next-token cross-entropy
@@ -54,7 +61,15 @@ def make_steps(model: nnx.Module, tx: optax.GradientTransformation):
     return {"params": params, "opt": opt, "step": state["step"] + 1}, metrics
 
   state = {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
-  return state, jax.jit(train_step, donate_argnums=0), jax.jit(loss_fn)
+  if mesh is None:
+    return state, jax.jit(train_step, donate_argnums=0), jax.jit(loss_fn)
+  from train.sharding import replicate, replicated
+  state = replicate(state, mesh)
+  state_shardings = jax.tree.map(lambda x: x.sharding, state)
+  return (state,
+          jax.jit(train_step, donate_argnums=0,
+                  out_shardings=(state_shardings, replicated(mesh))),
+          jax.jit(loss_fn, out_shardings=replicated(mesh)))
 
 
 def count_params(params) -> int:
