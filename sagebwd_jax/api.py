@@ -222,7 +222,8 @@ def _token_ids(segment_ids, lengths, batch: int, seq_len: int, padded_len: int,
   """Segment ids (0 without them), `invalid` past the length and in padding."""
   ids = jnp.zeros((batch, padded_len), jnp.int32)
   if segment_ids is not None:
-    ids = ids.at[:, :seq_len].set(segment_ids)
+    # A pad, not a scatter: XLA:CPU crashed on the scatter under shard_map.
+    ids = jnp.pad(segment_ids, ((0, 0), (0, padded_len - seq_len)))
   length = seq_len if lengths is None else jnp.minimum(lengths, seq_len)[:, None]
   return jnp.where(jnp.arange(padded_len)[None, :] < length, ids, invalid)
 

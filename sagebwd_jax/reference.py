@@ -48,8 +48,14 @@ def _per_token(scale: jax.Array, block: int) -> jax.Array:
 
 
 def _int8_einsum(subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
-  """An exact int8 product with int32 accumulation."""
-  return jnp.einsum(subscripts, a, b, preferred_element_type=jnp.int32)
+  """An exact int8 product as int32, computed on integer-valued fp32.
+
+  Exact because every sum here is below 127 * 127 * 256 < 2**24; it keeps the
+  reference off XLA's int8 GEMM paths, which it only needs to be exact.
+  """
+  product = jnp.einsum(subscripts, a.astype(_f32), b.astype(_f32),
+                       precision=jax.lax.Precision.HIGHEST)
+  return product.astype(jnp.int32)
 
 
 def _transposed(x8: jax.Array) -> jax.Array:

@@ -82,11 +82,6 @@ def shard_attention(fn: Callable = dot_product_attention, mesh: Mesh | None = No
     qkv_spec = (P(None, head_axis, None) if unbatched
                 else P(batch_axis, None, head_axis, None))
     arrays = {n: kwargs.pop(n) for n in _ARRAY_KWARGS if kwargs.get(n) is not None}
-    if "segment_ids" in arrays and mesh.devices.size > 1 and _on_cpu(mesh):
-      raise NotImplementedError(
-          "segment_ids under shard_map on several XLA:CPU devices: the op's scatter "
-          "that builds the token ids crashes XLA:CPU there (jax 0.11.2). Use one CPU "
-          "device, a GPU mesh, or query/key_value_seq_lengths.")
     array_specs = jax.tree.map(lambda _: P(batch_axis), arrays)
 
     def local(q, k, v, arrays):
@@ -99,10 +94,6 @@ def shard_attention(fn: Callable = dot_product_attention, mesh: Mesh | None = No
     return jax.jit(mapped)(query, key, value, arrays)
 
   return wrapped
-
-
-def _on_cpu(mesh: Mesh) -> bool:
-  return mesh.devices.flat[0].platform == "cpu"
 
 
 def sharded_attention(mesh: Mesh, query: jax.Array, key: jax.Array, value: jax.Array, *,

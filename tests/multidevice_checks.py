@@ -70,11 +70,11 @@ def op() -> dict:
   sharded = _value_and_grads(lambda q, k, v: sharded_attention(_mesh(4, 2), q, k, v, **kw),
                              q, k, v, do)
   out["reference/both/lengths"] = _max_rel(sharded, single)
-  try:  # XLA:CPU crashes on the op's segment-id scatter under shard_map: refused
-    sharded_attention(_mesh(4, 2), q, k, v, segment_ids=seg)
-    out["segment_ids_cpu_error"] = None
-  except NotImplementedError as e:
-    out["segment_ids_cpu_error"] = str(e)
+  kw = dict(segment_ids=seg, is_causal=True, implementation="reference")
+  single = _value_and_grads(lambda q, k, v: dot_product_attention(q, k, v, **kw), q, k, v, do)
+  sharded = _value_and_grads(lambda q, k, v: sharded_attention(_mesh(4, 2), q, k, v, **kw),
+                             q, k, v, do)
+  out["reference/both/segments"] = _max_rel(sharded, single)
   # Any (q, k, v) -> o op can be wrapped: jax.nn's full-precision attention.
   wrapped = shard_attention(jax.nn.dot_product_attention, _mesh(4, 2))
   out["jax.nn/both"] = _max_rel(
