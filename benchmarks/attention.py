@@ -142,7 +142,7 @@ def _table(rows):
         f"| {r['impl']} | {r['B']} | {r['T']} | {r['H']} | {r['D']} | {r['causal']} | "
         f"{r['fwd_tops']:.1f} | {r.get('fwd_vs_cudnn', float('nan')):.2f} | "
         f"{r['fwd_bwd_tops']:.1f} | {r.get('fwd_bwd_vs_cudnn', float('nan')):.2f} | "
-        f"{r.get('fwd_bwd_peak_gib', float('nan')):.2f} |")
+        f"{r['fwd_bwd_peak_gib']:.2f} |" if "fwd_bwd_peak_gib" in r else "- |")
   return "\n".join(lines)
 
 

@@ -112,13 +112,19 @@ def _run_case(case, implementation, *, dtype=jnp.bfloat16):
   return (o, *vjp(do))
 
 
+def _tolerance(x) -> float:
+  """Relative L2 allowed between two backends: rare int8 rounding flips from
+  differently ordered fp32 sums, plus bf16's own rounding of the result."""
+  return 1e-3 + 4e-3 * (x.dtype == jnp.bfloat16)
+
+
 def _check_case(case):
   ours = _run_case(case, "pallas")
   with jax.default_device(CPU):  # the exact oracle is the CPU reference
     ref = _run_case(case, "reference")
   for name, a, b in zip(("O", "dQ", "dK", "dV"), ours, ref):
     assert bool(jnp.all(jnp.isfinite(a.astype(jnp.float32)))), name
-    assert float(metrics.relative_l2(a, b)) <= 1e-3 + 4e-3 * (a.dtype == jnp.bfloat16), name
+    assert float(metrics.relative_l2(a, b)) <= _tolerance(a), name
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -193,4 +199,4 @@ def test_gpu_reference_agrees_with_cpu_reference(causal):
     on_cpu = jax.tree.leaves(value_and_grads(fn, *(jax.device_put(x, CPU)
                                                    for x in (q, k, v, do))))
   for a, b in zip(on_gpu, on_cpu, strict=True):
-    assert float(metrics.relative_l2(np.asarray(a), np.asarray(b))) <= 1e-3
+    assert float(metrics.relative_l2(np.asarray(a), np.asarray(b))) <= _tolerance(a)
