@@ -12,7 +12,8 @@ import pytest
 
 from conftest import gaussian_qkv, value_and_grads
 from pallas_kernels.backend import PallasBackend
-from pallas_kernels.types import Config
+from pallas_kernels.backward_prepass import backward_prepass
+from pallas_kernels.types import Config, Masks
 from sagebwd_jax import dot_product_attention, metrics
 from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import key_mean
@@ -60,8 +61,6 @@ def test_quantization_pass_forms_the_reference_int8_tensors(head_dim, smooth_q, 
 
 
 def test_backward_prepass_matches_reference_rules():
-  from pallas_kernels.backward_prepass import backward_prepass
-  from pallas_kernels import numerics as nm
   _, _, o, do = gaussian_qkv(jax.random.key(1), 2, 128, 128, 2, 2, 64)
   delta, do8_t, do_scale = backward_prepass(o, do, block_q=64, launch=PALLAS.backward_launch)
   expected_delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), -1)
@@ -137,8 +136,8 @@ def test_forward_lse_matches_reference(causal):
   q, k, v, _ = gaussian_qkv(jax.random.key(3), 1, 128, 128, 2, 1, 64)
   config = _config(causal=causal)
   qkv = REFERENCE.quantize(q, k, v, key_mean(k, None), config)
-  o, lse = PALLAS.forward(qkv, _no_masks(), config, jnp.float32)
-  o_ref, lse_ref = REFERENCE.forward(qkv, _no_masks(), config, jnp.float32)
+  o, lse = PALLAS.forward(qkv, Masks(), config, jnp.float32)
+  o_ref, lse_ref = REFERENCE.forward(qkv, Masks(), config, jnp.float32)
   np.testing.assert_allclose(lse, lse_ref, rtol=1e-4)
   assert float(metrics.relative_l2(o, o_ref)) <= 1e-3
 
@@ -147,16 +146,11 @@ def test_backward_kernels_match_reference_fp32():
   q, k, v, do = gaussian_qkv(jax.random.key(4), 1, 128, 128, 2, 2, 64, dtype=jnp.float32)
   config = _config(causal=True)
   qkv = REFERENCE.quantize(q, k, v, key_mean(k, None), config)
-  o, lse = REFERENCE.forward(qkv, _no_masks(), config, jnp.float32)
-  ours = PALLAS.backward(qkv, v, o, lse, do, _no_masks(), config)
-  ref = REFERENCE.backward(qkv, v, o, lse, do, _no_masks(), config)
+  o, lse = REFERENCE.forward(qkv, Masks(), config, jnp.float32)
+  ours = PALLAS.backward(qkv, v, o, lse, do, Masks(), config)
+  ref = REFERENCE.backward(qkv, v, o, lse, do, Masks(), config)
   for name, a, b in zip(("dQ", "dK", "dV"), ours, ref):
     assert float(metrics.relative_l2(a, b)) <= 1e-3, name
-
-
-def _no_masks():
-  from pallas_kernels.types import Masks
-  return Masks()
 
 
 def test_transforms_jit_vmap_checkpoint():
