@@ -52,8 +52,8 @@ def _backward(config, backend, smooth_k, residuals, do):
   del smooth_k  # rows of dS sum to zero: the smoothing mean has no gradient term
   qkv, v, o, lse, masks = residuals
   dq, dk, dv = backend.backward(qkv, v, o, lse, do, masks, config)
-  dtype = lambda x, like: x.astype(like.dtype)
-  return dtype(dq, o), dtype(dk, v), dtype(dv, v), None
+  # q, k and v share one dtype (the op checks it), which o carries too.
+  return dq.astype(o.dtype), dk.astype(o.dtype), dv.astype(o.dtype), None
 
 
 sagebwd_attention.defvjp(_forward, _backward)
