@@ -1,0 +1,113 @@
+"""The Mosaic GPU forward against the portable (Triton) forward and cuDNN BF16.
+
+    PYTHONPATH=.:benchmarks python benchmarks/mosaic_forward.py [--seq 4096] [--variants all]
+
+B=4, T=4096, H=16, D=128 by default, causal and not. Both SageBwd forwards are
+timed on the same quantized inputs (the quantization pass is timed apart and
+is the same for both); cuDNN on the bf16 inputs. TOPS = 4*B*H*T*T*D / time
+(halved when causal). Each Mosaic variant's O and lse are checked against the
+Triton forward's in the same run (relative L2). Writes mosaic_forward.csv to
+--out (default $OUT, else nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attention import time_call  # benchmarks/attention.py
+from pallas_kernels.backend import PallasBackend
+from pallas_kernels.forward import forward
+from pallas_kernels.mosaic_forward import MosaicLaunch, forward_mosaic
+from pallas_kernels.types import Config, Masks
+from sagebwd_jax.sagebwd import key_mean
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+VARIANTS = {
+    "mosaic": MosaicLaunch(),
+    "mosaic_bits": MosaicLaunch(bit_tricks=True),
+    "mosaic_3st": MosaicLaunch(max_concurrent_steps=3),
+    "mosaic_bits_3st": MosaicLaunch(bit_tricks=True, max_concurrent_steps=3),
+    "mosaic_nosched": MosaicLaunch(use_schedule_barrier=False),
+}
+
+
+def _rel(x, ref) -> float:
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--batch", type=int, default=4)
+  parser.add_argument("--seq", type=int, default=4096)
+  parser.add_argument("--heads", type=int, default=16)
+  parser.add_argument("--head-dim", type=int, default=128)
+  parser.add_argument("--variants", default="all",
+                      help=f"comma list of {sorted(VARIANTS)} or 'all'")
+  parser.add_argument("--out", default=os.environ.get("OUT"))
+  args = parser.parse_args()
+  names = sorted(VARIANTS) if args.variants == "all" else args.variants.split(",")
+  b, t, h, d = args.batch, args.seq, args.heads, args.head_dim
+  keys = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(kk, (b, t, h, d), jnp.bfloat16) for kk in keys)
+  rows = []
+  for causal in (False, True):
+    config = Config(scale=d**-0.5, causal=causal, smooth_q=False, block_q=64, block_kv=64)
+    pallas = PallasBackend.tuned(causal=causal)
+    quantize = jax.jit(lambda q, k, v: pallas.quantize(q, k, v, key_mean(k, None), config))
+    qkv = jax.block_until_ready(quantize(q, k, v))
+    flops = 4 * b * h * t * t * d * (0.5 if causal else 1.0)
+    tops = lambda sec: flops / sec / 1e12
+
+    def record(name, sec, **extra):
+      row = dict(impl=name, B=b, T=t, H=h, D=d, causal=causal, ms=sec * 1e3, tops=tops(sec),
+                 **extra)
+      rows.append(row)
+      print(f"{name:>16} causal={causal!s:5} {sec * 1e3:8.3f} ms {tops(sec):7.1f} TOPS "
+            + " ".join(f"{k}={v:.3g}" for k, v in extra.items()), flush=True)
+      return row
+
+    cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation="cudnn"))
+    ref_row = record("cudnn", time_call(cudnn, q, k, v))
+    record("quantize_pass", time_call(quantize, q, k, v))
+    triton = jax.jit(lambda qkv: forward(qkv, Masks(), config, jnp.bfloat16, pallas.forward_launch))
+    o_t, lse_t = jax.block_until_ready(triton(qkv))
+    record("triton_fwd", time_call(triton, qkv))
+    for name in names:
+      fn = jax.jit(lambda qkv, launch=VARIANTS[name]: forward_mosaic(
+          qkv, Masks(), config, jnp.bfloat16, launch))
+      try:
+        o, lse = jax.block_until_ready(fn(qkv))
+        record(name, time_call(fn, qkv), o_rel_l2=_rel(o, o_t), lse_rel_l2=_rel(lse, lse_t))
+      except Exception as e:  # report and go on with the other variants
+        print(f"{name:>16} causal={causal!s:5} FAILED {type(e).__name__}: {e}"[:2000], flush=True)
+    for row in rows:
+      if row["causal"] == causal:
+        row["x_cudnn"] = row["tops"] / ref_row["tops"]
+
+  print("\n| impl | causal | ms | TOPS | x cuDNN | O rel L2 vs Triton | lse rel L2 |")
+  print("|---|---|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['impl']} | {r['causal']} | {r['ms']:.3f} | {r['tops']:.1f} | "
+          f"{r['x_cudnn']:.2f} | {r.get('o_rel_l2', float('nan')):.2e} | "
+          f"{r.get('lse_rel_l2', float('nan')):.2e} |")
+  if args.out:
+    os.makedirs(args.out, exist_ok=True)
+    fields = sorted({k for r in rows for k in r})
+    with open(os.path.join(args.out, "mosaic_forward.csv"), "w", newline="") as f:
+      writer = csv.DictWriter(f, fieldnames=fields)
+      writer.writeheader()
+      writer.writerows(rows)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,324 @@
+"""The forward kernel for Hopper in Pallas' Mosaic GPU dialect (`plgpu.kernel`).
+
+Same semantics as `pallas_kernels.forward.forward` (base-2 scores from int8
+Q.K^T times the block scales, online softmax, P quantized per row with the row
+maximum exp2(rowmax(S) - m_new), int8 P.V, O = acc / l, lse = m + log2(l)),
+restricted to the cases `supports` accepts: no masks besides causality, no
+Q-smoothing, D in {64, 128}, 64 x 64 quantization blocks.
+
+Structure (FlashAttention-3 style, like jax's `attention_mgpu.py`): one CTA
+per (query head, 128 query rows, batch) with three warpgroups. Warpgroups 0
+and 1 each own 64 query rows (one quantization block) and run
+  S = wgmma_int8(Q8, K8^T)  (int32 accumulator, K tile (64, D) is K-major)
+  online softmax, P8 = round(P / sP) staged through shared memory
+  PV = wgmma_int8(P8, V8)   (V stored transposed (D, Tk): K-major again)
+warpgroup 2 is the producer: it streams K, V^T tiles (and their scales)
+through a `max_concurrent_steps`-deep ring of shared-memory slots with TMA.
+
+Scales are stored per token (`QuantizedQKV`), so a 64-token tile of k_scale
+or v_scale is 64 copies of the block's scale: loaded as a per-row vector of
+the 64-row accumulator it multiplies each row by that same scalar, which is
+exactly the scalar product the portable kernel forms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels import numerics as nm
+from pallas_kernels.types import Config, Masks, QuantizedQKV
+
+BLOCK = 64  # rows per compute warpgroup = quantization block = key tile
+COMPUTE_WGS = 2
+HEAD_DIMS = (64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicLaunch:
+  """Tuning knobs of the Mosaic forward (static)."""
+
+  max_concurrent_steps: int = 2  # K/V ring depth
+  use_schedule_barrier: bool = True  # alternate the two warpgroups' tensor-core phases
+  bit_tricks: bool = False  # fp32 bit tricks for int32->fp32 and rounding
+  approx_math: bool = True
+
+
+def supports(masks: Masks, config: Config, head_dim: int) -> bool:
+  """Whether `forward_mosaic` takes this case (else use the portable kernel)."""
+  return (masks.q_ids is None and masks.kv_ids is None and not config.smooth_q
+          and head_dim in HEAD_DIMS and config.block_q == BLOCK
+          and config.block_kv == BLOCK)
+
+
+def _transforms(minor_elems: int, dtype) -> tuple:
+  swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
+  swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def _to_f32(x, bit_tricks):
+  if bit_tricks:
+    return nm.int32_to_float(x, bit_tricks=True)
+  return x.astype(jnp.float32)
+
+
+def _round_p(x, bit_tricks):
+  """round_to_int8(x, nonnegative=True): min(x, 127), round half-even, int8."""
+  x = jnp.minimum(x, nm.INT8_MAX)
+  if bit_tricks:
+    return lax.bitcast_convert_type(x + nm._ROUND_MAGIC_F32, jnp.int32).astype(jnp.int8)
+  return jnp.round(x).astype(jnp.int32).astype(jnp.int8)
+
+
+def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scale, *, causal: bool, out_dtype,
+                  launch: MosaicLaunch, padded: bool):
+  batch, heads, q_len, head_dim = q8.shape
+  kv_heads, kv_len = k8.shape[1], k8.shape[2]
+  group = heads // kv_heads
+  num_kv_blocks = kv_len // BLOCK
+  num_q_tiles = q_len // (COMPUTE_WGS * BLOCK)
+  steps = min(launch.max_concurrent_steps, num_kv_blocks)
+  bit_tricks = launch.bit_tricks
+  row = plgpu.Layout.WGMMA.reduce(1)
+
+  def kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, scoped):
+    b = lax.axis_index("batch")
+    h = lax.axis_index("heads")
+    t = lax.axis_index("q_seq")
+    wg = lax.axis_index("wg")
+    (q_smem2, k_smem, vt_smem, p_smem2, o_smem2, lse_smem2), bars, consumed, sched = scoped
+    k_bars, v_bars, q_bars = bars
+    k_consumed, v_consumed = consumed
+    kvh = lax.div(h, jnp.array(group, h.dtype))
+
+    def schedule_barrier():
+      if launch.use_schedule_barrier:
+        plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(sched)
+
+    if causal:  # key blocks the CTA's last query row sees
+      cta_kv_steps = (t + 1) * COMPUTE_WGS
+      if padded:  # the last CTA's second query block is padding (Tq = Tk)
+        cta_kv_steps = jnp.minimum(cta_kv_steps, num_kv_blocks)
+    else:
+      cta_kv_steps = num_kv_blocks
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      q_smem, p_smem = q_smem2.at[wg], p_smem2.at[wg]
+      o_smem, lse_smem = o_smem2.at[wg], lse_smem2.at[wg]
+      qi = t * COMPUTE_WGS + wg  # this warpgroup's query block
+      q_base = qi * BLOCK
+      if not causal:
+        kv_steps = num_kv_blocks
+      elif padded:  # the padding block (qi == num_kv_blocks) sees every key, unmasked
+        kv_steps = jnp.minimum(qi + 1, num_kv_blocks)
+      else:
+        kv_steps = qi + 1
+
+      plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(q_base, BLOCK)], q_smem, q_bars.at[wg])
+      q_scale_row = plgpu.load(qs_ref.at[b, h, pl.ds(q_base, BLOCK)], layout=row, optimized=False)
+      plgpu.barrier_wait(q_bars.at[wg])
+
+      m = plgpu.layout_cast(jnp.full((BLOCK,), -jnp.inf, jnp.float32), row)
+      l = plgpu.layout_cast(jnp.full((BLOCK,), 0.0, jnp.float32), row)
+      acc = plgpu.layout_cast(jnp.full((BLOCK, head_dim), 0.0, jnp.float32),
+                              plgpu.Layout.WGMMA)
+
+      if launch.use_schedule_barrier:
+        pl.when(wg == 1)(schedule_barrier)
+
+      def kv_step(j, carry, *, masked: bool):
+        acc, m, l = carry
+        slot = lax.rem(j, jnp.array(steps, j.dtype))
+        kv = pl.ds(j * BLOCK, BLOCK)
+        k_scale_row = plgpu.load(ks_ref.at[b, kvh, kv], layout=row, optimized=False)
+        v_scale_row = plgpu.load(vs_ref.at[b, kvh, kv], layout=row, optimized=False)
+        plgpu.barrier_wait(k_bars.at[slot])
+
+        def qk(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+          schedule_barrier()
+          return acc_ref[...]
+
+        s = pl.run_scoped(qk, plgpu.ACC((BLOCK, BLOCK), jnp.int32))
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        # dequantize: int32 -> fp32 times (q block scale * k block scale)
+        s = _to_f32(s, bit_tricks) * lax.broadcast_in_dim(q_scale_row * k_scale_row,
+                                                         (BLOCK, BLOCK), [0])
+        if masked:  # the diagonal block: keys after the query are -inf
+          q_pos = plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0,
+                                         layout=plgpu.Layout.WGMMA)
+          kv_pos = plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1,
+                                          layout=plgpu.Layout.WGMMA)
+          s = jnp.where(q_pos >= kv_pos, s, -jnp.inf)
+
+        # online softmax step (numerics.online_softmax_step)
+        m_tile = jnp.max(s, axis=1)
+        m_new = jnp.maximum(m, m_tile)
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, (BLOCK, BLOCK), [0]))
+        l = alpha * l + jnp.sum(p, axis=1)
+        p_amax = jnp.exp2(m_tile - m_safe)
+        inv = jnp.where(p_amax > 0, nm.INT8_MAX / jnp.where(p_amax > 0, p_amax, 1.0), 0.0)
+        p8 = _round_p(p * lax.broadcast_in_dim(inv, (BLOCK, BLOCK), [0]), bit_tricks)
+        p_scale = p_amax / nm.INT8_MAX
+
+        p_smem[...] = p8
+        plgpu.commit_smem()
+        plgpu.barrier_wait(v_bars.at[slot])
+
+        def pv(acc_ref):
+          plgpu.wgmma(acc_ref, p_smem, vt_smem.at[slot].transpose((1, 0)))
+          schedule_barrier()
+          return acc_ref[...]
+
+        pv = pl.run_scoped(pv, plgpu.ACC((BLOCK, head_dim), jnp.int32))
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + _to_f32(pv, bit_tricks) * (
+            lax.broadcast_in_dim(p_scale * v_scale_row, acc.shape, [0]))
+        return acc, m_new, l
+
+      carry = (acc, m, l)
+      if causal:
+        if padded:
+          carry = lax.fori_loop(0, jnp.minimum(qi, num_kv_blocks),
+                                functools.partial(kv_step, masked=False), carry)
+          carry = lax.fori_loop(qi, kv_steps, functools.partial(kv_step, masked=True), carry)
+        else:
+          carry = lax.fori_loop(0, qi, functools.partial(kv_step, masked=False), carry)
+          carry = kv_step(qi, carry, masked=True)
+
+        # Release the slots of the blocks only the other warpgroup needs.
+        @pl.loop(kv_steps, cta_kv_steps)
+        def _flush(j):
+          slot = lax.rem(j, jnp.array(steps, j.dtype))
+          plgpu.barrier_wait(k_bars.at[slot])
+          plgpu.barrier_wait(v_bars.at[slot])
+          plgpu.barrier_arrive(k_consumed.at[slot])
+          plgpu.barrier_arrive(v_consumed.at[slot])
+          schedule_barrier()
+          schedule_barrier()
+      else:
+        carry = lax.fori_loop(0, num_kv_blocks, functools.partial(kv_step, masked=False),
+                              carry)
+      acc, m, l = carry
+      if launch.use_schedule_barrier:
+        pl.when(wg == 0)(schedule_barrier)
+
+      # finalize_rows: every row saw its own key, so l > 0
+      empty = l == 0
+      l_safe = jnp.where(empty, 1.0, l)
+      lse = jnp.where(empty, jnp.inf, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log2(l_safe))
+      o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+      o_smem[...] = o.astype(out_dtype)
+      lse_smem[...] = lse
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, pl.ds(q_base, BLOCK), h])
+      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_base, BLOCK)])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def load(j, slot):
+        kv = pl.ds(j * BLOCK, BLOCK)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, kvh, kv], k_smem.at[slot], k_bars.at[slot])
+        plgpu.copy_gmem_to_smem(vt_ref.at[b, kvh, :, kv], vt_smem.at[slot], v_bars.at[slot])
+
+      for i in range(steps):
+        @pl.when(i < cta_kv_steps)
+        def _():
+          load(i, i)
+
+      @pl.loop(steps, cta_kv_steps)
+      def _ring(j):
+        slot = lax.rem(j, jnp.array(steps, j.dtype))
+        plgpu.barrier_wait(k_consumed.at[slot])
+        plgpu.barrier_wait(v_consumed.at[slot])
+        load(j, slot)
+
+      # Observe the last consumptions too (every barrier phase gets waited on:
+      # GPU interpret mode checks it; harmless on the GPU).
+      @pl.loop(jnp.maximum(cta_kv_steps - steps, 0), cta_kv_steps)
+      def _drain(j):
+        slot = lax.rem(j, jnp.array(steps, j.dtype))
+        plgpu.barrier_wait(k_consumed.at[slot])
+        plgpu.barrier_wait(v_consumed.at[slot])
+
+  def entry(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref):
+    i8 = jnp.int8
+    scratch = (
+        plgpu.SMEM((COMPUTE_WGS, BLOCK, head_dim), i8, transforms=_transforms(head_dim, i8)),
+        plgpu.SMEM((steps, BLOCK, head_dim), i8, transforms=_transforms(head_dim, i8)),
+        plgpu.SMEM((steps, head_dim, BLOCK), i8, transforms=_transforms(BLOCK, i8)),
+        plgpu.SMEM((COMPUTE_WGS, BLOCK, BLOCK), i8, transforms=_transforms(BLOCK, i8)),
+        plgpu.SMEM((COMPUTE_WGS, BLOCK, head_dim), out_dtype,
+                   transforms=_transforms(head_dim, out_dtype)),
+        plgpu.SMEM((COMPUTE_WGS, BLOCK), jnp.float32),
+    )
+    pl.run_scoped(
+        lambda *args: kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref,
+                             args),
+        scratch,
+        (plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
+         plgpu.Barrier(num_barriers=COMPUTE_WGS)),
+        (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=steps),) * 2,
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+        collective_axes="wg",
+    )
+
+  out_type = (jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), out_dtype),
+              jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32))
+  return plgpu.kernel(
+      entry,
+      out_type=out_type,
+      grid=(heads, num_q_tiles, batch),
+      grid_names=("heads", "q_seq", "batch"),
+      num_threads=COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=launch.approx_math),
+  )(q8, q_scale, k8, k_scale, v8_t, v_scale)
+
+
+def forward_mosaic(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
+                   launch: MosaicLaunch = MosaicLaunch()):
+  """O (B, Tq, H, D) in `out_dtype` and the base-2 log-sum-exp (B, H, Tq).
+
+  Same contract as `pallas_kernels.forward.forward` for the cases `supports`
+  accepts. Tq is padded to a multiple of 128 (two query blocks per CTA) when
+  needed; padded rows are dropped.
+  """
+  head_dim = qkv.q8.shape[-1]
+  if not supports(masks, config, head_dim):
+    raise NotImplementedError(
+        "forward_mosaic: needs no masks, smooth_q=False, block_q=block_kv=64, D in "
+        f"{HEAD_DIMS}; got masks={masks.q_ids is not None}, smooth_q={config.smooth_q}, "
+        f"blocks=({config.block_q}, {config.block_kv}), D={head_dim}")
+  out_dtype = jnp.dtype(out_dtype)
+  q8, q_scale = qkv.q8, qkv.q_scale
+  q_len, kv_len = q8.shape[2], qkv.k8.shape[2]
+  if q_len % BLOCK or kv_len % BLOCK:
+    raise ValueError(f"sequence lengths {q_len}, {kv_len} must be multiples of {BLOCK}")
+  if config.causal and q_len != kv_len:
+    raise NotImplementedError("forward_mosaic: causal needs Tq == Tk")
+  pad = -q_len % (COMPUTE_WGS * BLOCK)
+  if pad:
+    q8 = jnp.pad(q8, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    q_scale = jnp.pad(q_scale, ((0, 0), (0, 0), (0, pad)))
+  o, lse = _forward_call(q8, q_scale, qkv.k8, qkv.k_scale, qkv.v8_t, qkv.v_scale,
+                         causal=config.causal, out_dtype=out_dtype, launch=launch,
+                         padded=bool(pad))
+  if pad:
+    o, lse = o[:, :q_len], lse[:, :, :q_len]
+  return o, lse

@@ -1,0 +1,141 @@
+"""The Hopper forward kernel (Pallas Mosaic GPU) against the pure-JAX reference.
+
+On the CPU: the kernel lowers for CUDA (`lowering_platforms=("cuda",)`) and
+runs in Mosaic GPU interpret mode (`plgpu.force_gpu_interpret_mode`), fed the
+reference's own `QuantizedQKV`. On a GPU (`@pytest.mark.gpu`): compiled.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import gaussian_qkv
+from pallas_kernels.mosaic_forward import MosaicLaunch, forward_mosaic, supports
+from pallas_kernels.types import Config, Masks
+from sagebwd_jax.reference import ReferenceBackend
+from sagebwd_jax.sagebwd import key_mean
+
+CPU = jax.devices("cpu")[0]
+REFERENCE = ReferenceBackend()
+
+
+def _config(head_dim, causal, **overrides):
+  return Config(**{**dict(scale=head_dim**-0.5, causal=causal, smooth_q=False, block_q=64,
+                          block_kv=64), **overrides})
+
+
+def _rel(x, ref) -> float:
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def _case(batch, seq, heads, kv_heads, head_dim, causal, seed=0, sigma=2.0):
+  """The reference's QuantizedQKV and its forward (computed on the CPU)."""
+  q, k, v, _ = gaussian_qkv(jax.random.key(seed), batch, seq, seq, heads, kv_heads, head_dim,
+                            sigma=sigma)
+  config = _config(head_dim, causal)
+  with jax.default_device(CPU):
+    q, k, v = (jax.device_put(x, CPU) for x in (q, k, v))
+    qkv = REFERENCE.quantize(q, k, v, key_mean(k, None), config)
+    o_ref, lse_ref = REFERENCE.forward(qkv, Masks(), config, jnp.bfloat16)
+  return qkv, config, np.asarray(o_ref), np.asarray(lse_ref)
+
+
+def _run(qkv, config, launch=MosaicLaunch()):
+  return jax.jit(lambda qkv: forward_mosaic(qkv, Masks(), config, jnp.bfloat16, launch))(qkv)
+
+
+def _check(o, lse, o_ref, lse_ref):
+  o, lse = np.asarray(o), np.asarray(lse)
+  assert o.shape == o_ref.shape and o.dtype == o_ref.dtype
+  assert lse.shape == lse_ref.shape and lse.dtype == np.float32
+  assert np.all(np.isfinite(o)) and np.all(np.isfinite(lse))
+  assert _rel(o, o_ref) <= 1e-3
+  assert _rel(lse, lse_ref) <= 1e-4
+
+
+LAUNCHES = {
+    "default": MosaicLaunch(),
+    "bit_tricks": MosaicLaunch(bit_tricks=True),
+    "no_schedule_barrier_3_stages": MosaicLaunch(use_schedule_barrier=False,
+                                                 max_concurrent_steps=3),
+}
+
+
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_lowers_for_cuda(head_dim, causal, launch):
+  """Mosaic GPU lowering (to the CUDA custom call) without a GPU."""
+  config = _config(head_dim, causal)
+  qkv = jax.eval_shape(
+      lambda: REFERENCE.quantize(*gaussian_qkv(jax.random.key(0), 2, 512, 512, 4, 2,
+                                               head_dim)[:3], None, config))
+  fn = lambda qkv: forward_mosaic(qkv, Masks(), config, jnp.bfloat16, LAUNCHES[launch])
+  text = jax.jit(fn).trace(qkv).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+# (batch, seq, heads, kv_heads, head_dim, causal): GQA, MHA, an odd number of
+# query blocks (padded to 128-row CTA tiles), one key block per pipeline slot.
+INTERPRET_CASES = [
+    (1, 256, 2, 1, 128, False),
+    (1, 256, 2, 1, 128, True),
+    (1, 256, 2, 2, 64, False),
+    (1, 256, 2, 2, 64, True),
+    (1, 192, 2, 1, 64, True),
+    (1, 192, 2, 1, 128, False),
+]
+
+
+@pytest.mark.parametrize("case", INTERPRET_CASES, ids=str)
+def test_interpret_matches_reference(case):
+  qkv, config, o_ref, lse_ref = _case(*case)
+  with plgpu.force_gpu_interpret_mode():
+    o, lse = _run(qkv, config)
+  _check(o, lse, o_ref, lse_ref)
+
+
+@pytest.mark.parametrize("launch", ["bit_tricks", "no_schedule_barrier_3_stages"])
+def test_interpret_launch_variants(launch):
+  qkv, config, o_ref, lse_ref = _case(1, 256, 2, 1, 64, True, seed=1)
+  with plgpu.force_gpu_interpret_mode():
+    o, lse = _run(qkv, config, LAUNCHES[launch])
+  _check(o, lse, o_ref, lse_ref)
+
+
+def test_supports():
+  base = _config(128, True)
+  ids = jnp.zeros((1, 64), jnp.int32)
+  assert supports(Masks(), base, 128)
+  assert supports(Masks(), _config(64, False), 64)
+  assert not supports(Masks(ids, ids), base, 128)
+  assert not supports(Masks(), _config(128, True, smooth_q=True), 128)
+  assert not supports(Masks(), _config(128, True, block_q=128), 128)
+  assert not supports(Masks(), _config(128, True, block_kv=128), 128)
+  for head_dim in (32, 80, 96, 256):
+    assert not supports(Masks(), _config(head_dim, False), head_dim)
+  with pytest.raises(NotImplementedError):
+    forward_mosaic(_case(1, 64, 1, 1, 128, True)[0], Masks(ids, ids), base, jnp.bfloat16)
+
+
+GPU_CASES = INTERPRET_CASES + [
+    (2, 1024, 4, 2, 128, False),
+    (2, 1024, 4, 2, 128, True),
+    (2, 1024, 4, 1, 64, True),
+    (1, 2048, 2, 2, 128, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_gpu_compiled_matches_reference(case, launch):
+  qkv, config, o_ref, lse_ref = _case(*case)
+  qkv = jax.device_put(qkv, jax.devices("gpu")[0])
+  o, lse = _run(qkv, config, LAUNCHES[launch])
+  _check(o, lse, o_ref, lse_ref)
