@@ -136,17 +136,21 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scale, *, causal: bool, out_
       if launch.use_schedule_barrier:
         pl.when(wg == 1)(schedule_barrier)
 
-      def kv_step(j, carry, *, masked: bool):
-        acc, m, l = carry
-        slot = lax.rem(j, jnp.array(steps, j.dtype))
+      def load_scales(j):
         kv = pl.ds(j * BLOCK, BLOCK)
-        k_scale_row = plgpu.load(ks_ref.at[b, kvh, kv], layout=row, optimized=False)
-        v_scale_row = plgpu.load(vs_ref.at[b, kvh, kv], layout=row, optimized=False)
+        return (plgpu.load(ks_ref.at[b, kvh, kv], layout=row, optimized=False),
+                plgpu.load(vs_ref.at[b, kvh, kv], layout=row, optimized=False))
+
+      def kv_step(j, carry, *, masked: bool):
+        acc, m, l, (k_scale_row, v_scale_row) = carry
+        slot = lax.rem(j, jnp.array(steps, j.dtype))
+        # The next key block's scales, a whole step ahead of their use.
+        next_scales = load_scales(jnp.minimum(j + 1, num_kv_blocks - 1))
         plgpu.barrier_wait(k_bars.at[slot])
 
         def qk(acc_ref):
           plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-          schedule_barrier()
+          schedule_barrier()  # the other warpgroup's softmax runs meanwhile
           return acc_ref[...]
 
         s = pl.run_scoped(qk, plgpu.ACC((BLOCK, BLOCK), jnp.int32))
@@ -168,27 +172,32 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scale, *, causal: bool, out_
         alpha = jnp.exp2(m - m_safe)
         p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, (BLOCK, BLOCK), [0]))
         l = alpha * l + jnp.sum(p, axis=1)
+        # P per row, scaled by its row maximum exp2(rowmax(S) - m_new)
         p_amax = jnp.exp2(m_tile - m_safe)
         inv = jnp.where(p_amax > 0, nm.INT8_MAX / jnp.where(p_amax > 0, p_amax, 1.0), 0.0)
         p8 = _round_p(p * lax.broadcast_in_dim(inv, (BLOCK, BLOCK), [0]), bit_tricks)
-        p_scale = p_amax / nm.INT8_MAX
+        pv_scale = (p_amax / nm.INT8_MAX) * v_scale_row
 
-        p_smem[...] = p8
+        p_smem[...] = p8  # an 8-bit wgmma A operand must come from shared memory
         plgpu.commit_smem()
-        plgpu.barrier_wait(v_bars.at[slot])
+        if launch.use_schedule_barrier:  # done with softmax; wait for the tensor core
+          plgpu.barrier_arrive(sched)
+          plgpu.barrier_wait(v_bars.at[slot])
+          plgpu.barrier_wait(sched)
+        else:
+          plgpu.barrier_wait(v_bars.at[slot])
 
         def pv(acc_ref):
           plgpu.wgmma(acc_ref, p_smem, vt_smem.at[slot].transpose((1, 0)))
-          schedule_barrier()
           return acc_ref[...]
 
         pv = pl.run_scoped(pv, plgpu.ACC((BLOCK, head_dim), jnp.int32))
         plgpu.barrier_arrive(v_consumed.at[slot])
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + _to_f32(pv, bit_tricks) * (
-            lax.broadcast_in_dim(p_scale * v_scale_row, acc.shape, [0]))
-        return acc, m_new, l
+            lax.broadcast_in_dim(pv_scale, acc.shape, [0]))
+        return acc, m_new, l, next_scales
 
-      carry = (acc, m, l)
+      carry = (acc, m, l, load_scales(0))
       if causal:
         if padded:
           carry = lax.fori_loop(0, jnp.minimum(qi, num_kv_blocks),
@@ -211,7 +220,7 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scale, *, causal: bool, out_
       else:
         carry = lax.fori_loop(0, num_kv_blocks, functools.partial(kv_step, masked=False),
                               carry)
-      acc, m, l = carry
+      acc, m, l, _ = carry
       if launch.use_schedule_barrier:
         pl.when(wg == 0)(schedule_barrier)
 

@@ -108,6 +108,19 @@ def test_interpret_launch_variants(launch):
   _check(o, lse, o_ref, lse_ref)
 
 
+@pytest.mark.parametrize("launch", ["default", "no_schedule_barrier_3_stages"])
+def test_interpret_finds_no_races(launch):
+  """The interpreter's race detector: every shared-memory access is ordered
+  by the barriers (a missing wait is caught: checked by hand)."""
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+  qkv, config, o_ref, lse_ref = _case(1, 384, 2, 2, 64, True, seed=2)
+  params = plgpu.InterpretGPUParams(detect_races=True)
+  with plgpu.force_gpu_interpret_mode(params):
+    o, lse = jax.block_until_ready(_run(qkv, config, LAUNCHES[launch]))
+  assert not gpu_callbacks.get_races().races_found
+  _check(o, lse, o_ref, lse_ref)
+
+
 def test_supports():
   base = _config(128, True)
   ids = jnp.zeros((1, 64), jnp.int32)
