@@ -36,6 +36,11 @@ VARIANTS = {
     "mosaic_3st": MosaicLaunch(max_concurrent_steps=3),
     "mosaic_bits_3st": MosaicLaunch(bit_tricks=True, max_concurrent_steps=3),
     "mosaic_nosched": MosaicLaunch(use_schedule_barrier=False),
+    "mosaic_overlap": MosaicLaunch(overlap_qk=True),
+    "mosaic_overlap_bits": MosaicLaunch(overlap_qk=True, bit_tricks=True),
+    "mosaic_overlap_bits_3st": MosaicLaunch(overlap_qk=True, bit_tricks=True,
+                                            max_concurrent_steps=3),
+    "mosaic_overlap_nosched": MosaicLaunch(overlap_qk=True, use_schedule_barrier=False),
 }
 
 

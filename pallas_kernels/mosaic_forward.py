@@ -47,6 +47,7 @@ class MosaicLaunch:
   max_concurrent_steps: int = 2  # K/V ring depth
   use_schedule_barrier: bool = True  # alternate the two warpgroups' tensor-core phases
   bit_tricks: bool = False  # fp32 bit tricks for int32->fp32 and rounding
+  overlap_qk: bool = False  # issue block j+1's Q.K^T before block j's softmax (FA3)
   approx_math: bool = True
 
 
@@ -141,31 +142,21 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scale, *, causal: bool, out_
         return (plgpu.load(ks_ref.at[b, kvh, kv], layout=row, optimized=False),
                 plgpu.load(vs_ref.at[b, kvh, kv], layout=row, optimized=False))
 
-      def kv_step(j, carry, *, masked: bool):
-        acc, m, l, (k_scale_row, v_scale_row) = carry
-        slot = lax.rem(j, jnp.array(steps, j.dtype))
-        # The next key block's scales, a whole step ahead of their use.
-        next_scales = load_scales(jnp.minimum(j + 1, num_kv_blocks - 1))
-        plgpu.barrier_wait(k_bars.at[slot])
-
-        def qk(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-          schedule_barrier()  # the other warpgroup's softmax runs meanwhile
-          return acc_ref[...]
-
-        s = pl.run_scoped(qk, plgpu.ACC((BLOCK, BLOCK), jnp.int32))
-        plgpu.barrier_arrive(k_consumed.at[slot])
-        # dequantize: int32 -> fp32 times (q block scale * k block scale)
-        s = _to_f32(s, bit_tricks) * lax.broadcast_in_dim(q_scale_row * k_scale_row,
-                                                         (BLOCK, BLOCK), [0])
-        if masked:  # the diagonal block: keys after the query are -inf
+      def scores(s_int, k_scale_row, j, masked):
+        """Base-2 logits: int32 -> fp32 times (q block scale * k block scale)."""
+        s = _to_f32(s_int, bit_tricks) * lax.broadcast_in_dim(q_scale_row * k_scale_row,
+                                                             (BLOCK, BLOCK), [0])
+        if masked:  # causal, on the last key block this query block sees
           q_pos = plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0,
                                          layout=plgpu.Layout.WGMMA)
           kv_pos = plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1,
                                           layout=plgpu.Layout.WGMMA)
-          s = jnp.where(q_pos >= kv_pos, s, -jnp.inf)
+          s = jnp.where(q_pos + q_base >= kv_pos + j * BLOCK, s, -jnp.inf)
+        return s
 
-        # online softmax step (numerics.online_softmax_step)
+      def softmax_to_smem(s, m, l, v_scale_row):
+        """numerics.online_softmax_step; P8 goes to p_smem (an 8-bit wgmma A
+        operand must come from shared memory)."""
         m_tile = jnp.max(s, axis=1)
         m_new = jnp.maximum(m, m_tile)
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -175,11 +166,11 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scale, *, causal: bool, out_
         # P per row, scaled by its row maximum exp2(rowmax(S) - m_new)
         p_amax = jnp.exp2(m_tile - m_safe)
         inv = jnp.where(p_amax > 0, nm.INT8_MAX / jnp.where(p_amax > 0, p_amax, 1.0), 0.0)
-        p8 = _round_p(p * lax.broadcast_in_dim(inv, (BLOCK, BLOCK), [0]), bit_tricks)
-        pv_scale = (p_amax / nm.INT8_MAX) * v_scale_row
-
-        p_smem[...] = p8  # an 8-bit wgmma A operand must come from shared memory
+        p_smem[...] = _round_p(p * lax.broadcast_in_dim(inv, (BLOCK, BLOCK), [0]), bit_tricks)
         plgpu.commit_smem()
+        return alpha, m_new, l, (p_amax / nm.INT8_MAX) * v_scale_row
+
+      def end_softmax(slot):
         if launch.use_schedule_barrier:  # done with softmax; wait for the tensor core
           plgpu.barrier_arrive(sched)
           plgpu.barrier_wait(v_bars.at[slot])
@@ -187,26 +178,91 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scale, *, causal: bool, out_
         else:
           plgpu.barrier_wait(v_bars.at[slot])
 
+      def accumulate(acc, alpha, pv, pv_scale):
+        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + _to_f32(pv, bit_tricks) * (
+            lax.broadcast_in_dim(pv_scale, acc.shape, [0]))
+
+      def issue_qk(j, s_ref):
+        slot = lax.rem(j, jnp.array(steps, j.dtype))
+        plgpu.barrier_wait(k_bars.at[slot])
+        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+        schedule_barrier()  # the other warpgroup's softmax runs meanwhile
+
+      def kv_step(j, carry, *, masked: bool):
+        """Q.K^T, softmax, P.V of key block j, one after the other."""
+        acc, m, l, (k_scale_row, v_scale_row) = carry
+        slot = lax.rem(j, jnp.array(steps, j.dtype))
+        # The next key block's scales, a whole step ahead of their use.
+        next_scales = load_scales(jnp.minimum(j + 1, num_kv_blocks - 1))
+
+        def qk(s_ref):
+          issue_qk(j, s_ref)
+          return s_ref[...]
+
+        s_int = pl.run_scoped(qk, plgpu.ACC((BLOCK, BLOCK), jnp.int32))
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        alpha, m, l, pv_scale = softmax_to_smem(scores(s_int, k_scale_row, j, masked), m, l,
+                                                v_scale_row)
+        end_softmax(slot)
+
         def pv(acc_ref):
           plgpu.wgmma(acc_ref, p_smem, vt_smem.at[slot].transpose((1, 0)))
           return acc_ref[...]
 
         pv = pl.run_scoped(pv, plgpu.ACC((BLOCK, head_dim), jnp.int32))
         plgpu.barrier_arrive(v_consumed.at[slot])
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + _to_f32(pv, bit_tricks) * (
-            lax.broadcast_in_dim(pv_scale, acc.shape, [0]))
-        return acc, m_new, l, next_scales
+        return accumulate(acc, alpha, pv, pv_scale), m, l, next_scales
+
+      def overlapped_step(j, carry, *, masked: bool, has_next: bool):
+        """Softmax and P.V of key block j while Q.K^T of block j + 1 runs
+        (its int32 scores arrive in the carry)."""
+        acc, m, l, (k_scale_row, v_scale_row), s_int = carry
+        slot = lax.rem(j, jnp.array(steps, j.dtype))
+        next_scales = load_scales(jnp.minimum(j + 1, num_kv_blocks - 1))
+
+        def body(pv_ref, s_ref=None):
+          if has_next:
+            issue_qk(j + 1, s_ref)
+          alpha, m_new, l_new, pv_scale = softmax_to_smem(
+              scores(s_int, k_scale_row, j, masked), m, l, v_scale_row)
+          end_softmax(slot)
+          plgpu.wgmma(pv_ref, p_smem, vt_smem.at[slot].transpose((1, 0)))
+          s_next = s_int
+          if has_next:  # wait for Q.K^T only; P.V may still run
+            s_next = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+            plgpu.barrier_arrive(k_consumed.at[lax.rem(j + 1, jnp.array(steps, j.dtype))])
+          pv = plgpu.wgmma_accumulator_load(pv_ref, wait_n=0)
+          return alpha, m_new, l_new, pv_scale, s_next, pv
+
+        scratch = [plgpu.ACC((BLOCK, head_dim), jnp.int32)]
+        if has_next:
+          scratch.append(plgpu.ACC((BLOCK, BLOCK), jnp.int32))
+        alpha, m, l, pv_scale, s_next, pv = pl.run_scoped(body, *scratch)
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        return accumulate(acc, alpha, pv, pv_scale), m, l, next_scales, s_next
 
       carry = (acc, m, l, load_scales(0))
-      if causal:
-        if padded:
-          carry = lax.fori_loop(0, jnp.minimum(qi, num_kv_blocks),
-                                functools.partial(kv_step, masked=False), carry)
-          carry = lax.fori_loop(qi, kv_steps, functools.partial(kv_step, masked=True), carry)
-        else:
-          carry = lax.fori_loop(0, qi, functools.partial(kv_step, masked=False), carry)
-          carry = kv_step(qi, carry, masked=True)
+      # Causal: blocks before the last one this query block sees are whole;
+      # the last is the diagonal (or, for a padding block, one more whole block).
+      masked_last = causal
+      last = jnp.asarray(kv_steps - 1, jnp.int32)
+      if launch.overlap_qk:
+        def first_qk(s_ref):
+          issue_qk(jnp.int32(0), s_ref)
+          return s_ref[...]
 
+        carry = (*carry, pl.run_scoped(first_qk, plgpu.ACC((BLOCK, BLOCK), jnp.int32)))
+        plgpu.barrier_arrive(k_consumed.at[0])
+        carry = lax.fori_loop(
+            0, kv_steps - 1,
+            functools.partial(overlapped_step, masked=False, has_next=True), carry)
+        carry = overlapped_step(last, carry, masked=masked_last, has_next=False)[:4]
+      else:
+        carry = lax.fori_loop(0, kv_steps - 1, functools.partial(kv_step, masked=False),
+                              carry)
+        carry = kv_step(last, carry, masked=masked_last)
+
+      if causal:
         # Release the slots of the blocks only the other warpgroup needs.
         @pl.loop(kv_steps, cta_kv_steps)
         def _flush(j):
@@ -217,9 +273,6 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scale, *, causal: bool, out_
           plgpu.barrier_arrive(v_consumed.at[slot])
           schedule_barrier()
           schedule_barrier()
-      else:
-        carry = lax.fori_loop(0, num_kv_blocks, functools.partial(kv_step, masked=False),
-                              carry)
       acc, m, l, _ = carry
       if launch.use_schedule_barrier:
         pl.when(wg == 0)(schedule_barrier)
@@ -240,22 +293,29 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scale, *, causal: bool, out_
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
 
-      def load(j, slot):
+      def load_k(j, slot):
         kv = pl.ds(j * BLOCK, BLOCK)
         plgpu.copy_gmem_to_smem(k_ref.at[b, kvh, kv], k_smem.at[slot], k_bars.at[slot])
+
+      def load_v(j, slot):
+        kv = pl.ds(j * BLOCK, BLOCK)
         plgpu.copy_gmem_to_smem(vt_ref.at[b, kvh, :, kv], vt_smem.at[slot], v_bars.at[slot])
 
       for i in range(steps):
         @pl.when(i < cta_kv_steps)
         def _():
-          load(i, i)
+          load_k(i, i)
+          load_v(i, i)
 
+      # K of block j may not wait for V of block j - steps to be consumed: with
+      # overlap_qk a warpgroup issues Q.K^T of block j + 1 before P.V of block j.
       @pl.loop(steps, cta_kv_steps)
       def _ring(j):
         slot = lax.rem(j, jnp.array(steps, j.dtype))
         plgpu.barrier_wait(k_consumed.at[slot])
+        load_k(j, slot)
         plgpu.barrier_wait(v_consumed.at[slot])
-        load(j, slot)
+        load_v(j, slot)
 
       # Observe the last consumptions too (every barrier phase gets waited on:
       # GPU interpret mode checks it; harmless on the GPU).

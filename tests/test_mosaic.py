@@ -63,6 +63,9 @@ LAUNCHES = {
     "bit_tricks": MosaicLaunch(bit_tricks=True),
     "no_schedule_barrier_3_stages": MosaicLaunch(use_schedule_barrier=False,
                                                  max_concurrent_steps=3),
+    "overlap_qk": MosaicLaunch(overlap_qk=True),
+    "overlap_qk_bit_tricks_no_schedule_barrier": MosaicLaunch(
+        overlap_qk=True, bit_tricks=True, use_schedule_barrier=False),
 }
 
 
@@ -100,7 +103,8 @@ def test_interpret_matches_reference(case):
   _check(o, lse, o_ref, lse_ref)
 
 
-@pytest.mark.parametrize("launch", ["bit_tricks", "no_schedule_barrier_3_stages"])
+@pytest.mark.parametrize("launch", ["bit_tricks", "no_schedule_barrier_3_stages", "overlap_qk",
+                                    "overlap_qk_bit_tricks_no_schedule_barrier"])
 def test_interpret_launch_variants(launch):
   qkv, config, o_ref, lse_ref = _case(1, 256, 2, 1, 64, True, seed=1)
   with plgpu.force_gpu_interpret_mode():
@@ -108,7 +112,7 @@ def test_interpret_launch_variants(launch):
   _check(o, lse, o_ref, lse_ref)
 
 
-@pytest.mark.parametrize("launch", ["default", "no_schedule_barrier_3_stages"])
+@pytest.mark.parametrize("launch", ["default", "no_schedule_barrier_3_stages", "overlap_qk"])
 def test_interpret_finds_no_races(launch):
   """The interpreter's race detector: every shared-memory access is ordered
   by the barriers (a missing wait is caught: checked by hand)."""
@@ -145,10 +149,18 @@ GPU_CASES = INTERPRET_CASES + [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("launch", sorted(LAUNCHES))
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
-def test_gpu_compiled_matches_reference(case, launch):
+def test_gpu_compiled_matches_reference(case):
   qkv, config, o_ref, lse_ref = _case(*case)
-  qkv = jax.device_put(qkv, jax.devices("gpu")[0])
-  o, lse = _run(qkv, config, LAUNCHES[launch])
+  o, lse = _run(jax.device_put(qkv, jax.devices("gpu")[0]), config)
+  _check(o, lse, o_ref, lse_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("launch", sorted(set(LAUNCHES) - {"default"}))
+@pytest.mark.parametrize("case", [(2, 1024, 4, 2, 128, False), (2, 1024, 4, 1, 64, True)],
+                         ids=str)
+def test_gpu_launch_variants(case, launch):
+  qkv, config, o_ref, lse_ref = _case(*case)
+  o, lse = _run(jax.device_put(qkv, jax.devices("gpu")[0]), config, LAUNCHES[launch])
   _check(o, lse, o_ref, lse_ref)
