@@ -12,13 +12,19 @@ and 1 each own 64 query rows (one quantization block) and run
   S = wgmma_int8(Q8, K8^T)  (int32 accumulator, K tile (64, D) is K-major)
   online softmax, P8 = round(P / sP) staged through shared memory
   PV = wgmma_int8(P8, V8)   (V stored transposed (D, Tk): K-major again)
-warpgroup 2 is the producer: it streams K, V^T tiles (and their scales)
-through a `max_concurrent_steps`-deep ring of shared-memory slots with TMA.
+warpgroup 2 is the producer: it streams K and V^T tiles through a
+`max_concurrent_steps`-deep ring of shared-memory slots with TMA. A schedule
+barrier alternates the two consumers' tensor-core and softmax phases
+(`use_schedule_barrier`); `overlap_qk` also issues the next block's Q.K^T
+before this block's softmax. Causal: only the diagonal key block is masked,
+later blocks are skipped, the longest query tiles launch first.
 
 Scales are stored per token (`QuantizedQKV`), so a 64-token tile of k_scale
-or v_scale is 64 copies of the block's scale: loaded as a per-row vector of
-the 64-row accumulator it multiplies each row by that same scalar, which is
-exactly the scalar product the portable kernel forms.
+or v_scale is 64 copies of the block's scale: loaded (from global memory, one
+key block ahead of use) as a per-row vector of the 64-row accumulator, it
+multiplies each row by that same scalar, exactly the scalar product the
+portable kernel forms. Every `MosaicLaunch` gives the same results up to fp32
+rounding (bit tricks are exact; approx_math changes exp2/log2/division ulps).
 """
 
 from __future__ import annotations
@@ -93,6 +99,8 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scale, *, causal: bool, out_
     b = lax.axis_index("batch")
     h = lax.axis_index("heads")
     t = lax.axis_index("q_seq")
+    if causal:  # the longest query tiles launch first (shorter tail)
+      t = num_q_tiles - 1 - t
     wg = lax.axis_index("wg")
     (q_smem2, k_smem, vt_smem, p_smem2, o_smem2, lse_smem2), bars, consumed, sched = scoped
     k_bars, v_bars, q_bars = bars
