@@ -25,19 +25,17 @@ def _kernel(k8_ref, k_scale_ref, v_ref, kv_ids_ref, q8_ref, q8_t_ref, q_scale_re
   block_q, block_kv = config.block_q, config.block_kv
   j = pl.program_id(0)
   k8, k_scale, v = k8_ref[...], jnp.max(k_scale_ref[...]), v_ref[...]
-  kv_ids = None if kv_ids_ref is None else kv_ids_ref[...][:, None]
-  kv_pos = (j * block_kv + jnp.arange(block_kv))[:, None]
+  kv_ids = None if kv_ids_ref is None else kv_ids_ref[...]
 
   def q_step(i, carry, *, causal):
     dk, dv = carry
     rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
     q_mean = None if q_mean_ref is None else q_mean_ref[i, :]
     q_scale = common.block_scale(q_scale_ref, rows)
-    s_t = common.scores_t(k8, k_scale, q8_ref[rows, :], q_scale, q_mean)
-    q_ids = None if q_ids_ref is None else q_ids_ref[rows][None, :]
-    q_pos = (i * block_q + jnp.arange(block_q))[None, :]
-    s_t = common.masked(s_t, nm.tile_mask(q_pos, kv_pos, causal=causal, q_ids=q_ids,
-                                          kv_ids=kv_ids))
+    s_t = common.score_tile(q8_ref[rows, :], q_scale, k8, k_scale, q_mean,
+                            q_start=i * block_q, kv_start=j * block_kv,
+                            q_ids=None if q_ids_ref is None else q_ids_ref[rows],
+                            kv_ids=kv_ids, causal=causal, transposed=True)
     p_t = jnp.exp2(s_t - lse_ref[rows][None, :])
 
     p8_t, p_scale = nm.quantize_rows(p_t, nonnegative=True, bit_tricks=True)

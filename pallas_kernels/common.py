@@ -30,27 +30,25 @@ class LaunchConfig:
                                              num_stages=self.num_stages))
 
 
-def scores(q8, q_scale, k8, k_scale, q_mean):
-  """Base-2 logits of one (block_q, block_kv) tile from int8 Q and K.
+def score_tile(q8, q_scale, k8, k_scale, q_mean, *, q_start, kv_start, q_ids, kv_ids,
+               causal: bool, transposed: bool = False):
+  """Masked base-2 logits of one tile from int8 Q (block_q, D) and K (block_kv, D).
 
-  The scales are the blocks' (scalars): one multiply per score.
+  (block_q, block_kv), or with `transposed` (block_kv, block_q) computed as
+  K.Q^T, so every int8 operand keeps its contraction dimension contiguous.
+  The scales are the blocks' scalars (one multiply per score); ids are the
+  tile's per-token ids (1-D) or None. Masked scores are -inf.
   """
-  s = nm.dequantize(nm.int8_dot(q8, k8), q_scale, k_scale, bit_tricks=True)
+  s = nm.dequantize(nm.int8_dot(k8, q8) if transposed else nm.int8_dot(q8, k8),
+                    q_scale, k_scale, bit_tricks=True)
+  column, row = (lambda x: x[:, None]), (lambda x: x[None, :])
+  along_q, along_kv = (row, column) if transposed else (column, row)
   if q_mean is not None:
-    s = s + nm.q_smoothing_bias(k8, k_scale, q_mean)[None, :]
-  return s
-
-
-def scores_t(k8, k_scale, q8, q_scale, q_mean):
-  """The same tile transposed, (block_kv, block_q), computed as K.Q^T so every
-  int8 operand keeps its contraction dimension contiguous."""
-  s_t = nm.dequantize(nm.int8_dot(k8, q8), k_scale, q_scale, bit_tricks=True)
-  if q_mean is not None:
-    s_t = s_t + nm.q_smoothing_bias(k8, k_scale, q_mean)[:, None]
-  return s_t
-
-
-def masked(s, mask):
+    s = s + along_kv(nm.q_smoothing_bias(k8, k_scale, q_mean))
+  mask = nm.tile_mask(
+      along_q(q_start + jnp.arange(q8.shape[0])), along_kv(kv_start + jnp.arange(k8.shape[0])),
+      causal=causal, q_ids=None if q_ids is None else along_q(q_ids),
+      kv_ids=None if kv_ids is None else along_kv(kv_ids))
   return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
 

@@ -25,18 +25,15 @@ def _kernel(q8_ref, q_scale_ref, q_mean_ref, k8_ref, k_scale_ref, v8_t_ref, v_sc
   i = pl.program_id(0)
   q8, q_scale = q8_ref[...], jnp.max(q_scale_ref[...])
   q_mean = None if q_mean_ref is None else q_mean_ref[...]
-  q_ids = None if q_ids_ref is None else q_ids_ref[...][:, None]
-  q_pos = (i * block_q + jnp.arange(block_q))[:, None]
+  q_ids = None if q_ids_ref is None else q_ids_ref[...]
 
   def kv_step(j, carry, *, causal):
     acc, m, l = carry
     kv = pl.ds(pl.multiple_of(j * block_kv, block_kv), block_kv)
-    s = common.scores(q8, q_scale, k8_ref[kv, :], common.block_scale(k_scale_ref, kv),
-                      q_mean)
-    kv_ids = None if kv_ids_ref is None else kv_ids_ref[kv][None, :]
-    kv_pos = (j * block_kv + jnp.arange(block_kv))[None, :]
-    s = common.masked(s, nm.tile_mask(q_pos, kv_pos, causal=causal, q_ids=q_ids,
-                                      kv_ids=kv_ids))
+    s = common.score_tile(
+        q8, q_scale, k8_ref[kv, :], common.block_scale(k_scale_ref, kv), q_mean,
+        q_start=i * block_q, kv_start=j * block_kv, q_ids=q_ids,
+        kv_ids=None if kv_ids_ref is None else kv_ids_ref[kv], causal=causal)
     p8, p_scale, alpha, m, l = nm.online_softmax_step(s, m, l, bit_tricks=True)
     pv = nm.int8_dot(p8, v8_t_ref[:, kv])
     acc = acc * alpha[:, None] + nm.dequantize(
