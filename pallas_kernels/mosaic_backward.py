@@ -1,0 +1,389 @@
+"""The backward kernels for Hopper in Pallas' Mosaic GPU dialect (`plgpu.kernel`).
+
+Same semantics as the portable kernels `pallas_kernels.backward_dkdv.backward_dkdv`
+and `pallas_kernels.backward_dq.backward_dq` (P and dS quantized per token: per
+key row in dK/dV, per query row in dQ; dO.V^T in bf16/fp16 with fp32
+accumulation), restricted to the cases `supports` accepts: no masks besides
+causality, no Q-smoothing, D in {64, 128}, 64 x 64 quantization blocks.
+
+First version, straightforward: one warpgroup per CTA, one 64-row block.
+
+dK/dV: one CTA per (query head, key block, batch) loops over the query blocks
+that see its keys, on transposed tiles so every int8 operand is K-major:
+  S^T  = wgmma_int8(K8, Q8^T)       B = the Q8 tile (64, D), stored (N, K)
+  dP^T = wgmma_bf16(V, dO^T)        fp32 accumulator
+  P^T, dS^T quantized per key row, staged through shared memory (an 8-bit
+  wgmma A operand must come from shared memory)
+  dV  += wgmma_int8(P8^T, dO8)      B = the dO8^T tile (D, 64) of `do8_t`
+  dK  += wgmma_int8(dS8^T, Q8)      B = the Q8^T tile (D, 64) of `qkv.q8_t`
+dQ: one CTA per (query head, query block, batch) loops over key blocks:
+  S = wgmma_int8(Q8, K8^T), dP = wgmma_bf16(dO, V^T), dS per query row,
+  dQ += wgmma_int8(dS8, K8)         B = the K8^T tile (D, 64) of `qkv.k8_t`.
+The two products that need no quantized operand (S and dP) are issued back to
+back with one wait; the int8 products of P8 / dS8 follow one at a time (a
+single 128-thread warpgroup holds the fp32 dK and dV, 128 registers a thread
+at D=128, so no more accumulators are kept in flight). The next block's tiles
+are fetched by TMA into the other of two shared-memory slots while this block
+computes (no producer warpgroup yet).
+
+Scales are stored per token (`QuantizedQKV`), so a 64-token tile of a block's
+scale is 64 copies of one scalar: loaded as a per-row vector of the 64-row
+accumulator it multiplies every element by that same scalar, exactly the
+scalar products the portable kernels form (as in `mosaic_forward`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels import common
+from pallas_kernels import numerics as nm
+from pallas_kernels.mosaic_forward import BLOCK, HEAD_DIMS, _to_f32, _transforms
+from pallas_kernels.mosaic_forward import supports as _forward_supports
+from pallas_kernels.types import Config, Masks, QuantizedQKV
+
+SLOTS = 2  # shared-memory slots per streamed operand (prefetch one block ahead)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBackwardLaunch:
+  """Tuning knobs of the Mosaic backward (static; results do not depend on
+  them beyond fp32 rounding of exp2 under approx_math)."""
+
+  bit_tricks: bool = False  # fp32 bit tricks for int32->fp32 and rounding
+  approx_math: bool = True
+
+
+def supports(masks: Masks, config: Config, head_dim: int) -> bool:
+  """Whether the Mosaic backward takes this case (else use the portable kernels)."""
+  return _forward_supports(masks, config, head_dim)
+
+
+def _check(qkv: QuantizedQKV, masks: Masks, config: Config, name: str):
+  head_dim = qkv.q8.shape[-1]
+  if not supports(masks, config, head_dim):
+    raise NotImplementedError(
+        f"{name}: needs no masks, smooth_q=False, block_q=block_kv=64, D in {HEAD_DIMS}; "
+        f"got masks={masks.q_ids is not None or masks.kv_ids is not None}, "
+        f"smooth_q={config.smooth_q}, blocks=({config.block_q}, {config.block_kv}), "
+        f"D={head_dim}")
+  q_len, kv_len = qkv.q8.shape[2], qkv.k8.shape[2]
+  if q_len % BLOCK or kv_len % BLOCK:
+    raise ValueError(f"sequence lengths {q_len}, {kv_len} must be multiples of {BLOCK}")
+
+
+def _round(x, *, nonnegative: bool, bit_tricks: bool):
+  """numerics.round_to_int8: clip to [-127, 127], round half-even, int8."""
+  x = jnp.minimum(x, nm.INT8_MAX) if nonnegative else jnp.clip(x, -nm.INT8_MAX, nm.INT8_MAX)
+  if bit_tricks:
+    return lax.bitcast_convert_type(x + nm._ROUND_MAGIC_F32, jnp.int32).astype(jnp.int8)
+  return jnp.round(x).astype(jnp.int32).astype(jnp.int8)
+
+
+def _quantize_rows_to_smem(x, dst_smem, *, nonnegative: bool, bit_tricks: bool):
+  """numerics.quantize_rows on a (64, 64) WGMMA-layout tile; the int8 values
+  go to `dst_smem` (committed), the per-row scales (amax / 127) are returned."""
+  amax = jnp.max(x if nonnegative else jnp.abs(x), axis=1)
+  inv = jnp.where(amax > 0, nm.INT8_MAX / jnp.where(amax > 0, amax, 1.0), 0.0)
+  dst_smem[...] = _round(x * lax.broadcast_in_dim(inv, x.shape, [0]),
+                         nonnegative=nonnegative, bit_tricks=bit_tricks)
+  plgpu.commit_smem()
+  return amax / nm.INT8_MAX
+
+
+def _acc(shape, dtype=jnp.float32):
+  return plgpu.layout_cast(jnp.full(shape, 0, dtype), plgpu.Layout.WGMMA)
+
+
+def _dot(a_smem, b_smem_t, shape, dtype):
+  """One wgmma a @ b into a fresh accumulator; b is passed as its (N, K) tile."""
+  def body(acc_ref):
+    plgpu.wgmma(acc_ref, a_smem, b_smem_t.transpose((1, 0)))
+    return acc_ref[...]
+  return pl.run_scoped(body, plgpu.ACC(shape, dtype))
+
+
+def _two_dots(first, second):
+  """Two independent wgmmas issued back to back, then one wait for both.
+  Each of `first`, `second` is (a_smem, b_smem_t, shape, dtype) as for `_dot`."""
+  def body(ref1, ref2):
+    for ref, (a_smem, b_smem_t, _, _) in ((ref1, first), (ref2, second)):
+      plgpu.wgmma(ref, a_smem, b_smem_t.transpose((1, 0)))
+    return (plgpu.wgmma_accumulator_load(ref1, wait_n=1),
+            plgpu.wgmma_accumulator_load(ref2, wait_n=0))
+  return pl.run_scoped(body, plgpu.ACC(first[2], first[3]), plgpu.ACC(second[2], second[3]))
+
+
+def _causal_mask(s, q_start, kv_start, *, transposed: bool):
+  rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
+  cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
+  q_pos, kv_pos = (cols + q_start, rows + kv_start) if transposed else (
+      rows + q_start, cols + kv_start)
+  return jnp.where(q_pos >= kv_pos, s, -jnp.inf)
+
+
+def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scale, *,
+               causal: bool, out_dtype, launch: MosaicBackwardLaunch):
+  batch, heads, q_len, head_dim = q8.shape
+  kv_heads, kv_len = k8.shape[1], k8.shape[2]
+  group = heads // kv_heads
+  num_q_blocks = q_len // BLOCK
+  bit_tricks = launch.bit_tricks
+  row = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row (key)
+  col = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column (query)
+  tile = (BLOCK, BLOCK)
+
+  def kernel(q_ref, qt_ref, qs_ref, k_ref, ks_ref, v_ref, lse_ref, delta_ref, do_ref,
+             dot_ref, dos_ref, dk_ref, dv_ref, smem, bars):
+    b = lax.axis_index("batch")
+    h = lax.axis_index("heads")
+    j = lax.axis_index("kv_seq")
+    kvh = lax.div(h, jnp.array(group, h.dtype))
+    (k_smem, v_smem, q_smem, qt_smem, do_smem, dot_smem, p_smem, ds_smem, dk_smem,
+     dv_smem) = smem
+    kv_bar, q_bars, qt_bars, do_bars, dot_bars = bars
+    kv = pl.ds(j * BLOCK, BLOCK)
+
+    plgpu.copy_gmem_to_smem(k_ref.at[b, kvh, kv], k_smem, kv_bar.at[0])
+    plgpu.copy_gmem_to_smem(v_ref.at[b, kv, kvh], v_smem, kv_bar.at[1])
+    k_scale_row = plgpu.load(ks_ref.at[b, kvh, kv], layout=row, optimized=False)
+
+    def fetch(i, slot):
+      rows = pl.ds(i * BLOCK, BLOCK)
+      plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_smem.at[slot], q_bars.at[slot])
+      plgpu.copy_gmem_to_smem(qt_ref.at[b, h, :, rows], qt_smem.at[slot], qt_bars.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem.at[slot], do_bars.at[slot])
+      plgpu.copy_gmem_to_smem(dot_ref.at[b, h, :, rows], dot_smem.at[slot],
+                              dot_bars.at[slot])
+
+    if causal:
+      start, full, end = common.causal_q_blocks(j, BLOCK, BLOCK, num_q_blocks)
+    else:
+      start, full, end = 0, 0, num_q_blocks
+    start = jnp.asarray(start, jnp.int32)
+    end = jnp.asarray(end, jnp.int32)
+
+    @pl.when(start < end)
+    def _():
+      fetch(start, lax.rem(start, SLOTS))
+
+    plgpu.barrier_wait(kv_bar.at[0])
+    plgpu.barrier_wait(kv_bar.at[1])
+
+    def q_step(i, carry, *, masked: bool):
+      dk, dv = carry
+      slot = lax.rem(i, jnp.array(SLOTS, i.dtype))
+
+      @pl.when(i + 1 < end)
+      def _():
+        fetch(i + 1, lax.rem(i + 1, jnp.array(SLOTS, i.dtype)))
+
+      rows = pl.ds(i * BLOCK, BLOCK)
+      q_scale_row = plgpu.load(qs_ref.at[b, h, rows], layout=row, optimized=False)
+      do_scale_row = plgpu.load(dos_ref.at[b, h, rows], layout=row, optimized=False)
+      lse_col = plgpu.load(lse_ref.at[b, h, rows], layout=col, optimized=False)
+      delta_col = plgpu.load(delta_ref.at[b, h, rows], layout=col, optimized=False)
+
+      plgpu.barrier_wait(q_bars.at[slot])
+      plgpu.barrier_wait(do_bars.at[slot])
+      s_t, dp_t = _two_dots((k_smem, q_smem.at[slot], tile, jnp.int32),
+                            (v_smem, do_smem.at[slot], tile, jnp.float32))
+      # common.score_tile: int32 * (q_scale * k_scale); both rows hold one scalar
+      s_t = _to_f32(s_t, bit_tricks) * lax.broadcast_in_dim(q_scale_row * k_scale_row,
+                                                           tile, [0])
+      if masked:
+        s_t = _causal_mask(s_t, i * BLOCK, j * BLOCK, transposed=True)
+      p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse_col, tile, [1]))
+      ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta_col, tile, [1]))
+      p_scale = _quantize_rows_to_smem(p_t, p_smem, nonnegative=True, bit_tricks=bit_tricks)
+      ds_scale = _quantize_rows_to_smem(ds_t, ds_smem, nonnegative=False,
+                                        bit_tricks=bit_tricks)
+
+      plgpu.barrier_wait(dot_bars.at[slot])
+      pv = _dot(p_smem, dot_smem.at[slot], (BLOCK, head_dim), jnp.int32)
+      dv = dv + _to_f32(pv, bit_tricks) * lax.broadcast_in_dim(p_scale * do_scale_row,
+                                                               dv.shape, [0])
+
+      plgpu.barrier_wait(qt_bars.at[slot])
+      dsq = _dot(ds_smem, qt_smem.at[slot], (BLOCK, head_dim), jnp.int32)
+      dk = dk + _to_f32(dsq, bit_tricks) * lax.broadcast_in_dim(ds_scale * q_scale_row,
+                                                                dk.shape, [0])
+      return dk, dv
+
+    carry = (_acc((BLOCK, head_dim)), _acc((BLOCK, head_dim)))
+    if causal:
+      carry = lax.fori_loop(start, full, functools.partial(q_step, masked=True), carry)
+      carry = lax.fori_loop(full, end, functools.partial(q_step, masked=False), carry)
+    else:
+      carry = lax.fori_loop(0, num_q_blocks, functools.partial(q_step, masked=False), carry)
+    dk, dv = carry
+    # Q was quantized as Q * scale * log2(e); the products above carry log2(e).
+    dk_smem[...] = (dk * nm.LN_2).astype(out_dtype)
+    dv_smem[...] = dv.astype(out_dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dk_smem, dk_ref.at[b, kv, h])
+    plgpu.copy_smem_to_gmem(dv_smem, dv_ref.at[b, kv, h])
+    plgpu.wait_smem_to_gmem(0)
+
+  i8, fdt = jnp.int8, v.dtype
+  smem = (
+      plgpu.SMEM((BLOCK, head_dim), i8, transforms=_transforms(head_dim, i8)),  # K8
+      plgpu.SMEM((BLOCK, head_dim), fdt, transforms=_transforms(head_dim, fdt)),  # V
+      plgpu.SMEM((SLOTS, BLOCK, head_dim), i8, transforms=_transforms(head_dim, i8)),  # Q8
+      plgpu.SMEM((SLOTS, head_dim, BLOCK), i8, transforms=_transforms(BLOCK, i8)),  # Q8^T
+      plgpu.SMEM((SLOTS, BLOCK, head_dim), fdt, transforms=_transforms(head_dim, fdt)),  # dO
+      plgpu.SMEM((SLOTS, head_dim, BLOCK), i8, transforms=_transforms(BLOCK, i8)),  # dO8^T
+      plgpu.SMEM((BLOCK, BLOCK), i8, transforms=_transforms(BLOCK, i8)),  # P8^T
+      plgpu.SMEM((BLOCK, BLOCK), i8, transforms=_transforms(BLOCK, i8)),  # dS8^T
+      plgpu.SMEM((BLOCK, head_dim), out_dtype, transforms=_transforms(head_dim, out_dtype)),
+      plgpu.SMEM((BLOCK, head_dim), out_dtype, transforms=_transforms(head_dim, out_dtype)),
+  )
+  bars = (plgpu.Barrier(num_barriers=2),) + (plgpu.Barrier(num_barriers=SLOTS),) * 4
+  shape = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), out_dtype)
+  return plgpu.kernel(
+      kernel,
+      out_type=(shape, shape),
+      scratch_types=(smem, bars),
+      grid=(heads, kv_len // BLOCK, batch),
+      grid_names=("heads", "kv_seq", "batch"),
+      compiler_params=plgpu.CompilerParams(approx_math=launch.approx_math),
+  )(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scale)
+
+
+def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
+                         masks: Masks, config: Config,
+                         launch: MosaicBackwardLaunch = MosaicBackwardLaunch()):
+  """dK, dV (B, Tk, Hkv, D) in V's dtype, summed over each kv head's group.
+
+  Same contract as `backward_dkdv.backward_dkdv` for the cases `supports`
+  accepts; with GQA the per-query-head partials are kept in fp32 until summed.
+  """
+  _check(qkv, masks, config, "backward_dkdv_mosaic")
+  batch, heads, _, head_dim = qkv.q8.shape
+  kv_heads, kv_len = qkv.k8.shape[1], qkv.k8.shape[2]
+  group = heads // kv_heads
+  out_dtype = v.dtype if group == 1 else jnp.dtype(jnp.float32)
+  dk, dv = _dkdv_call(qkv.q8, qkv.q8_t, qkv.q_scale, qkv.k8, qkv.k_scale, v, lse, delta,
+                      do, do8_t, do_scale, causal=config.causal, out_dtype=out_dtype,
+                      launch=launch)
+  if group > 1:
+    sum_group = lambda x: x.reshape(batch, kv_len, kv_heads, group, head_dim).sum(axis=3)
+    dk, dv = sum_group(dk).astype(v.dtype), sum_group(dv).astype(v.dtype)
+  return dk, dv
+
+
+def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, config: Config,
+             launch: MosaicBackwardLaunch):
+  batch, heads, q_len, head_dim = q8.shape
+  kv_heads, kv_len = k8.shape[1], k8.shape[2]
+  group = heads // kv_heads
+  num_kv_blocks = kv_len // BLOCK
+  bit_tricks = launch.bit_tricks
+  out_dtype = do.dtype
+  row = plgpu.Layout.WGMMA.reduce(1)
+  tile = (BLOCK, BLOCK)
+
+  def kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, kt_ref, ks_ref, v_ref,
+             dq_ref, smem, bars):
+    b = lax.axis_index("batch")
+    h = lax.axis_index("heads")
+    i = lax.axis_index("q_seq")
+    kvh = lax.div(h, jnp.array(group, h.dtype))
+    q_smem, do_smem, k_smem, kt_smem, v_smem, ds_smem, dq_smem = smem
+    q_bar, k_bars, kt_bars, v_bars = bars
+    rows = pl.ds(i * BLOCK, BLOCK)
+
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_smem, q_bar.at[0])
+    plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem, q_bar.at[1])
+    q_scale_row = plgpu.load(qs_ref.at[b, h, rows], layout=row, optimized=False)
+    lse_row = plgpu.load(lse_ref.at[b, h, rows], layout=row, optimized=False)
+    delta_row = plgpu.load(delta_ref.at[b, h, rows], layout=row, optimized=False)
+
+    def fetch(j, slot):
+      kv = pl.ds(j * BLOCK, BLOCK)
+      plgpu.copy_gmem_to_smem(k_ref.at[b, kvh, kv], k_smem.at[slot], k_bars.at[slot])
+      plgpu.copy_gmem_to_smem(kt_ref.at[b, kvh, :, kv], kt_smem.at[slot], kt_bars.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[b, kv, kvh], v_smem.at[slot], v_bars.at[slot])
+
+    if config.causal:  # common.loop_over_kv_blocks' bounds
+      full = jnp.minimum(lax.div(i * BLOCK, BLOCK), num_kv_blocks)
+      end = jnp.minimum(lax.div((i + 1) * BLOCK + BLOCK - 1, BLOCK), num_kv_blocks)
+    else:
+      full = end = num_kv_blocks
+    end = jnp.asarray(end, jnp.int32)
+
+    @pl.when(end > 0)
+    def _():
+      fetch(jnp.int32(0), jnp.int32(0))
+
+    plgpu.barrier_wait(q_bar.at[0])
+    plgpu.barrier_wait(q_bar.at[1])
+
+    def kv_step(j, dq, *, masked: bool):
+      slot = lax.rem(j, jnp.array(SLOTS, j.dtype))
+
+      @pl.when(j + 1 < end)
+      def _():
+        fetch(j + 1, lax.rem(j + 1, jnp.array(SLOTS, j.dtype)))
+
+      kv = pl.ds(j * BLOCK, BLOCK)
+      k_scale_row = plgpu.load(ks_ref.at[b, kvh, kv], layout=row, optimized=False)
+      plgpu.barrier_wait(k_bars.at[slot])
+      plgpu.barrier_wait(v_bars.at[slot])
+      s, dp = _two_dots((q_smem, k_smem.at[slot], tile, jnp.int32),
+                        (do_smem, v_smem.at[slot], tile, jnp.float32))
+      s = _to_f32(s, bit_tricks) * lax.broadcast_in_dim(q_scale_row * k_scale_row, tile, [0])
+      if masked:
+        s = _causal_mask(s, i * BLOCK, j * BLOCK, transposed=False)
+      p = jnp.exp2(s - lax.broadcast_in_dim(lse_row, tile, [0]))
+      ds = p * (dp - lax.broadcast_in_dim(delta_row, tile, [0]))
+      ds_scale = _quantize_rows_to_smem(ds, ds_smem, nonnegative=False, bit_tricks=bit_tricks)
+      plgpu.barrier_wait(kt_bars.at[slot])
+      dsk = _dot(ds_smem, kt_smem.at[slot], (BLOCK, head_dim), jnp.int32)
+      return dq + _to_f32(dsk, bit_tricks) * lax.broadcast_in_dim(ds_scale * k_scale_row,
+                                                                  dq.shape, [0])
+
+    dq = _acc((BLOCK, head_dim))
+    dq = lax.fori_loop(0, full, functools.partial(kv_step, masked=False), dq)
+    if config.causal:
+      dq = lax.fori_loop(full, end, functools.partial(kv_step, masked=True), dq)
+    dq_smem[...] = (dq * config.scale).astype(out_dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[b, rows, h])
+    plgpu.wait_smem_to_gmem(0)
+
+  i8, fdt = jnp.int8, v.dtype
+  smem = (
+      plgpu.SMEM((BLOCK, head_dim), i8, transforms=_transforms(head_dim, i8)),  # Q8
+      plgpu.SMEM((BLOCK, head_dim), do.dtype, transforms=_transforms(head_dim, do.dtype)),
+      plgpu.SMEM((SLOTS, BLOCK, head_dim), i8, transforms=_transforms(head_dim, i8)),  # K8
+      plgpu.SMEM((SLOTS, head_dim, BLOCK), i8, transforms=_transforms(BLOCK, i8)),  # K8^T
+      plgpu.SMEM((SLOTS, BLOCK, head_dim), fdt, transforms=_transforms(head_dim, fdt)),  # V
+      plgpu.SMEM((BLOCK, BLOCK), i8, transforms=_transforms(BLOCK, i8)),  # dS8
+      plgpu.SMEM((BLOCK, head_dim), out_dtype, transforms=_transforms(head_dim, out_dtype)),
+  )
+  bars = (plgpu.Barrier(num_barriers=2),) + (plgpu.Barrier(num_barriers=SLOTS),) * 3
+  return plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), out_dtype),
+      scratch_types=(smem, bars),
+      grid=(heads, q_len // BLOCK, batch),
+      grid_names=("heads", "q_seq", "batch"),
+      compiler_params=plgpu.CompilerParams(approx_math=launch.approx_math),
+  )(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v)
+
+
+def backward_dq_mosaic(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, config: Config,
+                       launch: MosaicBackwardLaunch = MosaicBackwardLaunch()):
+  """dQ (B, Tq, H, D) in dO's dtype; same contract as `backward_dq.backward_dq`
+  for the cases `supports` accepts."""
+  _check(qkv, masks, config, "backward_dq_mosaic")
+  return _dq_call(qkv.q8, qkv.q_scale, lse, delta, do, qkv.k8, qkv.k8_t, qkv.k_scale, v,
+                  config=config, launch=launch)
