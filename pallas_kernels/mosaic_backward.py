@@ -26,6 +26,14 @@ at D=128, so no more accumulators are kept in flight). The next block's tiles
 are fetched by TMA into the other of two shared-memory slots while this block
 computes (no producer warpgroup yet).
 
+`MosaicBackwardLaunch(warp_specialized=True)` runs dK/dV FlashAttention-3
+style instead: two compute warpgroups own 64 keys each (128 per CTA) and
+share the query-side tiles (Q8, Q8^T, dO, dO8^T) that a producer warpgroup
+streams with TMA through a `max_concurrent_steps`-deep ring; causal CTAs start
+at the first query block their first key block sees (the second warpgroup
+only releases that fully masked block). Shared memory at D = 128 with GQA
+(fp32 partials) allows a ring of 2; MHA or D = 64 allows 3.
+
 Scales are stored per token (`QuantizedQKV`), so a 64-token tile of a block's
 scale is 64 copies of one scalar: loaded as a per-row vector of the 64-row
 accumulator it multiplies every element by that same scalar, exactly the
@@ -45,7 +53,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import common
 from pallas_kernels import numerics as nm
-from pallas_kernels.mosaic_forward import BLOCK, HEAD_DIMS, _to_f32, _transforms
+from pallas_kernels.mosaic_forward import BLOCK, COMPUTE_WGS, HEAD_DIMS, _to_f32, _transforms
 from pallas_kernels.mosaic_forward import supports as _forward_supports
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
@@ -59,6 +67,11 @@ class MosaicBackwardLaunch:
 
   bit_tricks: bool = False  # fp32 bit tricks for int32->fp32 and rounding
   approx_math: bool = True
+  # dK/dV only: two compute warpgroups (128 keys per CTA) fed by a TMA producer
+  # warpgroup through a ring of `max_concurrent_steps` query-block slots.
+  # Needs Tk % 128 == 0 (else the single-warpgroup kernel runs).
+  warp_specialized: bool = False
+  max_concurrent_steps: int = 2
 
 
 def supports(masks: Masks, config: Config, head_dim: int) -> bool:
@@ -129,6 +142,48 @@ def _causal_mask(s, q_start, kv_start, *, transposed: bool):
   return jnp.where(q_pos >= kv_pos, s, -jnp.inf)
 
 
+def _dkdv_update(dk, dv, *, i, j, masked: bool, b, h, k_smem, v_smem, k_scale_row, tiles,
+                 bars, p_smem, ds_smem, scale_refs, bit_tricks: bool):
+  """One query block i of key block j's dK, dV (backward_dkdv's q_step).
+
+  `tiles` are the smem tiles (Q8 (64, D), Q8^T (D, 64), dO (64, D), dO8^T
+  (D, 64)) of query block i and `bars` the barriers that say they arrived.
+  """
+  q_tile, qt_tile, do_tile, dot_tile = tiles
+  q_bar, qt_bar, do_bar, dot_bar = bars
+  qs_ref, dos_ref, lse_ref, delta_ref = scale_refs
+  row = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row (key)
+  col = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column (query)
+  tile = (BLOCK, BLOCK)
+  rows = pl.ds(i * BLOCK, BLOCK)
+  q_scale_row = plgpu.load(qs_ref.at[b, h, rows], layout=row, optimized=False)
+  do_scale_row = plgpu.load(dos_ref.at[b, h, rows], layout=row, optimized=False)
+  lse_col = plgpu.load(lse_ref.at[b, h, rows], layout=col, optimized=False)
+  delta_col = plgpu.load(delta_ref.at[b, h, rows], layout=col, optimized=False)
+
+  plgpu.barrier_wait(q_bar)
+  plgpu.barrier_wait(do_bar)
+  s_t, dp_t = _two_dots((k_smem, q_tile, tile, jnp.int32), (v_smem, do_tile, tile, jnp.float32))
+  # common.score_tile: int32 * (q_scale * k_scale); both rows hold one scalar
+  s_t = _to_f32(s_t, bit_tricks) * lax.broadcast_in_dim(q_scale_row * k_scale_row, tile, [0])
+  if masked:
+    s_t = _causal_mask(s_t, i * BLOCK, j * BLOCK, transposed=True)
+  p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse_col, tile, [1]))
+  ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta_col, tile, [1]))
+  p_scale = _quantize_rows_to_smem(p_t, p_smem, nonnegative=True, bit_tricks=bit_tricks)
+  ds_scale = _quantize_rows_to_smem(ds_t, ds_smem, nonnegative=False, bit_tricks=bit_tricks)
+
+  plgpu.barrier_wait(dot_bar)
+  pv = _dot(p_smem, dot_tile, (BLOCK, dk.shape[1]), jnp.int32)
+  dv = dv + _to_f32(pv, bit_tricks) * lax.broadcast_in_dim(p_scale * do_scale_row, dv.shape,
+                                                           [0])
+  plgpu.barrier_wait(qt_bar)
+  dsq = _dot(ds_smem, qt_tile, (BLOCK, dk.shape[1]), jnp.int32)
+  dk = dk + _to_f32(dsq, bit_tricks) * lax.broadcast_in_dim(ds_scale * q_scale_row, dk.shape,
+                                                            [0])
+  return dk, dv
+
+
 def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scale, *,
                causal: bool, out_dtype, launch: MosaicBackwardLaunch):
   batch, heads, q_len, head_dim = q8.shape
@@ -185,37 +240,13 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
       def _():
         fetch(i + 1, lax.rem(i + 1, jnp.array(SLOTS, i.dtype)))
 
-      rows = pl.ds(i * BLOCK, BLOCK)
-      q_scale_row = plgpu.load(qs_ref.at[b, h, rows], layout=row, optimized=False)
-      do_scale_row = plgpu.load(dos_ref.at[b, h, rows], layout=row, optimized=False)
-      lse_col = plgpu.load(lse_ref.at[b, h, rows], layout=col, optimized=False)
-      delta_col = plgpu.load(delta_ref.at[b, h, rows], layout=col, optimized=False)
-
-      plgpu.barrier_wait(q_bars.at[slot])
-      plgpu.barrier_wait(do_bars.at[slot])
-      s_t, dp_t = _two_dots((k_smem, q_smem.at[slot], tile, jnp.int32),
-                            (v_smem, do_smem.at[slot], tile, jnp.float32))
-      # common.score_tile: int32 * (q_scale * k_scale); both rows hold one scalar
-      s_t = _to_f32(s_t, bit_tricks) * lax.broadcast_in_dim(q_scale_row * k_scale_row,
-                                                           tile, [0])
-      if masked:
-        s_t = _causal_mask(s_t, i * BLOCK, j * BLOCK, transposed=True)
-      p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse_col, tile, [1]))
-      ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta_col, tile, [1]))
-      p_scale = _quantize_rows_to_smem(p_t, p_smem, nonnegative=True, bit_tricks=bit_tricks)
-      ds_scale = _quantize_rows_to_smem(ds_t, ds_smem, nonnegative=False,
-                                        bit_tricks=bit_tricks)
-
-      plgpu.barrier_wait(dot_bars.at[slot])
-      pv = _dot(p_smem, dot_smem.at[slot], (BLOCK, head_dim), jnp.int32)
-      dv = dv + _to_f32(pv, bit_tricks) * lax.broadcast_in_dim(p_scale * do_scale_row,
-                                                               dv.shape, [0])
-
-      plgpu.barrier_wait(qt_bars.at[slot])
-      dsq = _dot(ds_smem, qt_smem.at[slot], (BLOCK, head_dim), jnp.int32)
-      dk = dk + _to_f32(dsq, bit_tricks) * lax.broadcast_in_dim(ds_scale * q_scale_row,
-                                                                dk.shape, [0])
-      return dk, dv
+      return _dkdv_update(
+          dk, dv, i=i, j=j, masked=masked, b=b, h=h, k_smem=k_smem, v_smem=v_smem,
+          k_scale_row=k_scale_row,
+          tiles=(q_smem.at[slot], qt_smem.at[slot], do_smem.at[slot], dot_smem.at[slot]),
+          bars=(q_bars.at[slot], qt_bars.at[slot], do_bars.at[slot], dot_bars.at[slot]),
+          p_smem=p_smem, ds_smem=ds_smem, scale_refs=(qs_ref, dos_ref, lse_ref, delta_ref),
+          bit_tricks=bit_tricks)
 
     carry = (_acc((BLOCK, head_dim)), _acc((BLOCK, head_dim)))
     if causal:
@@ -257,6 +288,149 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
   )(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scale)
 
 
+def _dkdv_ws_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scale, *,
+                  causal: bool, out_dtype, launch: MosaicBackwardLaunch):
+  """dK/dV with warp specialization: two compute warpgroups own 64 keys each
+  (128 per CTA) and share the query-side tiles that a producer warpgroup
+  streams with TMA through a `max_concurrent_steps`-deep ring."""
+  batch, heads, q_len, head_dim = q8.shape
+  kv_heads, kv_len = k8.shape[1], k8.shape[2]
+  group = heads // kv_heads
+  num_q_blocks = q_len // BLOCK
+  wgs = COMPUTE_WGS
+  steps = launch.max_concurrent_steps
+  row = plgpu.Layout.WGMMA.reduce(1)
+
+  def kernel(q_ref, qt_ref, qs_ref, k_ref, ks_ref, v_ref, lse_ref, delta_ref, do_ref,
+             dot_ref, dos_ref, dk_ref, dv_ref, scoped):
+    b = lax.axis_index("batch")
+    h = lax.axis_index("heads")
+    t = lax.axis_index("kv_seq")
+    wg = lax.axis_index("wg")
+    kvh = lax.div(h, jnp.array(group, h.dtype))
+    smem, (k_bars, v_bars), ring_bars, consumed = scoped
+    (k_smem2, v_smem2, q_ring, qt_ring, do_ring, dot_ring, p_smem2, ds_smem2,
+     out_smem2) = smem
+    q_bars, qt_bars, do_bars, dot_bars = ring_bars
+    # Query blocks the CTA's first key block sees; the second warpgroup's
+    # may start one later (its first, fully masked, block is only released).
+    if causal:
+      cta_start = common.causal_q_blocks(t * wgs, BLOCK, BLOCK, num_q_blocks)[0]
+    else:
+      cta_start = jnp.int32(0)
+    cta_start = jnp.asarray(cta_start, jnp.int32)
+    end = jnp.int32(num_q_blocks)
+    slot_of = lambda i: lax.rem(i, jnp.array(steps, i.dtype))
+
+    @pl.when(wg < wgs)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      j = t * wgs + wg  # this warpgroup's key block
+      kv = pl.ds(j * BLOCK, BLOCK)
+      k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+      p_smem, ds_smem = p_smem2.at[wg], ds_smem2.at[wg]
+      plgpu.copy_gmem_to_smem(k_ref.at[b, kvh, kv], k_smem, k_bars.at[wg])
+      plgpu.copy_gmem_to_smem(v_ref.at[b, kv, kvh], v_smem, v_bars.at[wg])
+      k_scale_row = plgpu.load(ks_ref.at[b, kvh, kv], layout=row, optimized=False)
+      plgpu.barrier_wait(k_bars.at[wg])
+      plgpu.barrier_wait(v_bars.at[wg])
+
+      def q_step(i, carry, *, masked: bool):
+        slot = slot_of(i)
+        dk, dv = _dkdv_update(
+            *carry, i=i, j=j, masked=masked, b=b, h=h, k_smem=k_smem, v_smem=v_smem,
+            k_scale_row=k_scale_row,
+            tiles=(q_ring.at[slot], qt_ring.at[slot], do_ring.at[slot], dot_ring.at[slot]),
+            bars=(q_bars.at[slot], qt_bars.at[slot], do_bars.at[slot], dot_bars.at[slot]),
+            p_smem=p_smem, ds_smem=ds_smem, scale_refs=(qs_ref, dos_ref, lse_ref, delta_ref),
+            bit_tricks=launch.bit_tricks)
+        plgpu.barrier_arrive(consumed.at[slot])
+        return dk, dv
+
+      if causal:
+        start, full, _ = common.causal_q_blocks(j, BLOCK, BLOCK, num_q_blocks)
+
+        @pl.loop(cta_start, start)
+        def _release(i):  # blocks only the other warpgroup needs
+          slot = slot_of(i)
+          for bar in (q_bars, qt_bars, do_bars, dot_bars):
+            plgpu.barrier_wait(bar.at[slot])
+          plgpu.barrier_arrive(consumed.at[slot])
+      else:
+        start = full = jnp.int32(0)
+      carry = (_acc((BLOCK, head_dim)), _acc((BLOCK, head_dim)))
+      carry = lax.fori_loop(start, full, functools.partial(q_step, masked=True), carry)
+      dk, dv = lax.fori_loop(full, end, functools.partial(q_step, masked=False), carry)
+      # One staging buffer for both (fp32 dK and dV at D = 128 would not fit).
+      out_smem = out_smem2.at[wg]
+      for x, dst in (((dk * nm.LN_2), dk_ref), (dv, dv_ref)):
+        out_smem[...] = x.astype(out_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, dst.at[b, kv, h])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == wgs)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def load(i):
+        slot, rows = slot_of(i), pl.ds(i * BLOCK, BLOCK)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_ring.at[slot], q_bars.at[slot])
+        plgpu.copy_gmem_to_smem(qt_ref.at[b, h, :, rows], qt_ring.at[slot],
+                                qt_bars.at[slot])
+        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_ring.at[slot], do_bars.at[slot])
+        plgpu.copy_gmem_to_smem(dot_ref.at[b, h, :, rows], dot_ring.at[slot],
+                                dot_bars.at[slot])
+
+      @pl.loop(cta_start, jnp.minimum(cta_start + steps, end))
+      def _prologue(i):
+        load(i)
+
+      @pl.loop(cta_start + steps, end)
+      def _ring(i):
+        plgpu.barrier_wait(consumed.at[slot_of(i)])  # block i - steps is done
+        load(i)
+
+      @pl.loop(jnp.maximum(end - steps, cta_start), end)
+      def _drain(i):  # observe the last consumptions too
+        plgpu.barrier_wait(consumed.at[slot_of(i)])
+
+  i8, fdt = jnp.int8, v.dtype
+  smem = (
+      plgpu.SMEM((wgs, BLOCK, head_dim), i8, transforms=_transforms(head_dim, i8)),  # K8
+      plgpu.SMEM((wgs, BLOCK, head_dim), fdt, transforms=_transforms(head_dim, fdt)),  # V
+      plgpu.SMEM((steps, BLOCK, head_dim), i8, transforms=_transforms(head_dim, i8)),  # Q8
+      plgpu.SMEM((steps, head_dim, BLOCK), i8, transforms=_transforms(BLOCK, i8)),  # Q8^T
+      plgpu.SMEM((steps, BLOCK, head_dim), fdt, transforms=_transforms(head_dim, fdt)),  # dO
+      plgpu.SMEM((steps, head_dim, BLOCK), i8, transforms=_transforms(BLOCK, i8)),  # dO8^T
+      plgpu.SMEM((wgs, BLOCK, BLOCK), i8, transforms=_transforms(BLOCK, i8)),  # P8^T
+      plgpu.SMEM((wgs, BLOCK, BLOCK), i8, transforms=_transforms(BLOCK, i8)),  # dS8^T
+      plgpu.SMEM((wgs, BLOCK, head_dim), out_dtype,
+                 transforms=_transforms(head_dim, out_dtype)),  # dK, then dV
+  )
+
+  def entry(*refs):
+    pl.run_scoped(
+        lambda *scoped: kernel(*refs, scoped),
+        smem,
+        (plgpu.Barrier(num_barriers=wgs),) * 2,
+        (plgpu.Barrier(num_barriers=steps),) * 4,
+        plgpu.Barrier(num_arrivals=wgs, num_barriers=steps),
+        collective_axes="wg",
+    )
+
+  shape = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), out_dtype)
+  return plgpu.kernel(
+      entry,
+      out_type=(shape, shape),
+      grid=(heads, kv_len // (wgs * BLOCK), batch),
+      grid_names=("heads", "kv_seq", "batch"),
+      num_threads=wgs + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=launch.approx_math),
+  )(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scale)
+
+
 def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
                          masks: Masks, config: Config,
                          launch: MosaicBackwardLaunch = MosaicBackwardLaunch()):
@@ -270,9 +444,11 @@ def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
   kv_heads, kv_len = qkv.k8.shape[1], qkv.k8.shape[2]
   group = heads // kv_heads
   out_dtype = v.dtype if group == 1 else jnp.dtype(jnp.float32)
-  dk, dv = _dkdv_call(qkv.q8, qkv.q8_t, qkv.q_scale, qkv.k8, qkv.k_scale, v, lse, delta,
-                      do, do8_t, do_scale, causal=config.causal, out_dtype=out_dtype,
-                      launch=launch)
+  call = _dkdv_call
+  if launch.warp_specialized and kv_len % (COMPUTE_WGS * BLOCK) == 0:
+    call = _dkdv_ws_call
+  dk, dv = call(qkv.q8, qkv.q8_t, qkv.q_scale, qkv.k8, qkv.k_scale, v, lse, delta, do,
+                do8_t, do_scale, causal=config.causal, out_dtype=out_dtype, launch=launch)
   if group > 1:
     sum_group = lambda x: x.reshape(batch, kv_len, kv_heads, group, head_dim).sum(axis=3)
     dk, dv = sum_group(dk).astype(v.dtype), sum_group(dv).astype(v.dtype)

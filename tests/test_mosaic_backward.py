@@ -95,13 +95,24 @@ def _abstract_args(batch, seq, heads, kv_heads, head_dim, causal):
           sds((batch, heads, head_dim, seq), jnp.int8), rows), config
 
 
-@pytest.mark.parametrize("bit_tricks", [False, True])
+LAUNCHES = {
+    "default": MosaicBackwardLaunch(),
+    "bit_tricks": MosaicBackwardLaunch(bit_tricks=True),
+    "warp_specialized": MosaicBackwardLaunch(warp_specialized=True),
+    "warp_specialized_3_steps_bit_tricks": MosaicBackwardLaunch(
+        warp_specialized=True, max_concurrent_steps=3, bit_tricks=True),
+}
+
+
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_lowers_for_cuda(head_dim, causal, bit_tricks):
-  """Mosaic GPU lowering (to the CUDA custom call) without a GPU."""
-  args, config = _abstract_args(2, 512, 4, 2, head_dim, causal)
-  launch = MosaicBackwardLaunch(bit_tricks=bit_tricks)
+def test_lowers_for_cuda(head_dim, causal, launch):
+  """Mosaic GPU lowering (to the CUDA custom call) without a GPU. GQA at
+  D = 128 (fp32 dK/dV partials) fits a ring of 2 only: MHA there."""
+  kv_heads = 4 if head_dim == 128 and launch.endswith("3_steps_bit_tricks") else 2
+  args, config = _abstract_args(2, 512, 4, kv_heads, head_dim, causal)
+  launch = LAUNCHES[launch]
   dkdv = lambda *a: backward_dkdv_mosaic(*a, Masks(), config, launch)
   dq = lambda *a: backward_dq_mosaic(*a, Masks(), config, launch)
   for fn, fn_args in ((dkdv, args), (dq, args[:5])):
@@ -133,6 +144,28 @@ def test_interpret_bit_tricks():
   want = _portable(args, config, INTERPRET)
   with plgpu.force_gpu_interpret_mode():
     got = _mosaic(args, config, MosaicBackwardLaunch(bit_tricks=True, approx_math=False))
+  _check(got, want)
+
+
+# (case, launch): warp-specialized dK/dV, with causal CTAs whose second
+# warpgroup skips a block, and a ring deeper than some CTAs' query range.
+WS_CASES = [
+    ((1, 256, 2, 1, 128, False), "warp_specialized"),
+    ((1, 384, 2, 2, 64, True), "warp_specialized"),
+    ((1, 256, 2, 1, 64, True), "warp_specialized_3_steps_bit_tricks"),
+]
+
+
+@pytest.mark.parametrize("case,launch", WS_CASES, ids=str)
+def test_interpret_warp_specialized(case, launch):
+  """Matches the portable kernels; no races (the interpreter's detector also
+  fails a barrier phase nobody waited on)."""
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+  args, config = _inputs(*case, seed=3)
+  want = _portable(args, config, INTERPRET)
+  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
+    got = jax.block_until_ready(_mosaic(args, config, LAUNCHES[launch]))
+  assert not gpu_callbacks.get_races().races_found
   _check(got, want)
 
 
@@ -175,11 +208,14 @@ GPU_CASES = INTERPRET_CASES + [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bit_tricks", [False, True])
+@pytest.mark.parametrize("launch", sorted(LAUNCHES))
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
-def test_gpu_compiled_matches_portable(case, bit_tricks):
+def test_gpu_compiled_matches_portable(case, launch):
+  batch, seq, heads, kv_heads, head_dim, causal = case
+  if head_dim == 128 and kv_heads < heads and launch.endswith("3_steps_bit_tricks"):
+    pytest.skip("a ring of 3 does not fit shared memory with fp32 GQA partials at D=128")
   gpu = jax.devices("gpu")[0]
   args, config = _inputs(*case, device=gpu)
   want = _portable(args, config, LaunchConfig())
-  got = _mosaic(args, config, MosaicBackwardLaunch(bit_tricks=bit_tricks))
+  got = _mosaic(args, config, LAUNCHES[launch])
   _check(got, want)
