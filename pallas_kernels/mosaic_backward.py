@@ -26,12 +26,15 @@ at D=128, so no more accumulators are kept in flight). The next block's tiles
 are fetched by TMA into the other of two shared-memory slots while this block
 computes (no producer warpgroup yet).
 
-`MosaicBackwardLaunch(warp_specialized=True)` runs dK/dV FlashAttention-3
-style instead: two compute warpgroups own 64 keys each (128 per CTA) and
-share the query-side tiles (Q8, Q8^T, dO, dO8^T) that a producer warpgroup
-streams with TMA through a `max_concurrent_steps`-deep ring; causal CTAs start
-at the first query block their first key block sees (the second warpgroup
-only releases that fully masked block). Shared memory at D = 128 with GQA
+`MosaicBackwardLaunch(warp_specialized=True)` runs both kernels
+FlashAttention-3 style instead: two compute warpgroups own one 64-row block
+each (128 keys per dK/dV CTA, 128 queries per dQ CTA) and share the other
+side's tiles (Q8, Q8^T, dO, dO8^T for dK/dV; K8, K8^T, V for dQ), which a
+producer warpgroup streams with TMA through a `max_concurrent_steps`-deep
+ring. Under causality a warpgroup waits on and releases the ring slots of the
+blocks only the other warpgroup needs (dK/dV: the second warpgroup's first,
+fully masked query block; dQ: the first warpgroup's last key block); causal
+dQ CTAs launch longest first. Shared memory for dK/dV at D = 128 with GQA
 (fp32 partials) allows a ring of 2; MHA or D = 64 allows 3.
 
 Scales are stored per token (`QuantizedQKV`), so a 64-token tile of a block's
@@ -67,9 +70,10 @@ class MosaicBackwardLaunch:
 
   bit_tricks: bool = False  # fp32 bit tricks for int32->fp32 and rounding
   approx_math: bool = True
-  # dK/dV only: two compute warpgroups (128 keys per CTA) fed by a TMA producer
-  # warpgroup through a ring of `max_concurrent_steps` query-block slots.
-  # Needs Tk % 128 == 0 (else the single-warpgroup kernel runs).
+  # Two compute warpgroups (128 keys per dK/dV CTA, 128 queries per dQ CTA)
+  # fed by a TMA producer warpgroup through a ring of `max_concurrent_steps`
+  # slots. Needs Tk (dK/dV), Tq (dQ) % 128 == 0, else the single-warpgroup
+  # kernel runs.
   warp_specialized: bool = False
   max_concurrent_steps: int = 2
 
@@ -455,6 +459,34 @@ def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
   return dk, dv
 
 
+def _dq_update(dq, *, i, j, masked: bool, b, kvh, q_smem, do_smem, q_scale_row, lse_row,
+               delta_row, ks_ref, tiles, bars, ds_smem, bit_tricks: bool):
+  """One key block j of query block i's dQ (backward_dq's kv_step).
+
+  `tiles` are the smem tiles (K8 (64, D), K8^T (D, 64), V (64, D)) of key
+  block j and `bars` the barriers that say they arrived.
+  """
+  k_tile, kt_tile, v_tile = tiles
+  k_bar, kt_bar, v_bar = bars
+  row = plgpu.Layout.WGMMA.reduce(1)
+  tile = (BLOCK, BLOCK)
+  kv = pl.ds(j * BLOCK, BLOCK)
+  k_scale_row = plgpu.load(ks_ref.at[b, kvh, kv], layout=row, optimized=False)
+  plgpu.barrier_wait(k_bar)
+  plgpu.barrier_wait(v_bar)
+  s, dp = _two_dots((q_smem, k_tile, tile, jnp.int32), (do_smem, v_tile, tile, jnp.float32))
+  s = _to_f32(s, bit_tricks) * lax.broadcast_in_dim(q_scale_row * k_scale_row, tile, [0])
+  if masked:
+    s = _causal_mask(s, i * BLOCK, j * BLOCK, transposed=False)
+  p = jnp.exp2(s - lax.broadcast_in_dim(lse_row, tile, [0]))
+  ds = p * (dp - lax.broadcast_in_dim(delta_row, tile, [0]))
+  ds_scale = _quantize_rows_to_smem(ds, ds_smem, nonnegative=False, bit_tricks=bit_tricks)
+  plgpu.barrier_wait(kt_bar)
+  dsk = _dot(ds_smem, kt_tile, dq.shape, jnp.int32)
+  return dq + _to_f32(dsk, bit_tricks) * lax.broadcast_in_dim(ds_scale * k_scale_row,
+                                                              dq.shape, [0])
+
+
 def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, config: Config,
              launch: MosaicBackwardLaunch):
   batch, heads, q_len, head_dim = q8.shape
@@ -509,22 +541,12 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, config: Confi
       def _():
         fetch(j + 1, lax.rem(j + 1, jnp.array(SLOTS, j.dtype)))
 
-      kv = pl.ds(j * BLOCK, BLOCK)
-      k_scale_row = plgpu.load(ks_ref.at[b, kvh, kv], layout=row, optimized=False)
-      plgpu.barrier_wait(k_bars.at[slot])
-      plgpu.barrier_wait(v_bars.at[slot])
-      s, dp = _two_dots((q_smem, k_smem.at[slot], tile, jnp.int32),
-                        (do_smem, v_smem.at[slot], tile, jnp.float32))
-      s = _to_f32(s, bit_tricks) * lax.broadcast_in_dim(q_scale_row * k_scale_row, tile, [0])
-      if masked:
-        s = _causal_mask(s, i * BLOCK, j * BLOCK, transposed=False)
-      p = jnp.exp2(s - lax.broadcast_in_dim(lse_row, tile, [0]))
-      ds = p * (dp - lax.broadcast_in_dim(delta_row, tile, [0]))
-      ds_scale = _quantize_rows_to_smem(ds, ds_smem, nonnegative=False, bit_tricks=bit_tricks)
-      plgpu.barrier_wait(kt_bars.at[slot])
-      dsk = _dot(ds_smem, kt_smem.at[slot], (BLOCK, head_dim), jnp.int32)
-      return dq + _to_f32(dsk, bit_tricks) * lax.broadcast_in_dim(ds_scale * k_scale_row,
-                                                                  dq.shape, [0])
+      return _dq_update(
+          dq, i=i, j=j, masked=masked, b=b, kvh=kvh, q_smem=q_smem, do_smem=do_smem,
+          q_scale_row=q_scale_row, lse_row=lse_row, delta_row=delta_row, ks_ref=ks_ref,
+          tiles=(k_smem.at[slot], kt_smem.at[slot], v_smem.at[slot]),
+          bars=(k_bars.at[slot], kt_bars.at[slot], v_bars.at[slot]), ds_smem=ds_smem,
+          bit_tricks=bit_tricks)
 
     dq = _acc((BLOCK, head_dim))
     dq = lax.fori_loop(0, full, functools.partial(kv_step, masked=False), dq)
@@ -556,10 +578,150 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, config: Confi
   )(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v)
 
 
+def _dq_ws_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, config: Config,
+                launch: MosaicBackwardLaunch):
+  """dQ with warp specialization: two compute warpgroups own one query block
+  each (128 rows per CTA) and share the key-side tiles (K8, K8^T, V) that a
+  producer warpgroup streams through a `max_concurrent_steps`-deep ring."""
+  batch, heads, q_len, head_dim = q8.shape
+  kv_heads, kv_len = k8.shape[1], k8.shape[2]
+  group = heads // kv_heads
+  num_kv_blocks = kv_len // BLOCK
+  num_q_tiles = q_len // (COMPUTE_WGS * BLOCK)
+  wgs = COMPUTE_WGS
+  steps = launch.max_concurrent_steps
+  out_dtype = do.dtype
+  row = plgpu.Layout.WGMMA.reduce(1)
+
+  def kv_bounds(qi):  # common.loop_over_kv_blocks' bounds for query block qi
+    if not config.causal:
+      return jnp.int32(num_kv_blocks), jnp.int32(num_kv_blocks)
+    full = jnp.minimum(lax.div(qi * BLOCK, BLOCK), num_kv_blocks)
+    end = jnp.minimum(lax.div((qi + 1) * BLOCK + BLOCK - 1, BLOCK), num_kv_blocks)
+    return jnp.asarray(full, jnp.int32), jnp.asarray(end, jnp.int32)
+
+  def kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, kt_ref, ks_ref, v_ref,
+             dq_ref, scoped):
+    b = lax.axis_index("batch")
+    h = lax.axis_index("heads")
+    t = lax.axis_index("q_seq")
+    if config.causal:  # the longest query tiles launch first
+      t = num_q_tiles - 1 - t
+    wg = lax.axis_index("wg")
+    kvh = lax.div(h, jnp.array(group, h.dtype))
+    smem, (q_bars, do_bars), ring_bars, consumed = scoped
+    q_smem2, do_smem2, k_ring, kt_ring, v_ring, ds_smem2, dq_smem2 = smem
+    k_bars, kt_bars, v_bars = ring_bars
+    cta_end = kv_bounds(t * wgs + wgs - 1)[1]  # key blocks the last query block sees
+    slot_of = lambda j: lax.rem(j, jnp.array(steps, j.dtype))
+
+    @pl.when(wg < wgs)
+    def _compute():
+      plgpu.set_max_registers(232, action="increase")
+      i = t * wgs + wg  # this warpgroup's query block
+      rows = pl.ds(i * BLOCK, BLOCK)
+      q_smem, do_smem, ds_smem = q_smem2.at[wg], do_smem2.at[wg], ds_smem2.at[wg]
+      plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_smem, q_bars.at[wg])
+      plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem, do_bars.at[wg])
+      q_scale_row = plgpu.load(qs_ref.at[b, h, rows], layout=row, optimized=False)
+      lse_row = plgpu.load(lse_ref.at[b, h, rows], layout=row, optimized=False)
+      delta_row = plgpu.load(delta_ref.at[b, h, rows], layout=row, optimized=False)
+      plgpu.barrier_wait(q_bars.at[wg])
+      plgpu.barrier_wait(do_bars.at[wg])
+
+      def kv_step(j, dq, *, masked: bool):
+        slot = slot_of(j)
+        dq = _dq_update(
+            dq, i=i, j=j, masked=masked, b=b, kvh=kvh, q_smem=q_smem, do_smem=do_smem,
+            q_scale_row=q_scale_row, lse_row=lse_row, delta_row=delta_row, ks_ref=ks_ref,
+            tiles=(k_ring.at[slot], kt_ring.at[slot], v_ring.at[slot]),
+            bars=(k_bars.at[slot], kt_bars.at[slot], v_bars.at[slot]), ds_smem=ds_smem,
+            bit_tricks=launch.bit_tricks)
+        plgpu.barrier_arrive(consumed.at[slot])
+        return dq
+
+      full, end = kv_bounds(i)
+      dq = lax.fori_loop(0, full, functools.partial(kv_step, masked=False),
+                         _acc((BLOCK, head_dim)))
+      dq = lax.fori_loop(full, end, functools.partial(kv_step, masked=True), dq)
+
+      @pl.loop(end, cta_end)
+      def _release(j):  # blocks only the other warpgroup needs
+        slot = slot_of(j)
+        for bar in (k_bars, kt_bars, v_bars):
+          plgpu.barrier_wait(bar.at[slot])
+        plgpu.barrier_arrive(consumed.at[slot])
+
+      dq_smem = dq_smem2.at[wg]
+      dq_smem[...] = (dq * config.scale).astype(out_dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[b, rows, h])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == wgs)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def load(j):
+        slot, kv = slot_of(j), pl.ds(j * BLOCK, BLOCK)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, kvh, kv], k_ring.at[slot], k_bars.at[slot])
+        plgpu.copy_gmem_to_smem(kt_ref.at[b, kvh, :, kv], kt_ring.at[slot], kt_bars.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[b, kv, kvh], v_ring.at[slot], v_bars.at[slot])
+
+      @pl.loop(0, jnp.minimum(steps, cta_end))
+      def _prologue(j):
+        load(j)
+
+      @pl.loop(steps, cta_end)
+      def _ring(j):
+        plgpu.barrier_wait(consumed.at[slot_of(j)])  # block j - steps is done
+        load(j)
+
+      @pl.loop(jnp.maximum(cta_end - steps, 0), cta_end)
+      def _drain(j):  # observe the last consumptions too
+        plgpu.barrier_wait(consumed.at[slot_of(j)])
+
+  i8, fdt = jnp.int8, v.dtype
+  smem = (
+      plgpu.SMEM((wgs, BLOCK, head_dim), i8, transforms=_transforms(head_dim, i8)),  # Q8
+      plgpu.SMEM((wgs, BLOCK, head_dim), out_dtype,
+                 transforms=_transforms(head_dim, out_dtype)),  # dO
+      plgpu.SMEM((steps, BLOCK, head_dim), i8, transforms=_transforms(head_dim, i8)),  # K8
+      plgpu.SMEM((steps, head_dim, BLOCK), i8, transforms=_transforms(BLOCK, i8)),  # K8^T
+      plgpu.SMEM((steps, BLOCK, head_dim), fdt, transforms=_transforms(head_dim, fdt)),  # V
+      plgpu.SMEM((wgs, BLOCK, BLOCK), i8, transforms=_transforms(BLOCK, i8)),  # dS8
+      plgpu.SMEM((wgs, BLOCK, head_dim), out_dtype,
+                 transforms=_transforms(head_dim, out_dtype)),  # dQ
+  )
+
+  def entry(*refs):
+    pl.run_scoped(
+        lambda *scoped: kernel(*refs, scoped),
+        smem,
+        (plgpu.Barrier(num_barriers=wgs),) * 2,
+        (plgpu.Barrier(num_barriers=steps),) * 3,
+        plgpu.Barrier(num_arrivals=wgs, num_barriers=steps),
+        collective_axes="wg",
+    )
+
+  return plgpu.kernel(
+      entry,
+      out_type=jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), out_dtype),
+      grid=(heads, num_q_tiles, batch),
+      grid_names=("heads", "q_seq", "batch"),
+      num_threads=wgs + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=launch.approx_math),
+  )(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v)
+
+
 def backward_dq_mosaic(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, config: Config,
                        launch: MosaicBackwardLaunch = MosaicBackwardLaunch()):
   """dQ (B, Tq, H, D) in dO's dtype; same contract as `backward_dq.backward_dq`
   for the cases `supports` accepts."""
   _check(qkv, masks, config, "backward_dq_mosaic")
-  return _dq_call(qkv.q8, qkv.q_scale, lse, delta, do, qkv.k8, qkv.k8_t, qkv.k_scale, v,
-                  config=config, launch=launch)
+  call = _dq_call
+  if launch.warp_specialized and qkv.q8.shape[2] % (COMPUTE_WGS * BLOCK) == 0:
+    call = _dq_ws_call
+  return call(qkv.q8, qkv.q_scale, lse, delta, do, qkv.k8, qkv.k8_t, qkv.k_scale, v,
+              config=config, launch=launch)

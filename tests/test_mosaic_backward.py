@@ -147,8 +147,9 @@ def test_interpret_bit_tricks():
   _check(got, want)
 
 
-# (case, launch): warp-specialized dK/dV, with causal CTAs whose second
-# warpgroup skips a block, and a ring deeper than some CTAs' query range.
+# (case, launch): warp-specialized dK/dV and dQ, with causal CTAs whose
+# warpgroups skip blocks the other one needs, and a ring deeper than some
+# CTAs' range.
 WS_CASES = [
     ((1, 256, 2, 1, 128, False), "warp_specialized"),
     ((1, 384, 2, 2, 64, True), "warp_specialized"),
