@@ -196,8 +196,6 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
   num_q_blocks = q_len // BLOCK
   bit_tricks = launch.bit_tricks
   row = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row (key)
-  col = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column (query)
-  tile = (BLOCK, BLOCK)
 
   def kernel(q_ref, qt_ref, qs_ref, k_ref, ks_ref, v_ref, lse_ref, delta_ref, do_ref,
              dot_ref, dos_ref, dk_ref, dv_ref, smem, bars):
@@ -496,7 +494,6 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, config: Confi
   bit_tricks = launch.bit_tricks
   out_dtype = do.dtype
   row = plgpu.Layout.WGMMA.reduce(1)
-  tile = (BLOCK, BLOCK)
 
   def kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, kt_ref, ks_ref, v_ref,
              dq_ref, smem, bars):
