@@ -56,7 +56,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import common
 from pallas_kernels import numerics as nm
-from pallas_kernels.mosaic_forward import BLOCK, COMPUTE_WGS, HEAD_DIMS, _to_f32, _transforms
+from pallas_kernels.mosaic_forward import BLOCK, COMPUTE_WGS, HEAD_DIMS, smem_transforms
 from pallas_kernels.mosaic_forward import supports as _forward_supports
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
@@ -96,21 +96,13 @@ def _check(qkv: QuantizedQKV, masks: Masks, config: Config, name: str):
     raise ValueError(f"sequence lengths {q_len}, {kv_len} must be multiples of {BLOCK}")
 
 
-def _round(x, *, nonnegative: bool, bit_tricks: bool):
-  """numerics.round_to_int8: clip to [-127, 127], round half-even, int8."""
-  x = jnp.minimum(x, nm.INT8_MAX) if nonnegative else jnp.clip(x, -nm.INT8_MAX, nm.INT8_MAX)
-  if bit_tricks:
-    return lax.bitcast_convert_type(x + nm._ROUND_MAGIC_F32, jnp.int32).astype(jnp.int8)
-  return jnp.round(x).astype(jnp.int32).astype(jnp.int8)
-
-
 def _quantize_rows_to_smem(x, dst_smem, *, nonnegative: bool, bit_tricks: bool):
   """numerics.quantize_rows on a (64, 64) WGMMA-layout tile; the int8 values
   go to `dst_smem` (committed), the per-row scales (amax / 127) are returned."""
   amax = jnp.max(x if nonnegative else jnp.abs(x), axis=1)
-  inv = jnp.where(amax > 0, nm.INT8_MAX / jnp.where(amax > 0, amax, 1.0), 0.0)
-  dst_smem[...] = _round(x * lax.broadcast_in_dim(inv, x.shape, [0]),
-                         nonnegative=nonnegative, bit_tricks=bit_tricks)
+  inv = nm.inverse_scale(amax)
+  dst_smem[...] = nm.round_to_int8(x * lax.broadcast_in_dim(inv, x.shape, [0]),
+                                   nonnegative=nonnegative, bit_tricks=bit_tricks)
   plgpu.commit_smem()
   return amax / nm.INT8_MAX
 
@@ -169,7 +161,7 @@ def _dkdv_update(dk, dv, *, i, j, masked: bool, b, h, k_smem, v_smem, k_scale_ro
   plgpu.barrier_wait(do_bar)
   s_t, dp_t = _two_dots((k_smem, q_tile, tile, jnp.int32), (v_smem, do_tile, tile, jnp.float32))
   # common.score_tile: int32 * (q_scale * k_scale); both rows hold one scalar
-  s_t = _to_f32(s_t, bit_tricks) * lax.broadcast_in_dim(q_scale_row * k_scale_row, tile, [0])
+  s_t = nm.int32_to_float(s_t, bit_tricks=bit_tricks) * lax.broadcast_in_dim(q_scale_row * k_scale_row, tile, [0])
   if masked:
     s_t = _causal_mask(s_t, i * BLOCK, j * BLOCK, transposed=True)
   p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse_col, tile, [1]))
@@ -179,11 +171,11 @@ def _dkdv_update(dk, dv, *, i, j, masked: bool, b, h, k_smem, v_smem, k_scale_ro
 
   plgpu.barrier_wait(dot_bar)
   pv = _dot(p_smem, dot_tile, (BLOCK, dk.shape[1]), jnp.int32)
-  dv = dv + _to_f32(pv, bit_tricks) * lax.broadcast_in_dim(p_scale * do_scale_row, dv.shape,
+  dv = dv + nm.int32_to_float(pv, bit_tricks=bit_tricks) * lax.broadcast_in_dim(p_scale * do_scale_row, dv.shape,
                                                            [0])
   plgpu.barrier_wait(qt_bar)
   dsq = _dot(ds_smem, qt_tile, (BLOCK, dk.shape[1]), jnp.int32)
-  dk = dk + _to_f32(dsq, bit_tricks) * lax.broadcast_in_dim(ds_scale * q_scale_row, dk.shape,
+  dk = dk + nm.int32_to_float(dsq, bit_tricks=bit_tricks) * lax.broadcast_in_dim(ds_scale * q_scale_row, dk.shape,
                                                             [0])
   return dk, dv
 
@@ -267,16 +259,16 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
 
   i8, fdt = jnp.int8, v.dtype
   smem = (
-      plgpu.SMEM((BLOCK, head_dim), i8, transforms=_transforms(head_dim, i8)),  # K8
-      plgpu.SMEM((BLOCK, head_dim), fdt, transforms=_transforms(head_dim, fdt)),  # V
-      plgpu.SMEM((SLOTS, BLOCK, head_dim), i8, transforms=_transforms(head_dim, i8)),  # Q8
-      plgpu.SMEM((SLOTS, head_dim, BLOCK), i8, transforms=_transforms(BLOCK, i8)),  # Q8^T
-      plgpu.SMEM((SLOTS, BLOCK, head_dim), fdt, transforms=_transforms(head_dim, fdt)),  # dO
-      plgpu.SMEM((SLOTS, head_dim, BLOCK), i8, transforms=_transforms(BLOCK, i8)),  # dO8^T
-      plgpu.SMEM((BLOCK, BLOCK), i8, transforms=_transforms(BLOCK, i8)),  # P8^T
-      plgpu.SMEM((BLOCK, BLOCK), i8, transforms=_transforms(BLOCK, i8)),  # dS8^T
-      plgpu.SMEM((BLOCK, head_dim), out_dtype, transforms=_transforms(head_dim, out_dtype)),
-      plgpu.SMEM((BLOCK, head_dim), out_dtype, transforms=_transforms(head_dim, out_dtype)),
+      plgpu.SMEM((BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),  # K8
+      plgpu.SMEM((BLOCK, head_dim), fdt, transforms=smem_transforms(head_dim, fdt)),  # V
+      plgpu.SMEM((SLOTS, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),  # Q8
+      plgpu.SMEM((SLOTS, head_dim, BLOCK), i8, transforms=smem_transforms(BLOCK, i8)),  # Q8^T
+      plgpu.SMEM((SLOTS, BLOCK, head_dim), fdt, transforms=smem_transforms(head_dim, fdt)),  # dO
+      plgpu.SMEM((SLOTS, head_dim, BLOCK), i8, transforms=smem_transforms(BLOCK, i8)),  # dO8^T
+      plgpu.SMEM((BLOCK, BLOCK), i8, transforms=smem_transforms(BLOCK, i8)),  # P8^T
+      plgpu.SMEM((BLOCK, BLOCK), i8, transforms=smem_transforms(BLOCK, i8)),  # dS8^T
+      plgpu.SMEM((BLOCK, head_dim), out_dtype, transforms=smem_transforms(head_dim, out_dtype)),
+      plgpu.SMEM((BLOCK, head_dim), out_dtype, transforms=smem_transforms(head_dim, out_dtype)),
   )
   bars = (plgpu.Barrier(num_barriers=2),) + (plgpu.Barrier(num_barriers=SLOTS),) * 4
   shape = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), out_dtype)
@@ -399,16 +391,16 @@ def _dkdv_ws_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_s
 
   i8, fdt = jnp.int8, v.dtype
   smem = (
-      plgpu.SMEM((wgs, BLOCK, head_dim), i8, transforms=_transforms(head_dim, i8)),  # K8
-      plgpu.SMEM((wgs, BLOCK, head_dim), fdt, transforms=_transforms(head_dim, fdt)),  # V
-      plgpu.SMEM((steps, BLOCK, head_dim), i8, transforms=_transforms(head_dim, i8)),  # Q8
-      plgpu.SMEM((steps, head_dim, BLOCK), i8, transforms=_transforms(BLOCK, i8)),  # Q8^T
-      plgpu.SMEM((steps, BLOCK, head_dim), fdt, transforms=_transforms(head_dim, fdt)),  # dO
-      plgpu.SMEM((steps, head_dim, BLOCK), i8, transforms=_transforms(BLOCK, i8)),  # dO8^T
-      plgpu.SMEM((wgs, BLOCK, BLOCK), i8, transforms=_transforms(BLOCK, i8)),  # P8^T
-      plgpu.SMEM((wgs, BLOCK, BLOCK), i8, transforms=_transforms(BLOCK, i8)),  # dS8^T
+      plgpu.SMEM((wgs, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),  # K8
+      plgpu.SMEM((wgs, BLOCK, head_dim), fdt, transforms=smem_transforms(head_dim, fdt)),  # V
+      plgpu.SMEM((steps, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),  # Q8
+      plgpu.SMEM((steps, head_dim, BLOCK), i8, transforms=smem_transforms(BLOCK, i8)),  # Q8^T
+      plgpu.SMEM((steps, BLOCK, head_dim), fdt, transforms=smem_transforms(head_dim, fdt)),  # dO
+      plgpu.SMEM((steps, head_dim, BLOCK), i8, transforms=smem_transforms(BLOCK, i8)),  # dO8^T
+      plgpu.SMEM((wgs, BLOCK, BLOCK), i8, transforms=smem_transforms(BLOCK, i8)),  # P8^T
+      plgpu.SMEM((wgs, BLOCK, BLOCK), i8, transforms=smem_transforms(BLOCK, i8)),  # dS8^T
       plgpu.SMEM((wgs, BLOCK, head_dim), out_dtype,
-                 transforms=_transforms(head_dim, out_dtype)),  # dK, then dV
+                 transforms=smem_transforms(head_dim, out_dtype)),  # dK, then dV
   )
 
   def entry(*refs):
@@ -473,7 +465,7 @@ def _dq_update(dq, *, i, j, masked: bool, b, kvh, q_smem, do_smem, q_scale_row, 
   plgpu.barrier_wait(k_bar)
   plgpu.barrier_wait(v_bar)
   s, dp = _two_dots((q_smem, k_tile, tile, jnp.int32), (do_smem, v_tile, tile, jnp.float32))
-  s = _to_f32(s, bit_tricks) * lax.broadcast_in_dim(q_scale_row * k_scale_row, tile, [0])
+  s = nm.int32_to_float(s, bit_tricks=bit_tricks) * lax.broadcast_in_dim(q_scale_row * k_scale_row, tile, [0])
   if masked:
     s = _causal_mask(s, i * BLOCK, j * BLOCK, transposed=False)
   p = jnp.exp2(s - lax.broadcast_in_dim(lse_row, tile, [0]))
@@ -481,7 +473,7 @@ def _dq_update(dq, *, i, j, masked: bool, b, kvh, q_smem, do_smem, q_scale_row, 
   ds_scale = _quantize_rows_to_smem(ds, ds_smem, nonnegative=False, bit_tricks=bit_tricks)
   plgpu.barrier_wait(kt_bar)
   dsk = _dot(ds_smem, kt_tile, dq.shape, jnp.int32)
-  return dq + _to_f32(dsk, bit_tricks) * lax.broadcast_in_dim(ds_scale * k_scale_row,
+  return dq + nm.int32_to_float(dsk, bit_tricks=bit_tricks) * lax.broadcast_in_dim(ds_scale * k_scale_row,
                                                               dq.shape, [0])
 
 
@@ -556,13 +548,13 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, config: Confi
 
   i8, fdt = jnp.int8, v.dtype
   smem = (
-      plgpu.SMEM((BLOCK, head_dim), i8, transforms=_transforms(head_dim, i8)),  # Q8
-      plgpu.SMEM((BLOCK, head_dim), do.dtype, transforms=_transforms(head_dim, do.dtype)),
-      plgpu.SMEM((SLOTS, BLOCK, head_dim), i8, transforms=_transforms(head_dim, i8)),  # K8
-      plgpu.SMEM((SLOTS, head_dim, BLOCK), i8, transforms=_transforms(BLOCK, i8)),  # K8^T
-      plgpu.SMEM((SLOTS, BLOCK, head_dim), fdt, transforms=_transforms(head_dim, fdt)),  # V
-      plgpu.SMEM((BLOCK, BLOCK), i8, transforms=_transforms(BLOCK, i8)),  # dS8
-      plgpu.SMEM((BLOCK, head_dim), out_dtype, transforms=_transforms(head_dim, out_dtype)),
+      plgpu.SMEM((BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),  # Q8
+      plgpu.SMEM((BLOCK, head_dim), do.dtype, transforms=smem_transforms(head_dim, do.dtype)),
+      plgpu.SMEM((SLOTS, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),  # K8
+      plgpu.SMEM((SLOTS, head_dim, BLOCK), i8, transforms=smem_transforms(BLOCK, i8)),  # K8^T
+      plgpu.SMEM((SLOTS, BLOCK, head_dim), fdt, transforms=smem_transforms(head_dim, fdt)),  # V
+      plgpu.SMEM((BLOCK, BLOCK), i8, transforms=smem_transforms(BLOCK, i8)),  # dS8
+      plgpu.SMEM((BLOCK, head_dim), out_dtype, transforms=smem_transforms(head_dim, out_dtype)),
   )
   bars = (plgpu.Barrier(num_barriers=2),) + (plgpu.Barrier(num_barriers=SLOTS),) * 3
   return plgpu.kernel(
@@ -680,15 +672,15 @@ def _dq_ws_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, config: Co
 
   i8, fdt = jnp.int8, v.dtype
   smem = (
-      plgpu.SMEM((wgs, BLOCK, head_dim), i8, transforms=_transforms(head_dim, i8)),  # Q8
+      plgpu.SMEM((wgs, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),  # Q8
       plgpu.SMEM((wgs, BLOCK, head_dim), out_dtype,
-                 transforms=_transforms(head_dim, out_dtype)),  # dO
-      plgpu.SMEM((steps, BLOCK, head_dim), i8, transforms=_transforms(head_dim, i8)),  # K8
-      plgpu.SMEM((steps, head_dim, BLOCK), i8, transforms=_transforms(BLOCK, i8)),  # K8^T
-      plgpu.SMEM((steps, BLOCK, head_dim), fdt, transforms=_transforms(head_dim, fdt)),  # V
-      plgpu.SMEM((wgs, BLOCK, BLOCK), i8, transforms=_transforms(BLOCK, i8)),  # dS8
+                 transforms=smem_transforms(head_dim, out_dtype)),  # dO
+      plgpu.SMEM((steps, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),  # K8
+      plgpu.SMEM((steps, head_dim, BLOCK), i8, transforms=smem_transforms(BLOCK, i8)),  # K8^T
+      plgpu.SMEM((steps, BLOCK, head_dim), fdt, transforms=smem_transforms(head_dim, fdt)),  # V
+      plgpu.SMEM((wgs, BLOCK, BLOCK), i8, transforms=smem_transforms(BLOCK, i8)),  # dS8
       plgpu.SMEM((wgs, BLOCK, head_dim), out_dtype,
-                 transforms=_transforms(head_dim, out_dtype)),  # dQ
+                 transforms=smem_transforms(head_dim, out_dtype)),  # dQ
   )
 
   def entry(*refs):

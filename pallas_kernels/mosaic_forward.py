@@ -64,24 +64,11 @@ def supports(masks: Masks, config: Config, head_dim: int) -> bool:
           and config.block_kv == BLOCK)
 
 
-def _transforms(minor_elems: int, dtype) -> tuple:
+def smem_transforms(minor_elems: int, dtype) -> tuple:
+  """Tiling and swizzle of a shared-memory tile whose minor dim has `minor_elems`."""
   swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
   swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
   return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
-
-
-def _to_f32(x, bit_tricks):
-  if bit_tricks:
-    return nm.int32_to_float(x, bit_tricks=True)
-  return x.astype(jnp.float32)
-
-
-def _round_p(x, bit_tricks):
-  """round_to_int8(x, nonnegative=True): min(x, 127), round half-even, int8."""
-  x = jnp.minimum(x, nm.INT8_MAX)
-  if bit_tricks:
-    return lax.bitcast_convert_type(x + nm._ROUND_MAGIC_F32, jnp.int32).astype(jnp.int8)
-  return jnp.round(x).astype(jnp.int32).astype(jnp.int8)
 
 
 def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scale, *, causal: bool, out_dtype,
@@ -152,7 +139,7 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scale, *, causal: bool, out_
 
       def scores(s_int, k_scale_row, j, masked):
         """Base-2 logits: int32 -> fp32 times (q block scale * k block scale)."""
-        s = _to_f32(s_int, bit_tricks) * lax.broadcast_in_dim(q_scale_row * k_scale_row,
+        s = nm.int32_to_float(s_int, bit_tricks=bit_tricks) * lax.broadcast_in_dim(q_scale_row * k_scale_row,
                                                              (BLOCK, BLOCK), [0])
         if masked:  # causal, on the last key block this query block sees
           q_pos = plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0,
@@ -173,8 +160,9 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scale, *, causal: bool, out_
         l = alpha * l + jnp.sum(p, axis=1)
         # P per row, scaled by its row maximum exp2(rowmax(S) - m_new)
         p_amax = jnp.exp2(m_tile - m_safe)
-        inv = jnp.where(p_amax > 0, nm.INT8_MAX / jnp.where(p_amax > 0, p_amax, 1.0), 0.0)
-        p_smem[...] = _round_p(p * lax.broadcast_in_dim(inv, (BLOCK, BLOCK), [0]), bit_tricks)
+        inv = nm.inverse_scale(p_amax)
+        p_smem[...] = nm.round_to_int8(p * lax.broadcast_in_dim(inv, (BLOCK, BLOCK), [0]),
+                                       nonnegative=True, bit_tricks=bit_tricks)
         plgpu.commit_smem()
         return alpha, m_new, l, (p_amax / nm.INT8_MAX) * v_scale_row
 
@@ -187,7 +175,7 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scale, *, causal: bool, out_
           plgpu.barrier_wait(v_bars.at[slot])
 
       def accumulate(acc, alpha, pv, pv_scale):
-        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + _to_f32(pv, bit_tricks) * (
+        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + nm.int32_to_float(pv, bit_tricks=bit_tricks) * (
             lax.broadcast_in_dim(pv_scale, acc.shape, [0]))
 
       def issue_qk(j, s_ref):
@@ -336,12 +324,12 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scale, *, causal: bool, out_
   def entry(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref):
     i8 = jnp.int8
     scratch = (
-        plgpu.SMEM((COMPUTE_WGS, BLOCK, head_dim), i8, transforms=_transforms(head_dim, i8)),
-        plgpu.SMEM((steps, BLOCK, head_dim), i8, transforms=_transforms(head_dim, i8)),
-        plgpu.SMEM((steps, head_dim, BLOCK), i8, transforms=_transforms(BLOCK, i8)),
-        plgpu.SMEM((COMPUTE_WGS, BLOCK, BLOCK), i8, transforms=_transforms(BLOCK, i8)),
+        plgpu.SMEM((COMPUTE_WGS, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),
+        plgpu.SMEM((steps, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),
+        plgpu.SMEM((steps, head_dim, BLOCK), i8, transforms=smem_transforms(BLOCK, i8)),
+        plgpu.SMEM((COMPUTE_WGS, BLOCK, BLOCK), i8, transforms=smem_transforms(BLOCK, i8)),
         plgpu.SMEM((COMPUTE_WGS, BLOCK, head_dim), out_dtype,
-                   transforms=_transforms(head_dim, out_dtype)),
+                   transforms=smem_transforms(head_dim, out_dtype)),
         plgpu.SMEM((COMPUTE_WGS, BLOCK), jnp.float32),
     )
     pl.run_scoped(

@@ -41,8 +41,8 @@ def round_to_int8(x: jax.Array, *, nonnegative: bool = False,
   lower clip.
   """
   x = jnp.minimum(x, INT8_MAX) if nonnegative else jnp.clip(x, -INT8_MAX, INT8_MAX)
-  if not bit_tricks:
-    return jnp.round(x).astype(jnp.int8)
+  if not bit_tricks:  # via int32: Mosaic GPU has no direct fp32 -> int8 conversion
+    return jnp.round(x).astype(jnp.int32).astype(jnp.int8)
   return lax.bitcast_convert_type(x + _ROUND_MAGIC_F32, jnp.int32).astype(jnp.int8)
 
 
