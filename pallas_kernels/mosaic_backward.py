@@ -96,6 +96,27 @@ def _check(qkv: QuantizedQKV, masks: Masks, config: Config, name: str):
     raise ValueError(f"sequence lengths {q_len}, {kv_len} must be multiples of {BLOCK}")
 
 
+def _p_and_ds(s_int, dp, scale_row, lse, delta, *, q_start, kv_start, masked: bool,
+              transposed: bool, bit_tricks: bool):
+  """P and dS of one recomputed tile (as `common.score_tile` and the portable
+  backward form them): scores are int32 * (q_scale * k_scale), given as one
+  value per accumulator row; `lse` and `delta` run along the query axis
+  (columns when `transposed`, i.e. rows are keys)."""
+  tile = s_int.shape
+  s = nm.int32_to_float(s_int, bit_tricks=bit_tricks) * lax.broadcast_in_dim(scale_row, tile, [0])
+  if masked:
+    s = _causal_mask(s, q_start, kv_start, transposed=transposed)
+  along_q = [1] if transposed else [0]
+  p = jnp.exp2(s - lax.broadcast_in_dim(lse, tile, along_q))
+  return p, p * (dp - lax.broadcast_in_dim(delta, tile, along_q))
+
+
+def _accumulate(acc, product, row_scale, bit_tricks: bool):
+  """acc + an int32 product dequantized with one scale per row."""
+  return acc + nm.int32_to_float(product, bit_tricks=bit_tricks) * lax.broadcast_in_dim(
+      row_scale, acc.shape, [0])
+
+
 def _quantize_rows_to_smem(x, dst_smem, *, nonnegative: bool, bit_tricks: bool):
   """numerics.quantize_rows on a (64, 64) WGMMA-layout tile; the int8 values
   go to `dst_smem` (committed), the per-row scales (amax / 127) are returned."""
@@ -160,23 +181,18 @@ def _dkdv_update(dk, dv, *, i, j, masked: bool, b, h, k_smem, v_smem, k_scale_ro
   plgpu.barrier_wait(q_bar)
   plgpu.barrier_wait(do_bar)
   s_t, dp_t = _two_dots((k_smem, q_tile, tile, jnp.int32), (v_smem, do_tile, tile, jnp.float32))
-  # common.score_tile: int32 * (q_scale * k_scale); both rows hold one scalar
-  s_t = nm.int32_to_float(s_t, bit_tricks=bit_tricks) * lax.broadcast_in_dim(q_scale_row * k_scale_row, tile, [0])
-  if masked:
-    s_t = _causal_mask(s_t, i * BLOCK, j * BLOCK, transposed=True)
-  p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse_col, tile, [1]))
-  ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta_col, tile, [1]))
+  p_t, ds_t = _p_and_ds(s_t, dp_t, q_scale_row * k_scale_row, lse_col, delta_col,
+                        q_start=i * BLOCK, kv_start=j * BLOCK, masked=masked,
+                        transposed=True, bit_tricks=bit_tricks)
   p_scale = _quantize_rows_to_smem(p_t, p_smem, nonnegative=True, bit_tricks=bit_tricks)
   ds_scale = _quantize_rows_to_smem(ds_t, ds_smem, nonnegative=False, bit_tricks=bit_tricks)
 
   plgpu.barrier_wait(dot_bar)
   pv = _dot(p_smem, dot_tile, (BLOCK, dk.shape[1]), jnp.int32)
-  dv = dv + nm.int32_to_float(pv, bit_tricks=bit_tricks) * lax.broadcast_in_dim(p_scale * do_scale_row, dv.shape,
-                                                           [0])
+  dv = _accumulate(dv, pv, p_scale * do_scale_row, bit_tricks)
   plgpu.barrier_wait(qt_bar)
   dsq = _dot(ds_smem, qt_tile, (BLOCK, dk.shape[1]), jnp.int32)
-  dk = dk + nm.int32_to_float(dsq, bit_tricks=bit_tricks) * lax.broadcast_in_dim(ds_scale * q_scale_row, dk.shape,
-                                                            [0])
+  dk = _accumulate(dk, dsq, ds_scale * q_scale_row, bit_tricks)
   return dk, dv
 
 
@@ -465,16 +481,13 @@ def _dq_update(dq, *, i, j, masked: bool, b, kvh, q_smem, do_smem, q_scale_row, 
   plgpu.barrier_wait(k_bar)
   plgpu.barrier_wait(v_bar)
   s, dp = _two_dots((q_smem, k_tile, tile, jnp.int32), (do_smem, v_tile, tile, jnp.float32))
-  s = nm.int32_to_float(s, bit_tricks=bit_tricks) * lax.broadcast_in_dim(q_scale_row * k_scale_row, tile, [0])
-  if masked:
-    s = _causal_mask(s, i * BLOCK, j * BLOCK, transposed=False)
-  p = jnp.exp2(s - lax.broadcast_in_dim(lse_row, tile, [0]))
-  ds = p * (dp - lax.broadcast_in_dim(delta_row, tile, [0]))
+  _, ds = _p_and_ds(s, dp, q_scale_row * k_scale_row, lse_row, delta_row, q_start=i * BLOCK,
+                    kv_start=j * BLOCK, masked=masked, transposed=False,
+                    bit_tricks=bit_tricks)
   ds_scale = _quantize_rows_to_smem(ds, ds_smem, nonnegative=False, bit_tricks=bit_tricks)
   plgpu.barrier_wait(kt_bar)
   dsk = _dot(ds_smem, kt_tile, dq.shape, jnp.int32)
-  return dq + nm.int32_to_float(dsk, bit_tricks=bit_tricks) * lax.broadcast_in_dim(ds_scale * k_scale_row,
-                                                              dq.shape, [0])
+  return _accumulate(dq, dsk, ds_scale * k_scale_row, bit_tricks)
 
 
 def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, config: Config,

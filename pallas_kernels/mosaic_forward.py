@@ -139,8 +139,8 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scale, *, causal: bool, out_
 
       def scores(s_int, k_scale_row, j, masked):
         """Base-2 logits: int32 -> fp32 times (q block scale * k block scale)."""
-        s = nm.int32_to_float(s_int, bit_tricks=bit_tricks) * lax.broadcast_in_dim(q_scale_row * k_scale_row,
-                                                             (BLOCK, BLOCK), [0])
+        s = nm.int32_to_float(s_int, bit_tricks=bit_tricks) * lax.broadcast_in_dim(
+            q_scale_row * k_scale_row, (BLOCK, BLOCK), [0])
         if masked:  # causal, on the last key block this query block sees
           q_pos = plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0,
                                          layout=plgpu.Layout.WGMMA)
@@ -175,8 +175,9 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scale, *, causal: bool, out_
           plgpu.barrier_wait(v_bars.at[slot])
 
       def accumulate(acc, alpha, pv, pv_scale):
-        return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + nm.int32_to_float(pv, bit_tricks=bit_tricks) * (
-            lax.broadcast_in_dim(pv_scale, acc.shape, [0]))
+        pv = nm.int32_to_float(pv, bit_tricks=bit_tricks)
+        return (acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                + pv * lax.broadcast_in_dim(pv_scale, acc.shape, [0]))
 
       def issue_qk(j, s_ref):
         slot = lax.rem(j, jnp.array(steps, j.dtype))
