@@ -96,6 +96,14 @@ def _check(qkv: QuantizedQKV, masks: Masks, config: Config, name: str):
     raise ValueError(f"sequence lengths {q_len}, {kv_len} must be multiples of {BLOCK}")
 
 
+def _write_tile(value, smem, dst):
+  """Stores a register tile to global memory through shared memory (TMA)."""
+  smem[...] = value
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(smem, dst)
+  plgpu.wait_smem_to_gmem(0)
+
+
 def _p_and_ds(s_int, dp, scale_row, lse, delta, *, q_start, kv_start, masked: bool,
               transposed: bool, bit_tricks: bool):
   """P and dS of one recomputed tile (as `common.score_tile` and the portable
@@ -374,10 +382,7 @@ def _dkdv_ws_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_s
       # One staging buffer for both (fp32 dK and dV at D = 128 would not fit).
       out_smem = out_smem2.at[wg]
       for x, dst in (((dk * nm.LN_2), dk_ref), (dv, dv_ref)):
-        out_smem[...] = x.astype(out_dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, dst.at[b, kv, h])
-        plgpu.wait_smem_to_gmem(0)
+        _write_tile(x.astype(out_dtype), out_smem, dst.at[b, kv, h])
 
     @pl.when(wg == wgs)
     def _producer():
@@ -554,10 +559,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, config: Confi
     dq = lax.fori_loop(0, full, functools.partial(kv_step, masked=False), dq)
     if config.causal:
       dq = lax.fori_loop(full, end, functools.partial(kv_step, masked=True), dq)
-    dq_smem[...] = (dq * config.scale).astype(out_dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[b, rows, h])
-    plgpu.wait_smem_to_gmem(0)
+    _write_tile((dq * config.scale).astype(out_dtype), dq_smem, dq_ref.at[b, rows, h])
 
   i8, fdt = jnp.int8, v.dtype
   smem = (
@@ -655,10 +657,7 @@ def _dq_ws_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, config: Co
         plgpu.barrier_arrive(consumed.at[slot])
 
       dq_smem = dq_smem2.at[wg]
-      dq_smem[...] = (dq * config.scale).astype(out_dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[b, rows, h])
-      plgpu.wait_smem_to_gmem(0)
+      _write_tile((dq * config.scale).astype(out_dtype), dq_smem, dq_ref.at[b, rows, h])
 
     @pl.when(wg == wgs)
     def _producer():
