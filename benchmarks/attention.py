@@ -39,6 +39,8 @@ def _implementations():
   return {
       "sage": lambda q, k, v, causal: sagebwd_jax.dot_product_attention(
           q, k, v, is_causal=causal, implementation="pallas"),
+      "sage_mosaic": lambda q, k, v, causal: sagebwd_jax.dot_product_attention(
+          q, k, v, is_causal=causal, implementation="mosaic"),
       "cudnn": lambda q, k, v, causal: jax.nn.dot_product_attention(
           q, k, v, is_causal=causal, implementation="cudnn"),
       "xla": lambda q, k, v, causal: jax.nn.dot_product_attention(
@@ -110,7 +112,7 @@ def main():
       for name, attn in impls.items():
         if name == "xla" and seq > 8192:
           continue  # materializes B*H*T*T fp32 logits
-        with_memory = seq == 16384 and name in ("sage", "cudnn")
+        with_memory = seq == 16384 and name in ("sage", "sage_mosaic", "cudnn")
         rows.append(measure(name, attn, batch, seq, heads, head_dim, causal, with_memory))
         print(_fmt(rows[-1]), flush=True)
   _ratios(rows)

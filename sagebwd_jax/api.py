@@ -15,11 +15,12 @@ import numpy as np
 
 from pallas_kernels import numerics as nm
 from pallas_kernels.backend import PallasBackend
+from pallas_kernels.mosaic_backend import MosaicBackend
 from pallas_kernels.types import Backend, Config, Masks
 from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import sagebwd_attention
 
-Implementation = Literal["pallas", "reference"]
+Implementation = Literal["pallas", "mosaic", "reference"]
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 SegmentIds = jax.Array | tuple[jax.Array, jax.Array]
@@ -66,9 +67,12 @@ def dot_product_attention(
     block_q, block_kv: tile sizes (powers of two >= 16); they fix the
       quantization blocks, so results depend on them. Default: the Pallas
       kernels' tuned sizes for this head dim.
-    implementation: "pallas" (the GPU kernels; Pallas interpret mode on a
-      machine without a GPU), "reference" (pure JAX, same int8 arithmetic)
-      or None: "pallas" on a GPU, "reference" elsewhere.
+    implementation: "pallas" (the portable GPU kernels; Pallas interpret
+      mode on a machine without a GPU), "mosaic" (the Hopper kernels in
+      Mosaic GPU where they support the case, the portable ones elsewhere;
+      needs an sm_90 GPU; Mosaic GPU interpret mode without a GPU),
+      "reference" (pure JAX, same int8 arithmetic) or None: "pallas" on a
+      GPU, "reference" elsewhere.
 
   Returns:
     The attention output, shaped and typed like `query`. Its gradient is
@@ -172,8 +176,23 @@ def _backend(implementation, causal: bool) -> Backend:
     return ReferenceBackend()
   if implementation == "pallas":
     return PallasBackend.tuned(causal=causal, interpret=not on_gpu)
-  raise ValueError(f"implementation must be 'pallas', 'reference' or None; "
+  if implementation == "mosaic":
+    _check_hopper(on_gpu)
+    return MosaicBackend.tuned(causal=causal, interpret=not on_gpu)
+  raise ValueError(f"implementation must be 'pallas', 'mosaic', 'reference' or None; "
                    f"got {implementation!r}")
+
+
+def _check_hopper(on_gpu: bool):
+  if not on_gpu:
+    return  # Mosaic GPU interpret mode
+  device = jax.config.jax_default_device
+  device = device if isinstance(device, jax.Device) else jax.devices()[0]
+  capability = getattr(device, "compute_capability", None)
+  if capability != "9.0":
+    raise ValueError(f"implementation='mosaic' needs an NVIDIA Hopper GPU (compute "
+                     f"capability 9.0); {device.device_kind} has {capability}. Use "
+                     f"implementation='pallas'.")
 
 
 def _default_blocks(head_dim: int, causal: bool) -> tuple[int, int]:

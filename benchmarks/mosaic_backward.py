@@ -1,0 +1,147 @@
+"""The Mosaic GPU backward kernels against the portable (Triton) ones and cuDNN.
+
+    PYTHONPATH=.:benchmarks python benchmarks/mosaic_backward.py [--seq 4096] [--variants all]
+
+B=4, T=4096, H=16, D=128 by default, causal and not. Every backward is timed
+on the same inputs (the portable quantization pass, forward and pre-pass);
+dK/dV and dQ apart. cuDNN's backward is its forward+backward minus its
+forward, both timed here. TOPS = 2.5 * 4*B*H*T*T*D / time (halved when
+causal). Each Mosaic variant's dQ, dK, dV are checked against the Triton
+kernels' in the same run (relative L2). Writes mosaic_backward.csv to --out
+(default $OUT, else nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from attention import time_call  # benchmarks/attention.py
+from pallas_kernels.backend import PallasBackend
+from pallas_kernels.backward_dkdv import backward_dkdv
+from pallas_kernels.backward_dq import backward_dq
+from pallas_kernels.backward_prepass import backward_prepass
+from pallas_kernels.mosaic_backward import (MosaicBackwardLaunch, backward_dkdv_mosaic,
+                                            backward_dq_mosaic)
+from pallas_kernels.types import Config, Masks
+from sagebwd_jax.sagebwd import key_mean
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+VARIANTS = {
+    "mosaic": MosaicBackwardLaunch(),
+    "mosaic_bits": MosaicBackwardLaunch(bit_tricks=True),
+    "mosaic_ws": MosaicBackwardLaunch(warp_specialized=True),
+    "mosaic_ws_bits": MosaicBackwardLaunch(warp_specialized=True, bit_tricks=True),
+    "mosaic_ws_3st_bits": MosaicBackwardLaunch(warp_specialized=True, bit_tricks=True,
+                                               max_concurrent_steps=3),
+}
+
+
+def _rel(x, ref) -> float:
+  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+  return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--batch", type=int, default=4)
+  parser.add_argument("--seq", type=int, default=4096)
+  parser.add_argument("--heads", type=int, default=16)
+  parser.add_argument("--head-dim", type=int, default=128)
+  parser.add_argument("--variants", default="all",
+                      help=f"comma list of {sorted(VARIANTS)} or 'all'")
+  parser.add_argument("--out", default=os.environ.get("OUT"))
+  args = parser.parse_args()
+  names = sorted(VARIANTS) if args.variants == "all" else args.variants.split(",")
+  b, t, h, d = args.batch, args.seq, args.heads, args.head_dim
+  keys = jax.random.split(jax.random.key(0), 4)
+  q, k, v, do = (jax.random.normal(kk, (b, t, h, d), jnp.bfloat16) for kk in keys)
+  rows = []
+  for causal in (False, True):
+    config = Config(scale=d**-0.5, causal=causal, smooth_q=False, block_q=64, block_kv=64)
+    pallas = PallasBackend.tuned(causal=causal)
+    launch = pallas.backward_launch
+
+    @jax.jit
+    def residuals(q, k, v, do):
+      qkv = pallas.quantize(q, k, v, key_mean(k, None), config)
+      o, lse = pallas.forward(qkv, Masks(), config, jnp.bfloat16)
+      return (qkv, lse) + backward_prepass(o, do, block_q=config.block_q, launch=launch)
+
+    qkv, lse, delta, do8_t, do_scale = jax.block_until_ready(residuals(q, k, v, do))
+    dkdv_args = (qkv, v, lse, delta, do, do8_t, do_scale)
+    dq_args = (qkv, v, lse, delta, do)
+    flops = 2.5 * 4 * b * h * t * t * d * (0.5 if causal else 1.0)
+    tops = lambda sec: flops / sec / 1e12
+
+    def record(name, sec, **extra):
+      row = dict(impl=name, B=b, T=t, H=h, D=d, causal=causal, ms=sec * 1e3, tops=tops(sec),
+                 **extra)
+      rows.append(row)
+      print(f"{name:>20} causal={causal!s:5} {sec * 1e3:8.3f} ms {tops(sec):7.1f} TOPS "
+            + " ".join(f"{k}={v:.3g}" for k, v in extra.items()), flush=True)
+      return row
+
+    attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                        implementation="cudnn")
+    loss = lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+    cudnn_fwd = time_call(jax.jit(attn), q, k, v)
+    cudnn_both = time_call(jax.jit(jax.grad(loss, (0, 1, 2))), q, k, v)
+    ref_row = record("cudnn_bwd", cudnn_both - cudnn_fwd)
+    record("prepass", time_call(jax.jit(lambda o, do: backward_prepass(
+        o, do, block_q=config.block_q, launch=launch)), jnp.zeros_like(do), do))
+
+    def time_pair(name, dkdv, dq, want=None):
+      dkdv, dq = jax.jit(dkdv), jax.jit(dq)
+      try:
+        dk, dv = jax.block_until_ready(dkdv(*dkdv_args))
+        dq_out = jax.block_until_ready(dq(*dq_args))
+        t_dkdv, t_dq = time_call(dkdv, *dkdv_args), time_call(dq, *dq_args)
+      except Exception as e:  # report and go on with the other variants
+        print(f"{name:>20} causal={causal!s:5} FAILED {type(e).__name__}: {e}"[:3000], flush=True)
+        return None
+      extra = dict(dkdv_ms=t_dkdv * 1e3, dq_ms=t_dq * 1e3)
+      if want is not None:
+        extra.update(dq_rel=_rel(dq_out, want[0]), dk_rel=_rel(dk, want[1]),
+                     dv_rel=_rel(dv, want[2]))
+      record(name, t_dkdv + t_dq, **extra)
+      return dq_out, dk, dv
+
+    want = time_pair("triton",
+                     lambda *a: backward_dkdv(*a, Masks(), config, launch),
+                     lambda *a: backward_dq(*a, Masks(), config, launch))
+    for name in names:
+      time_pair(name,
+                lambda *a, l=VARIANTS[name]: backward_dkdv_mosaic(*a, Masks(), config, l),
+                lambda *a, l=VARIANTS[name]: backward_dq_mosaic(*a, Masks(), config, l),
+                want)
+    for row in rows:
+      if row["causal"] == causal:
+        row["x_cudnn"] = row["tops"] / ref_row["tops"]
+
+  print("\n| impl | causal | ms (dK/dV + dQ) | TOPS | x cuDNN bwd | dQ / dK / dV rel L2 vs Triton |")
+  print("|---|---|---|---|---|---|")
+  for r in rows:
+    split = f" ({r['dkdv_ms']:.3f} + {r['dq_ms']:.3f})" if "dkdv_ms" in r else ""
+    errors = (f"{r['dq_rel']:.1e} / {r['dk_rel']:.1e} / {r['dv_rel']:.1e}"
+              if "dq_rel" in r else "-")
+    print(f"| {r['impl']} | {r['causal']} | {r['ms']:.3f}{split} | {r['tops']:.1f} | "
+          f"{r['x_cudnn']:.2f} | {errors} |")
+  if args.out:
+    os.makedirs(args.out, exist_ok=True)
+    fields = sorted({k for r in rows for k in r})
+    with open(os.path.join(args.out, "mosaic_backward.csv"), "w", newline="") as f:
+      writer = csv.DictWriter(f, fieldnames=fields)
+      writer.writeheader()
+      writer.writerows(rows)
+
+
+if __name__ == "__main__":
+  main()
