@@ -42,7 +42,7 @@ def errors(sigma: float, seq: int, implementation: str | None):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--implementation", default=None, choices=["pallas", "reference"])
+  parser.add_argument("--implementation", default=None, choices=["pallas", "mosaic", "reference"])
   parser.add_argument("--seq", type=int, default=4096)
   args = parser.parse_args()
   print("| sigma | tensor | cosine | rel. L2 | paper rel. L2 | within 1.25x |")

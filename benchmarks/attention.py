@@ -140,11 +140,11 @@ def _table(rows):
   head = "| impl | B | T | H | D | causal | fwd TOPS | x cuDNN | fwd+bwd TOPS | x cuDNN | peak GiB |"
   lines = [head, "|" + "---|" * 11]
   for r in rows:
+    peak = f"{r['fwd_bwd_peak_gib']:.2f}" if "fwd_bwd_peak_gib" in r else "-"
     lines.append(
         f"| {r['impl']} | {r['B']} | {r['T']} | {r['H']} | {r['D']} | {r['causal']} | "
         f"{r['fwd_tops']:.1f} | {r.get('fwd_vs_cudnn', float('nan')):.2f} | "
-        f"{r['fwd_bwd_tops']:.1f} | {r.get('fwd_bwd_vs_cudnn', float('nan')):.2f} | "
-        f"{r['fwd_bwd_peak_gib']:.2f} |" if "fwd_bwd_peak_gib" in r else "- |")
+        f"{r['fwd_bwd_tops']:.1f} | {r.get('fwd_bwd_vs_cudnn', float('nan')):.2f} | {peak} |")
   return "\n".join(lines)
 
 

@@ -70,9 +70,9 @@ def dot_product_attention(
     implementation: "pallas" (the portable GPU kernels; Pallas interpret
       mode on a machine without a GPU), "mosaic" (the Hopper kernels in
       Mosaic GPU where they support the case, the portable ones elsewhere;
-      needs an sm_90 GPU; Mosaic GPU interpret mode without a GPU),
-      "reference" (pure JAX, same int8 arithmetic) or None: "pallas" on a
-      GPU, "reference" elsewhere.
+      needs an sm_90 GPU),
+      "reference" (pure JAX, same int8 arithmetic) or None: "mosaic" on a
+      Hopper GPU, "pallas" on other GPUs, "reference" without a GPU.
 
   Returns:
     The attention output, shaped and typed like `query`. Its gradient is
@@ -171,28 +171,30 @@ def _platform() -> str:
 def _backend(implementation, causal: bool) -> Backend:
   on_gpu = _platform() in ("gpu", "cuda", "rocm")
   if implementation is None:
-    implementation = "pallas" if on_gpu else "reference"
+    implementation = ("mosaic" if _hopper() else "pallas") if on_gpu else "reference"
   if implementation == "reference":
     return ReferenceBackend()
   if implementation == "pallas":
     return PallasBackend.tuned(causal=causal, interpret=not on_gpu)
   if implementation == "mosaic":
-    _check_hopper(on_gpu)
-    return MosaicBackend.tuned(causal=causal, interpret=not on_gpu)
+    if not on_gpu or not _hopper():
+      device = _device()
+      raise ValueError(
+          f"implementation='mosaic' needs an NVIDIA Hopper GPU (compute capability 9.0); "
+          f"{device.device_kind} has {getattr(device, 'compute_capability', None)}. Use "
+          f"implementation='pallas' (Pallas interpret mode without a GPU).")
+    return MosaicBackend.tuned(causal=causal)
   raise ValueError(f"implementation must be 'pallas', 'mosaic', 'reference' or None; "
                    f"got {implementation!r}")
 
 
-def _check_hopper(on_gpu: bool):
-  if not on_gpu:
-    return  # Mosaic GPU interpret mode
+def _device() -> jax.Device:
   device = jax.config.jax_default_device
-  device = device if isinstance(device, jax.Device) else jax.devices()[0]
-  capability = getattr(device, "compute_capability", None)
-  if capability != "9.0":
-    raise ValueError(f"implementation='mosaic' needs an NVIDIA Hopper GPU (compute "
-                     f"capability 9.0); {device.device_kind} has {capability}. Use "
-                     f"implementation='pallas'.")
+  return device if isinstance(device, jax.Device) else jax.devices()[0]
+
+
+def _hopper() -> bool:
+  return getattr(_device(), "compute_capability", None) == "9.0"
 
 
 def _default_blocks(head_dim: int, causal: bool) -> tuple[int, int]:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sagebwd_jax import dot_product_attention, full_precision_attention
+from sagebwd_jax import dot_product_attention, full_precision_attention, metrics
 
 BACKENDS = ["reference"]
 
@@ -121,3 +121,55 @@ def rel_l2(x, ref) -> float:
 def cosine(x, ref) -> float:
   x, ref = np.asarray(x, np.float64).ravel(), np.asarray(ref, np.float64).ravel()
   return float(np.dot(x, ref) / (np.linalg.norm(x) * np.linalg.norm(ref)))
+
+
+CPU = jax.devices("cpu")[0]
+
+# Op-level cases every kernel backend is checked on against the CPU reference.
+KERNEL_CASES = {
+    "plain": dict(),
+    "causal": dict(is_causal=True),
+    "gqa_causal": dict(is_causal=True, heads=(4, 2)),
+    "mqa": dict(heads=(4, 1)),
+    "ragged": dict(is_causal=True, lengths=(100, 75)),
+    "cross_ragged": dict(lengths=(70, 150)),
+    "seq_lengths": dict(query_seq_lengths=(40, 128), key_value_seq_lengths=(10, 128)),
+    "segments": dict(is_causal=True, segments=True),
+    "smooth_q": dict(smooth_q=True, is_causal=True),
+    "no_smooth_k": dict(smooth_k=False),
+    "d128": dict(head_dim=128, is_causal=True),
+}
+
+
+def run_case(case, implementation, *, dtype=jnp.bfloat16):
+  opts = dict(KERNEL_CASES[case])
+  heads, kv_heads = opts.pop("heads", (2, 2))
+  q_len, kv_len = opts.pop("lengths", (128, 128))
+  head_dim = opts.pop("head_dim", 64)
+  q, k, v, do = gaussian_qkv(jax.random.key(7), 2, q_len, kv_len, heads, kv_heads, head_dim,
+                             dtype=dtype)
+  kwargs = dict(opts)
+  for name in ("query_seq_lengths", "key_value_seq_lengths"):
+    if name in kwargs:
+      kwargs[name] = jnp.array(kwargs[name])
+  if kwargs.pop("segments", False):
+    kwargs["segment_ids"] = jnp.stack([jnp.arange(q_len) // 48, jnp.arange(q_len) // 80])
+  fn = lambda q, k, v: dot_product_attention(q, k, v, implementation=implementation,
+                                             **kwargs)
+  o, grads = jax.jit(functools.partial(value_and_grads, fn))(q, k, v, do)
+  return (o, *grads)
+
+
+def backend_tolerance(x) -> float:
+  """Relative L2 allowed between two backends: rare int8 rounding flips from
+  differently ordered fp32 sums, plus bf16's own rounding of the result."""
+  return 1e-3 + 4e-3 * (x.dtype == jnp.bfloat16)
+
+
+def check_against_reference(case: str, implementation: str):
+  ours = run_case(case, implementation)
+  with jax.default_device(CPU):  # the exact oracle is the CPU reference
+    ref = run_case(case, "reference")
+  for name, a, b in zip(("O", "dQ", "dK", "dV"), ours, ref):
+    assert bool(jnp.all(jnp.isfinite(a.astype(jnp.float32)))), name
+    assert float(metrics.relative_l2(a, b)) <= backend_tolerance(a), name

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import gaussian_qkv, value_and_grads
+from conftest import (KERNEL_CASES, backend_tolerance, check_against_reference, gaussian_qkv,
+                      value_and_grads)
 from pallas_kernels.backend import PallasBackend
 from pallas_kernels.backward_prepass import backward_prepass
 from pallas_kernels.types import Config, Masks
@@ -77,58 +78,9 @@ def test_backward_prepass_matches_reference_rules():
                                    rtol=1e-7)
 
 
-CASES = {
-    "plain": dict(),
-    "causal": dict(is_causal=True),
-    "gqa_causal": dict(is_causal=True, heads=(4, 2)),
-    "mqa": dict(heads=(4, 1)),
-    "ragged": dict(is_causal=True, lengths=(100, 75)),
-    "cross_ragged": dict(lengths=(70, 150)),
-    "seq_lengths": dict(query_seq_lengths=(40, 128), key_value_seq_lengths=(10, 128)),
-    "segments": dict(is_causal=True, segments=True),
-    "smooth_q": dict(smooth_q=True, is_causal=True),
-    "no_smooth_k": dict(smooth_k=False),
-    "d128": dict(head_dim=128, is_causal=True),
-}
-
-
-def _run_case(case, implementation, *, dtype=jnp.bfloat16):
-  opts = dict(CASES[case])
-  heads, kv_heads = opts.pop("heads", (2, 2))
-  q_len, kv_len = opts.pop("lengths", (128, 128))
-  head_dim = opts.pop("head_dim", 64)
-  q, k, v, do = gaussian_qkv(jax.random.key(7), 2, q_len, kv_len, heads, kv_heads, head_dim,
-                             dtype=dtype)
-  kwargs = dict(opts)
-  for name in ("query_seq_lengths", "key_value_seq_lengths"):
-    if name in kwargs:
-      kwargs[name] = jnp.array(kwargs[name])
-  if kwargs.pop("segments", False):
-    kwargs["segment_ids"] = jnp.stack([jnp.arange(q_len) // 48, jnp.arange(q_len) // 80])
-  fn = lambda q, k, v: dot_product_attention(q, k, v, implementation=implementation,
-                                             **kwargs)
-  o, vjp = jax.vjp(jax.jit(fn), q, k, v)
-  return (o, *vjp(do))
-
-
-def _tolerance(x) -> float:
-  """Relative L2 allowed between two backends: rare int8 rounding flips from
-  differently ordered fp32 sums, plus bf16's own rounding of the result."""
-  return 1e-3 + 4e-3 * (x.dtype == jnp.bfloat16)
-
-
-def _check_case(case):
-  ours = _run_case(case, "pallas")
-  with jax.default_device(CPU):  # the exact oracle is the CPU reference
-    ref = _run_case(case, "reference")
-  for name, a, b in zip(("O", "dQ", "dK", "dV"), ours, ref):
-    assert bool(jnp.all(jnp.isfinite(a.astype(jnp.float32)))), name
-    assert float(metrics.relative_l2(a, b)) <= _tolerance(a), name
-
-
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(KERNEL_CASES))
 def test_kernels_match_reference(case):
-  _check_case(case)
+  check_against_reference(case, "pallas")
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -168,9 +120,9 @@ def test_transforms_jit_vmap_checkpoint():
 
 # Compiled on a GPU (run through the device tool).
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(KERNEL_CASES))
 def test_gpu_kernels_match_reference(case):
-  _check_case(case)
+  check_against_reference(case, "pallas")
 
 
 @pytest.mark.gpu
@@ -193,4 +145,4 @@ def test_gpu_reference_agrees_with_cpu_reference(causal):
     on_cpu = jax.tree.leaves(value_and_grads(fn, *(jax.device_put(x, CPU)
                                                    for x in (q, k, v, do))))
   for a, b in zip(on_gpu, on_cpu, strict=True):
-    assert float(metrics.relative_l2(np.asarray(a), np.asarray(b))) <= _tolerance(a)
+    assert float(metrics.relative_l2(np.asarray(a), np.asarray(b))) <= backend_tolerance(a)

@@ -1,0 +1,110 @@
+"""The Hopper backend (`MosaicBackend`, implementation="mosaic") and its
+dispatch: which kernels it runs for which case, and the op's results.
+
+CI checks the wiring: the op on every kernel case with the three Mosaic entry
+points swapped for their portable twins (same contract; Pallas interpret mode),
+against the CPU reference, recording which entry points ran. The Mosaic kernels
+themselves are checked one by one in Mosaic GPU interpret mode
+(tests/test_mosaic.py, tests/test_mosaic_backward.py). GPU (`@pytest.mark.gpu`):
+the op compiled through its default implementation, "mosaic" on a Hopper GPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from conftest import KERNEL_CASES, check_against_reference, gaussian_qkv
+from pallas_kernels import mosaic_backend
+from pallas_kernels.backend import PallasBackend
+from pallas_kernels.backward_dkdv import backward_dkdv
+from pallas_kernels.backward_dq import backward_dq
+from pallas_kernels.common import LaunchConfig
+from pallas_kernels.forward import forward
+from pallas_kernels.mosaic_backend import MosaicBackend, takes
+from pallas_kernels.types import Config, Masks
+from sagebwd_jax import api, dot_product_attention
+from sagebwd_jax.reference import ReferenceBackend
+
+INTERPRET = LaunchConfig(interpret=True)
+# The cases `takes` accepts (the others: masks or Q-smoothing).
+MOSAIC_CASES = {"plain", "causal", "gqa_causal", "mqa", "no_smooth_k", "d128"}
+
+
+@pytest.mark.parametrize("case", sorted(KERNEL_CASES))
+def test_op_wiring(case, monkeypatch):
+  calls = set()
+
+  def twin(name, portable):
+    def run(*args):
+      calls.add(name)
+      return portable(*args[:-1], INTERPRET)  # the launch is the last argument
+    monkeypatch.setattr(mosaic_backend, name, run)
+
+  twin("forward_mosaic", forward)
+  twin("backward_dkdv_mosaic", backward_dkdv)
+  twin("backward_dq_mosaic", backward_dq)
+  monkeypatch.setattr(api, "_backend", lambda implementation, causal: MosaicBackend.tuned(
+      causal=causal, interpret=True))
+  check_against_reference(case, "mosaic")
+  causal = KERNEL_CASES[case].get("is_causal", False)
+  expected = set()
+  if case in MOSAIC_CASES:  # the forward runs in Mosaic GPU only when causal (tuned)
+    expected = {"backward_dkdv_mosaic", "backward_dq_mosaic"} | (
+        {"forward_mosaic"} if causal else set())
+  assert calls == expected
+
+
+def test_mosaic_without_hopper_is_refused():
+  q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="Hopper"):
+    dot_product_attention(q, q, q, implementation="mosaic")
+
+
+def _qkv(seq, head_dim, causal, **overrides):
+  config = Config(**{**dict(scale=head_dim**-0.5, causal=causal, smooth_q=False, block_q=64,
+                          block_kv=64), **overrides})
+  q, k, v, _ = gaussian_qkv(jax.random.key(0), 1, seq, seq, 2, 2, head_dim)
+  return ReferenceBackend().quantize(q, k, v, None, config), config
+
+
+def test_takes():
+  qkv, config = _qkv(128, 64, True)
+  ids = jnp.zeros((1, 128), jnp.int32)
+  assert takes(qkv, Masks(), config, jnp.bfloat16)
+  assert takes(qkv, Masks(), config, jnp.float16)
+  assert not takes(qkv, Masks(), config, jnp.float32)  # dO.V^T wgmma takes 16-bit V
+  assert not takes(qkv, Masks(ids, ids), config, jnp.bfloat16)
+  qkv_q, config_q = _qkv(128, 64, True, smooth_q=True)
+  assert not takes(qkv_q, Masks(), config_q, jnp.bfloat16)
+  qkv_32, config_32 = _qkv(128, 64, False, block_q=32, block_kv=32)
+  assert not takes(qkv_32, Masks(), config_32, jnp.bfloat16)
+
+
+def test_tuned_launches():
+  causal, plain = MosaicBackend.tuned(causal=True), MosaicBackend.tuned(causal=False)
+  portable = PallasBackend.tuned(causal=True)
+  assert causal.forward_launch == portable.forward_launch
+  assert causal.forward_mosaic is not None and plain.forward_mosaic is None
+  assert causal.backward_mosaic.warp_specialized
+
+
+def test_default_implementation_without_gpu_is_reference():
+  assert isinstance(api._backend(None, causal=False), ReferenceBackend)
+
+
+@pytest.mark.gpu
+def test_gpu_default_is_mosaic_on_hopper():
+  hopper = jax.devices()[0].compute_capability == "9.0"
+  backend = api._backend(None, causal=True)
+  assert isinstance(backend, MosaicBackend) == hopper
+  if not hopper:
+    with pytest.raises(ValueError, match="Hopper"):
+      api._backend("mosaic", causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(KERNEL_CASES))
+def test_gpu_op_matches_reference(case):
+  check_against_reference(case, None)
