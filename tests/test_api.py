@@ -79,7 +79,7 @@ BAD_KWARGS = [
     (dict(block_kv=-32), ValueError, "block_kv must be a power of two >= 16"),
     (dict(block_kv=32.0), ValueError, "block_kv must be a power of two >= 16"),
     (dict(block_kv=True), ValueError, "block_kv must be a power of two >= 16"),
-    (dict(implementation="cuda"), ValueError, "implementation must be 'pallas', 'reference'"),
+    (dict(implementation="cuda"), ValueError, "implementation must be 'pallas', 'mosaic', 'reference'"),
     (dict(implementation="Reference"), ValueError, "implementation must be"),
     (dict(query_seq_lengths=jnp.asarray([1, 2, 3])), ValueError,
      r"query_seq_lengths must have shape \(batch,\)"),
