@@ -177,12 +177,14 @@ def _backend(implementation, causal: bool) -> Backend:
   if implementation == "pallas":
     return PallasBackend.tuned(causal=causal, interpret=not on_gpu)
   if implementation == "mosaic":
-    if not on_gpu or not _hopper():
+    if not (on_gpu and _hopper()):
       device = _device()
+      where = (f"{device.device_kind} has compute capability "
+               f"{getattr(device, 'compute_capability', None)}" if on_gpu
+               else f"computations go to {_platform()}")
       raise ValueError(
           f"implementation='mosaic' needs an NVIDIA Hopper GPU (compute capability 9.0); "
-          f"{device.device_kind} has {getattr(device, 'compute_capability', None)}. Use "
-          f"implementation='pallas' (Pallas interpret mode without a GPU).")
+          f"{where}. Use implementation='pallas' (Pallas interpret mode without a GPU).")
     return MosaicBackend.tuned(causal=causal)
   raise ValueError(f"implementation must be 'pallas', 'mosaic', 'reference' or None; "
                    f"got {implementation!r}")

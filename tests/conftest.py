@@ -141,7 +141,7 @@ KERNEL_CASES = {
 }
 
 
-def run_case(case, implementation, *, dtype=jnp.bfloat16):
+def run_case(case: str, implementation: str | None, *, dtype=jnp.bfloat16):
   opts = dict(KERNEL_CASES[case])
   heads, kv_heads = opts.pop("heads", (2, 2))
   q_len, kv_len = opts.pop("lengths", (128, 128))
@@ -166,7 +166,7 @@ def backend_tolerance(x) -> float:
   return 1e-3 + 4e-3 * (x.dtype == jnp.bfloat16)
 
 
-def check_against_reference(case: str, implementation: str):
+def check_against_reference(case: str, implementation: str | None):
   ours = run_case(case, implementation)
   with jax.default_device(CPU):  # the exact oracle is the CPU reference
     ref = run_case(case, "reference")
