@@ -148,13 +148,18 @@ def _table(rows):
   return "\n".join(lines)
 
 
-def _write(rows, out):
+def write_csv(rows: list[dict], out: str, name: str):
+  """Rows (dicts, keys may differ) to out/name, one column per key seen."""
   os.makedirs(out, exist_ok=True)
   fields = sorted({k for r in rows for k in r})
-  with open(os.path.join(out, "attention.csv"), "w", newline="") as f:
+  with open(os.path.join(out, name), "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=fields)
     writer.writeheader()
     writer.writerows(rows)
+
+
+def _write(rows, out):
+  write_csv(rows, out, "attention.csv")
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt

@@ -13,19 +13,18 @@ Triton forward's in the same run (relative L2). Writes mosaic_forward.csv to
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from attention import time_call  # benchmarks/attention.py
+from attention import time_call, write_csv  # benchmarks/attention.py
 from pallas_kernels.backend import PallasBackend
 from pallas_kernels.forward import forward
 from pallas_kernels.mosaic_forward import MosaicLaunch, forward_mosaic
 from pallas_kernels.types import Config, Masks
+from sagebwd_jax import metrics
 from sagebwd_jax.sagebwd import key_mean
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -45,8 +44,7 @@ VARIANTS = {
 
 
 def _rel(x, ref) -> float:
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+  return float(metrics.relative_l2(x, ref))
 
 
 def main():
@@ -106,12 +104,7 @@ def main():
           f"{r['x_cudnn']:.2f} | {r.get('o_rel_l2', float('nan')):.2e} | "
           f"{r.get('lse_rel_l2', float('nan')):.2e} |")
   if args.out:
-    os.makedirs(args.out, exist_ok=True)
-    fields = sorted({k for r in rows for k in r})
-    with open(os.path.join(args.out, "mosaic_forward.csv"), "w", newline="") as f:
-      writer = csv.DictWriter(f, fieldnames=fields)
-      writer.writeheader()
-      writer.writerows(rows)
+    write_csv(rows, args.out, "mosaic_forward.csv")
 
 
 if __name__ == "__main__":

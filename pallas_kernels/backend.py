@@ -41,6 +41,11 @@ class PallasBackend:
   def backward(self, qkv: QuantizedQKV, v, o, lse, do, masks: Masks, config: Config):
     delta, do8_t, do_scale = backward_prepass(o, do, block_q=config.block_q,
                                               launch=self.backward_launch)
+    return self.gradients(qkv, v, lse, delta, do, do8_t, do_scale, masks, config)
+
+  def gradients(self, qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: Masks,
+                config: Config):
+    """dQ, dK, dV from the pre-pass's outputs (the dK/dV and dQ kernels)."""
     dk, dv = backward_dkdv(qkv, v, lse, delta, do, do8_t, do_scale, masks, config,
                            self.backward_launch)
     dq = backward_dq(qkv, v, lse, delta, do, masks, config, self.backward_launch)

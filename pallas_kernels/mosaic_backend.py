@@ -17,7 +17,6 @@ import jax.numpy as jnp
 
 from pallas_kernels import mosaic_forward
 from pallas_kernels.backend import PallasBackend
-from pallas_kernels.backward_prepass import backward_prepass
 from pallas_kernels.mosaic_backward import (MosaicBackwardLaunch, backward_dkdv_mosaic,
                                             backward_dq_mosaic)
 from pallas_kernels.mosaic_forward import MosaicLaunch, forward_mosaic
@@ -64,11 +63,10 @@ class MosaicBackend(PallasBackend):
       return super().forward(qkv, masks, config, out_dtype)
     return forward_mosaic(qkv, masks, config, out_dtype, self.forward_mosaic)
 
-  def backward(self, qkv: QuantizedQKV, v, o, lse, do, masks: Masks, config: Config):
+  def gradients(self, qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: Masks,
+                config: Config):
     if not takes(qkv, masks, config, v.dtype):
-      return super().backward(qkv, v, o, lse, do, masks, config)
-    delta, do8_t, do_scale = backward_prepass(o, do, block_q=config.block_q,
-                                              launch=self.backward_launch)
+      return super().gradients(qkv, v, lse, delta, do, do8_t, do_scale, masks, config)
     dk, dv = backward_dkdv_mosaic(qkv, v, lse, delta, do, do8_t, do_scale, masks, config,
                                   self.backward_mosaic)
     dq = backward_dq_mosaic(qkv, v, lse, delta, do, masks, config, self.backward_mosaic)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.types import Config
 from sagebwd_jax import dot_product_attention, full_precision_attention, metrics
 
 BACKENDS = ["reference"]
@@ -111,6 +112,18 @@ def oracle64(q, k, v, do, **kwargs):
     o, grads = _oracle_jit(*(jnp.asarray(x) for x in (q, k, v, do)), arrays, static)
     assert o.dtype == jnp.float64
     return np.asarray(o), tuple(np.asarray(g) for g in grads)
+
+
+def mosaic_config(head_dim: int, causal: bool, **overrides) -> Config:
+  """A kernel Config the Mosaic GPU kernels take (64 x 64 blocks, no Q-smoothing)."""
+  return Config(**{**dict(scale=head_dim**-0.5, causal=causal, smooth_q=False, block_q=64,
+                          block_kv=64), **overrides})
+
+
+def assert_lowers_to_mosaic_gpu(fn, *args):
+  """`fn` lowers for CUDA without a GPU, to a Mosaic GPU custom call."""
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
 
 
 def rel_l2(x, ref) -> float:

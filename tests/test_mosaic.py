@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import gaussian_qkv
+from conftest import assert_lowers_to_mosaic_gpu, gaussian_qkv, mosaic_config, rel_l2
 from pallas_kernels.mosaic_forward import MosaicLaunch, forward_mosaic, supports
-from pallas_kernels.types import Config, Masks
+from pallas_kernels.types import Masks
 from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import key_mean
 
@@ -23,21 +23,11 @@ CPU = jax.devices("cpu")[0]
 REFERENCE = ReferenceBackend()
 
 
-def _config(head_dim, causal, **overrides):
-  return Config(**{**dict(scale=head_dim**-0.5, causal=causal, smooth_q=False, block_q=64,
-                          block_kv=64), **overrides})
-
-
-def _rel(x, ref) -> float:
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
-
-
 def _case(batch, seq, heads, kv_heads, head_dim, causal, seed=0, sigma=2.0):
   """The reference's QuantizedQKV and its forward (computed on the CPU)."""
   q, k, v, _ = gaussian_qkv(jax.random.key(seed), batch, seq, seq, heads, kv_heads, head_dim,
                             sigma=sigma)
-  config = _config(head_dim, causal)
+  config = mosaic_config(head_dim, causal)
   with jax.default_device(CPU):
     q, k, v = (jax.device_put(x, CPU) for x in (q, k, v))
     qkv = REFERENCE.quantize(q, k, v, key_mean(k, None), config)
@@ -54,8 +44,8 @@ def _check(o, lse, o_ref, lse_ref):
   assert o.shape == o_ref.shape and o.dtype == o_ref.dtype
   assert lse.shape == lse_ref.shape and lse.dtype == np.float32
   assert np.all(np.isfinite(o)) and np.all(np.isfinite(lse))
-  assert _rel(o, o_ref) <= 1e-3
-  assert _rel(lse, lse_ref) <= 1e-4
+  assert rel_l2(o, o_ref) <= 1e-3
+  assert rel_l2(lse, lse_ref) <= 1e-4
 
 
 LAUNCHES = {
@@ -74,13 +64,12 @@ LAUNCHES = {
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_lowers_for_cuda(head_dim, causal, launch):
   """Mosaic GPU lowering (to the CUDA custom call) without a GPU."""
-  config = _config(head_dim, causal)
+  config = mosaic_config(head_dim, causal)
   qkv = jax.eval_shape(
       lambda: REFERENCE.quantize(*gaussian_qkv(jax.random.key(0), 2, 512, 512, 4, 2,
                                                head_dim)[:3], None, config))
   fn = lambda qkv: forward_mosaic(qkv, Masks(), config, jnp.bfloat16, LAUNCHES[launch])
-  text = jax.jit(fn).trace(qkv).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text
+  assert_lowers_to_mosaic_gpu(fn, qkv)
 
 
 # (batch, seq, heads, kv_heads, head_dim, causal): GQA, MHA, an odd number of
@@ -126,16 +115,16 @@ def test_interpret_finds_no_races(launch):
 
 
 def test_supports():
-  base = _config(128, True)
+  base = mosaic_config(128, True)
   ids = jnp.zeros((1, 64), jnp.int32)
   assert supports(Masks(), base, 128)
-  assert supports(Masks(), _config(64, False), 64)
+  assert supports(Masks(), mosaic_config(64, False), 64)
   assert not supports(Masks(ids, ids), base, 128)
-  assert not supports(Masks(), _config(128, True, smooth_q=True), 128)
-  assert not supports(Masks(), _config(128, True, block_q=128), 128)
-  assert not supports(Masks(), _config(128, True, block_kv=128), 128)
+  assert not supports(Masks(), mosaic_config(128, True, smooth_q=True), 128)
+  assert not supports(Masks(), mosaic_config(128, True, block_q=128), 128)
+  assert not supports(Masks(), mosaic_config(128, True, block_kv=128), 128)
   for head_dim in (32, 80, 96, 256):
-    assert not supports(Masks(), _config(head_dim, False), head_dim)
+    assert not supports(Masks(), mosaic_config(head_dim, False), head_dim)
   with pytest.raises(NotImplementedError):
     forward_mosaic(_case(1, 64, 1, 1, 128, True)[0], Masks(ids, ids), base, jnp.bfloat16)
 

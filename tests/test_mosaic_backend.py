@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from conftest import KERNEL_CASES, check_against_reference, gaussian_qkv
+from conftest import KERNEL_CASES, check_against_reference, gaussian_qkv, mosaic_config
 from pallas_kernels import mosaic_backend
 from pallas_kernels.backend import PallasBackend
 from pallas_kernels.backward_dkdv import backward_dkdv
@@ -23,7 +23,7 @@ from pallas_kernels.backward_dq import backward_dq
 from pallas_kernels.common import LaunchConfig
 from pallas_kernels.forward import forward
 from pallas_kernels.mosaic_backend import MosaicBackend, takes
-from pallas_kernels.types import Config, Masks
+from pallas_kernels.types import Masks
 from sagebwd_jax import api, dot_product_attention
 from sagebwd_jax.reference import ReferenceBackend
 
@@ -63,8 +63,7 @@ def test_mosaic_without_hopper_is_refused():
 
 
 def _qkv(seq, head_dim, causal, **overrides):
-  config = Config(**{**dict(scale=head_dim**-0.5, causal=causal, smooth_q=False, block_q=64,
-                          block_kv=64), **overrides})
+  config = mosaic_config(head_dim, causal, **overrides)
   q, k, v, _ = gaussian_qkv(jax.random.key(0), 1, seq, seq, 2, 2, head_dim)
   return ReferenceBackend().quantize(q, k, v, None, config), config
 

@@ -15,14 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import gaussian_qkv
+from conftest import assert_lowers_to_mosaic_gpu, gaussian_qkv, mosaic_config, rel_l2
 from pallas_kernels.backward_dkdv import backward_dkdv
 from pallas_kernels.backward_dq import backward_dq
 from pallas_kernels.backward_prepass import backward_prepass
 from pallas_kernels.common import LaunchConfig
 from pallas_kernels.mosaic_backward import (MosaicBackwardLaunch, backward_dkdv_mosaic,
                                             backward_dq_mosaic, supports)
-from pallas_kernels.types import Config, Masks
+from pallas_kernels.types import Masks
 from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import key_mean
 
@@ -31,22 +31,12 @@ REFERENCE = ReferenceBackend()
 INTERPRET = LaunchConfig(interpret=True)
 
 
-def _config(head_dim, causal, **overrides):
-  return Config(**{**dict(scale=head_dim**-0.5, causal=causal, smooth_q=False, block_q=64,
-                          block_kv=64), **overrides})
-
-
-def _rel(x, ref) -> float:
-  x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
-  return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
-
-
 def _inputs(batch, seq, heads, kv_heads, head_dim, causal, seed=0, sigma=2.0, device=CPU):
   """(qkv, v, lse, delta, do, do8_t, do_scale), config: the reference's
   quantization and forward, the portable pre-pass (Pallas interpret mode)."""
   q, k, v, do = gaussian_qkv(jax.random.key(seed), batch, seq, seq, heads, kv_heads,
                              head_dim, sigma=sigma)
-  config = _config(head_dim, causal)
+  config = mosaic_config(head_dim, causal)
   with jax.default_device(CPU):
     q, k, v, do = (jax.device_put(x, CPU) for x in (q, k, v, do))
     qkv = REFERENCE.quantize(q, k, v, key_mean(k, None), config)
@@ -80,11 +70,11 @@ def _check(got, want, tol=5e-3):
     x, ref = np.asarray(x), np.asarray(ref)
     assert x.shape == ref.shape and x.dtype == ref.dtype, name
     assert np.all(np.isfinite(x)), name
-    assert _rel(x, ref) <= tol, (name, _rel(x, ref))
+    assert rel_l2(x, ref) <= tol, (name, rel_l2(x, ref))
 
 
 def _abstract_args(batch, seq, heads, kv_heads, head_dim, causal):
-  config = _config(head_dim, causal)
+  config = mosaic_config(head_dim, causal)
   qkv = jax.eval_shape(
       lambda: REFERENCE.quantize(*gaussian_qkv(jax.random.key(0), batch, seq, seq, heads,
                                                kv_heads, head_dim)[:3], None, config))
@@ -115,9 +105,8 @@ def test_lowers_for_cuda(head_dim, causal, launch):
   launch = LAUNCHES[launch]
   dkdv = lambda *a: backward_dkdv_mosaic(*a, Masks(), config, launch)
   dq = lambda *a: backward_dq_mosaic(*a, Masks(), config, launch)
-  for fn, fn_args in ((dkdv, args), (dq, args[:5])):
-    text = jax.jit(fn).trace(*fn_args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+  assert_lowers_to_mosaic_gpu(dkdv, *args)
+  assert_lowers_to_mosaic_gpu(dq, *args[:5])
 
 
 # (batch, seq, heads, kv_heads, head_dim, causal): GQA and MHA, both head dims,
@@ -183,21 +172,21 @@ def test_interpret_finds_no_races():
 
 
 def test_supports():
-  base = _config(128, True)
+  base = mosaic_config(128, True)
   ids = jnp.zeros((1, 64), jnp.int32)
   assert supports(Masks(), base, 128)
-  assert supports(Masks(), _config(64, False), 64)
+  assert supports(Masks(), mosaic_config(64, False), 64)
   assert not supports(Masks(ids, ids), base, 128)
-  assert not supports(Masks(), _config(128, True, smooth_q=True), 128)
-  assert not supports(Masks(), _config(128, True, block_q=128), 128)
-  assert not supports(Masks(), _config(128, True, block_kv=128), 128)
+  assert not supports(Masks(), mosaic_config(128, True, smooth_q=True), 128)
+  assert not supports(Masks(), mosaic_config(128, True, block_q=128), 128)
+  assert not supports(Masks(), mosaic_config(128, True, block_kv=128), 128)
   for head_dim in (32, 80, 96, 256):
-    assert not supports(Masks(), _config(head_dim, False), head_dim)
+    assert not supports(Masks(), mosaic_config(head_dim, False), head_dim)
   args, _ = _abstract_args(1, 64, 1, 1, 128, True)
   with pytest.raises(NotImplementedError):
     backward_dq_mosaic(*args[:5], Masks(ids, ids), base)
   with pytest.raises(NotImplementedError):
-    backward_dkdv_mosaic(*args, Masks(), _config(128, True, smooth_q=True))
+    backward_dkdv_mosaic(*args, Masks(), mosaic_config(128, True, smooth_q=True))
 
 
 GPU_CASES = INTERPRET_CASES + [
