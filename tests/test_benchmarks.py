@@ -1,0 +1,39 @@
+"""The benchmark scripts' bookkeeping (timing itself needs the device)."""
+
+from __future__ import annotations
+
+import csv
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import attention  # noqa: E402  (benchmarks/attention.py)
+
+
+def _row(impl, fwd_tops, peak=None):
+  row = dict(impl=impl, B=4, T=4096, H=16, D=128, causal=False, fwd_tops=fwd_tops,
+             fwd_bwd_tops=200.0)
+  if peak is not None:
+    row["fwd_bwd_peak_gib"] = peak
+  return row
+
+
+def test_write_csv_takes_the_union_of_keys(tmp_path):
+  rows = [dict(impl="a", ms=1.5), dict(impl="b", ms=2.0, dq_rel=1e-4)]
+  attention.write_csv(rows, str(tmp_path / "new"), "x.csv")
+  with open(tmp_path / "new" / "x.csv", newline="") as f:
+    read = list(csv.DictReader(f))
+  assert [r["impl"] for r in read] == ["a", "b"]
+  assert read[0]["dq_rel"] == "" and float(read[1]["dq_rel"]) == 1e-4
+
+
+def test_table_has_one_full_line_per_row_with_ratios():
+  rows = [_row("cudnn", 500.0, peak=0.56), _row("sage", 250.0)]
+  attention._ratios(rows)
+  lines = attention._table(rows).splitlines()[2:]
+  assert len(lines) == 2
+  cudnn, sage = (line.split("|")[1:-1] for line in lines)
+  assert len(cudnn) == len(sage) == 11
+  assert sage[0].strip() == "sage" and float(sage[7]) == 0.5  # 250 / 500
+  assert cudnn[-1].strip() == "0.56" and sage[-1].strip() == "-"
