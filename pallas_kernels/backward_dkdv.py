@@ -24,14 +24,14 @@ def _kernel(k8_ref, k_scale_ref, v_ref, kv_ids_ref, q8_ref, q8_t_ref, q_scale_re
             dk_ref, dv_ref, *, config: Config, num_q_blocks: int):
   block_q, block_kv = config.block_q, config.block_kv
   j = pl.program_id(0)
-  k8, k_scale, v = k8_ref[...], jnp.max(k_scale_ref[...]), v_ref[...]
+  k8, k_scale, v = k8_ref[...], common.block_scale(k_scale_ref), v_ref[...]
   kv_ids = None if kv_ids_ref is None else kv_ids_ref[...]
 
   def q_step(i, carry, *, causal):
     dk, dv = carry
     rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
     q_mean = None if q_mean_ref is None else q_mean_ref[i, :]
-    q_scale = common.block_scale(q_scale_ref, rows)
+    q_scale = common.block_scale(q_scale_ref, i * block_q)
     s_t = common.score_tile(q8_ref[rows, :], q_scale, k8, k_scale, q_mean,
                             q_start=i * block_q, kv_start=j * block_kv,
                             q_ids=None if q_ids_ref is None else q_ids_ref[rows],
@@ -40,7 +40,7 @@ def _kernel(k8_ref, k_scale_ref, v_ref, kv_ids_ref, q8_ref, q8_t_ref, q_scale_re
 
     p8_t, p_scale = nm.quantize_rows(p_t, nonnegative=True, bit_tricks=True)
     dv = dv + nm.dequantize(nm.int8_dot(p8_t, do8_t_ref[:, rows]), p_scale[:, None],
-                            common.block_scale(do_scale_ref, rows), bit_tricks=True)
+                            common.block_scale(do_scale_ref, i * block_q), bit_tricks=True)
 
     dp_t = nm.float_dot(v, do_ref[rows, :])
     ds_t = p_t * (dp_t - delta_ref[rows][None, :])

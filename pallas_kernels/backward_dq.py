@@ -21,14 +21,14 @@ def _kernel(q8_ref, q_scale_ref, q_mean_ref, lse_ref, delta_ref, do_ref, q_ids_r
             num_kv_blocks: int):
   block_q, block_kv = config.block_q, config.block_kv
   i = pl.program_id(0)
-  q8, q_scale = q8_ref[...], jnp.max(q_scale_ref[...])
+  q8, q_scale = q8_ref[...], common.block_scale(q_scale_ref)
   q_mean = None if q_mean_ref is None else q_mean_ref[...]
   lse, delta, do = lse_ref[...], delta_ref[...], do_ref[...]
   q_ids = None if q_ids_ref is None else q_ids_ref[...]
 
   def kv_step(j, dq, *, causal):
     kv = pl.ds(pl.multiple_of(j * block_kv, block_kv), block_kv)
-    k_scale = common.block_scale(k_scale_ref, kv)
+    k_scale = common.block_scale(k_scale_ref, j * block_kv)
     s = common.score_tile(q8, q_scale, k8_ref[kv, :], k_scale, q_mean, q_start=i * block_q,
                           kv_start=j * block_kv, q_ids=q_ids,
                           kv_ids=None if kv_ids_ref is None else kv_ids_ref[kv],

@@ -52,9 +52,13 @@ def score_tile(q8, q_scale, k8, k_scale, q_mean, *, q_start, kv_start, q_ids, kv
   return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
 
-def block_scale(scale_ref, rows):
-  """A block's scale from its per-token copies (all equal)."""
-  return jnp.max(scale_ref[rows])
+def block_scale(scale_ref, start=0):
+  """A block's scale: the copy on its first token (all its tokens carry it).
+
+  One scalar load; a reduction over the block's copies would cost a
+  cross-thread max per key block.
+  """
+  return scale_ref[start]
 
 
 def loop_over_kv_blocks(i, kv_step, carry, *, config, num_kv_blocks: int):

@@ -23,7 +23,7 @@ def _kernel(q8_ref, q_scale_ref, q_mean_ref, k8_ref, k_scale_ref, v8_t_ref, v_sc
             q_ids_ref, kv_ids_ref, o_ref, lse_ref, *, config: Config, num_kv_blocks: int):
   block_q, block_kv = config.block_q, config.block_kv
   i = pl.program_id(0)
-  q8, q_scale = q8_ref[...], jnp.max(q_scale_ref[...])
+  q8, q_scale = q8_ref[...], common.block_scale(q_scale_ref)
   q_mean = None if q_mean_ref is None else q_mean_ref[...]
   q_ids = None if q_ids_ref is None else q_ids_ref[...]
 
@@ -31,13 +31,13 @@ def _kernel(q8_ref, q_scale_ref, q_mean_ref, k8_ref, k_scale_ref, v8_t_ref, v_sc
     acc, m, l = carry
     kv = pl.ds(pl.multiple_of(j * block_kv, block_kv), block_kv)
     s = common.score_tile(
-        q8, q_scale, k8_ref[kv, :], common.block_scale(k_scale_ref, kv), q_mean,
+        q8, q_scale, k8_ref[kv, :], common.block_scale(k_scale_ref, j * block_kv), q_mean,
         q_start=i * block_q, kv_start=j * block_kv, q_ids=q_ids,
         kv_ids=None if kv_ids_ref is None else kv_ids_ref[kv], causal=causal)
     p8, p_scale, alpha, m, l = nm.online_softmax_step(s, m, l, bit_tricks=True)
     pv = nm.int8_dot(p8, v8_t_ref[:, kv])
     acc = acc * alpha[:, None] + nm.dequantize(
-        pv, p_scale[:, None], common.block_scale(v_scale_ref, kv), bit_tricks=True)
+        pv, p_scale[:, None], common.block_scale(v_scale_ref, j * block_kv), bit_tricks=True)
     return acc, m, l
 
   head_dim = q8.shape[-1]

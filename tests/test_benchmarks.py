@@ -5,10 +5,19 @@ from __future__ import annotations
 import csv
 import pathlib
 import sys
+from types import SimpleNamespace
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import attention  # noqa: E402  (benchmarks/attention.py)
+import breakdown  # noqa: E402  (benchmarks/breakdown.py)
+
+
+def _plane(name, lines):
+  event = lambda name, ns: SimpleNamespace(name=name, duration_ns=ns)
+  return SimpleNamespace(name=name, lines=[
+      SimpleNamespace(name=line, events=[event(*e) for e in events])
+      for line, events in lines.items()])
 
 
 def _row(impl, fwd_tops, peak=None):
@@ -37,3 +46,20 @@ def test_table_has_one_full_line_per_row_with_ratios():
   assert len(cudnn) == len(sage) == 11
   assert sage[0].strip() == "sage" and float(sage[7]) == 0.5  # 250 / 500
   assert cudnn[-1].strip() == "0.56" and sage[-1].strip() == "-"
+
+
+def test_kernel_times_sum_stream_kernels_per_call():
+  planes = [
+      _plane("/host:CPU", {"python": [("fwd", 9e6)]}),
+      _plane("/device:GPU:0", {
+          "Stream #13(compute)": [("fwd", 1e6), ("quantize", 2e5), ("fwd", 3e6)],
+          "Stream #14(memcpy)": [("quantize", 2e5)],
+          "XLA Ops": [("fusion.1", 4e6)],  # a summary of the same time
+      }),
+  ]
+  times = breakdown.kernel_times(planes, iters=2)
+  assert times == {"fwd": (2e-3, 1.0), "quantize": (2e-4, 1.0)}
+  report = breakdown.report("x", times)
+  assert report[0] == "x: 2.200 ms of kernels per call"
+  assert report[1].split()[:2] == ["2.000", "ms"] and report[1].endswith("fwd")
+  assert breakdown.report("x", {}) == ["x: no GPU kernels in the trace"]
