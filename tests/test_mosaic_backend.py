@@ -48,11 +48,12 @@ def test_op_wiring(case, monkeypatch):
   monkeypatch.setattr(api, "_backend", lambda implementation, causal: MosaicBackend.tuned(
       causal=causal, interpret=True))
   check_against_reference(case, "mosaic")
-  causal = KERNEL_CASES[case].get("is_causal", False)
+  opts = KERNEL_CASES[case]
   expected = set()
-  if case in MOSAIC_CASES:  # the forward runs in Mosaic GPU only when causal (tuned)
+  if case in MOSAIC_CASES:  # tuned: the forward runs in Mosaic GPU when causal at D=128
+    mosaic_forward = opts.get("is_causal", False) and opts.get("head_dim", 64) == 128
     expected = {"backward_dkdv_mosaic", "backward_dq_mosaic"} | (
-        {"forward_mosaic"} if causal else set())
+        {"forward_mosaic"} if mosaic_forward else set())
   assert calls == expected
 
 
@@ -86,6 +87,7 @@ def test_tuned_launches():
   portable = PallasBackend.tuned(causal=True)
   assert causal.forward_launch == portable.forward_launch
   assert causal.forward_mosaic is not None and plain.forward_mosaic is None
+  assert causal.forward_head_dims == (128,)
   assert causal.backward_mosaic.warp_specialized
 
 
