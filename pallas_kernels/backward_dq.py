@@ -16,6 +16,12 @@ from pallas_kernels.common import LaunchConfig
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 
+# int32 -> fp32 of S and of dS.K by the conversion instruction, not the bit
+# trick (numerics.int32_to_float): on an H200, B=4, T=4096, H=16, D=128, the
+# kernel takes 2.01 ms against 2.13 (causal 1.10 against 1.15).
+CONVERT_BIT_TRICKS = False
+
+
 def _kernel(q8_ref, q_scale_ref, q_mean_ref, lse_ref, delta_ref, do_ref, q_ids_ref, k8_ref,
             k8_t_ref, k_scale_ref, v_ref, kv_ids_ref, dq_ref, *, config: Config,
             num_kv_blocks: int):
@@ -32,12 +38,12 @@ def _kernel(q8_ref, q_scale_ref, q_mean_ref, lse_ref, delta_ref, do_ref, q_ids_r
     s = common.score_tile(q8, q_scale, k8_ref[kv, :], k_scale, q_mean, q_start=i * block_q,
                           kv_start=j * block_kv, q_ids=q_ids,
                           kv_ids=None if kv_ids_ref is None else kv_ids_ref[kv],
-                          causal=causal)
+                          causal=causal, bit_tricks=CONVERT_BIT_TRICKS)
     p = jnp.exp2(s - lse[:, None])
     ds = p * (nm.float_dot(do, v_ref[kv, :]) - delta[:, None])
     ds8, ds_scale = nm.quantize_rows(ds, bit_tricks=True)
     return dq + nm.dequantize(nm.int8_dot(ds8, k8_t_ref[:, kv]), ds_scale[:, None], k_scale,
-                              bit_tricks=True)
+                              bit_tricks=CONVERT_BIT_TRICKS)
 
   dq = common.loop_over_kv_blocks(i, kv_step, jnp.zeros(q8.shape, jnp.float32),
                                   config=config, num_kv_blocks=num_kv_blocks)

@@ -31,16 +31,17 @@ class LaunchConfig:
 
 
 def score_tile(q8, q_scale, k8, k_scale, q_mean, *, q_start, kv_start, q_ids, kv_ids,
-               causal: bool, transposed: bool = False):
+               causal: bool, bit_tricks: bool, transposed: bool = False):
   """Masked base-2 logits of one tile from int8 Q (block_q, D) and K (block_kv, D).
 
   (block_q, block_kv), or with `transposed` (block_kv, block_q) computed as
   K.Q^T, so every int8 operand keeps its contraction dimension contiguous.
   The scales are the blocks' scalars (one multiply per score); ids are the
-  tile's per-token ids (1-D) or None. Masked scores are -inf.
+  tile's per-token ids (1-D) or None. Masked scores are -inf. `bit_tricks`
+  picks the int32 -> fp32 instructions (`numerics.int32_to_float`).
   """
   s = nm.dequantize(nm.int8_dot(k8, q8) if transposed else nm.int8_dot(q8, k8),
-                    q_scale, k_scale, bit_tricks=True)
+                    q_scale, k_scale, bit_tricks=bit_tricks)
   column, row = (lambda x: x[:, None]), (lambda x: x[None, :])
   along_q, along_kv = (row, column) if transposed else (column, row)
   if q_mean is not None:

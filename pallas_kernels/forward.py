@@ -19,6 +19,12 @@ from pallas_kernels.common import LaunchConfig
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 
+# int32 -> fp32 of S and of P.V by the conversion instruction, not the bit
+# trick (numerics.int32_to_float): on an H200, B=4, T=4096, H=16, D=128, the
+# kernel takes 1.37 ms against 1.53 (causal 0.80 against 0.84).
+CONVERT_BIT_TRICKS = False
+
+
 def _kernel(q8_ref, q_scale_ref, q_mean_ref, k8_ref, k_scale_ref, v8_t_ref, v_scale_ref,
             q_ids_ref, kv_ids_ref, o_ref, lse_ref, *, config: Config, num_kv_blocks: int):
   block_q, block_kv = config.block_q, config.block_kv
@@ -33,11 +39,13 @@ def _kernel(q8_ref, q_scale_ref, q_mean_ref, k8_ref, k_scale_ref, v8_t_ref, v_sc
     s = common.score_tile(
         q8, q_scale, k8_ref[kv, :], common.block_scale(k_scale_ref, j * block_kv), q_mean,
         q_start=i * block_q, kv_start=j * block_kv, q_ids=q_ids,
-        kv_ids=None if kv_ids_ref is None else kv_ids_ref[kv], causal=causal)
+        kv_ids=None if kv_ids_ref is None else kv_ids_ref[kv], causal=causal,
+        bit_tricks=CONVERT_BIT_TRICKS)
     p8, p_scale, alpha, m, l = nm.online_softmax_step(s, m, l, bit_tricks=True)
     pv = nm.int8_dot(p8, v8_t_ref[:, kv])
     acc = acc * alpha[:, None] + nm.dequantize(
-        pv, p_scale[:, None], common.block_scale(v_scale_ref, j * block_kv), bit_tricks=True)
+        pv, p_scale[:, None], common.block_scale(v_scale_ref, j * block_kv),
+        bit_tricks=CONVERT_BIT_TRICKS)
     return acc, m, l
 
   head_dim = q8.shape[-1]

@@ -5,9 +5,10 @@ tiles of the same shape, so the int8 values they form agree bit for bit (SPEC:
 "the rounding rule is one rule"). Each rule has two exact instruction
 selections: plain XLA ops (`jnp.round`, conversions), and, with
 `bit_tricks=True`, fp32 bit manipulations that Pallas' Triton lowering
-accepts (it has no round) and that are cheaper on the GPU. The kernels use the
-tricks; the reference does not, because XLA:GPU fusions were measured to
-miscompile them (wrong int8 under jit on an H200, right op by op).
+accepts (it has no round) and that are often cheaper on the GPU. The kernels
+use the tricks where they measured faster; the reference does not, because
+XLA:GPU fusions were measured to miscompile them (wrong int8 under jit on an
+H200, right op by op).
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ def int32_to_float(x: jax.Array, *, bit_tricks: bool = False) -> jax.Array:
   """Exact int32 -> fp32 for |x| < 2**22 (any int8 dot of depth <= 256).
 
   The bit trick is an integer add and a float subtract instead of a
-  quarter-rate conversion instruction.
+  quarter-rate conversion instruction. Which is faster depends on the kernel:
+  the trick takes two issue slots on the pipe that all of a tile's other
+  elementwise work shares; the conversion takes one, on the unit that exp2
+  also uses. Each kernel picks per product, by measurement.
   """
   if not bit_tricks:
     return x.astype(jnp.float32)
