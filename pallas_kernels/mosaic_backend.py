@@ -38,34 +38,29 @@ def takes(qkv: QuantizedQKV, masks: Masks, config: Config, dtype) -> bool:
 class MosaicBackend(PallasBackend):
   """SageBwd on Hopper (sm_90): Mosaic GPU kernels, each where it is faster.
 
-  The forward runs in Mosaic GPU with `forward_mosaic` for the head dims in
-  `forward_head_dims` (`forward_mosaic=None`: never), the portable forward
-  otherwise; the backward always runs in Mosaic GPU when `takes`.
+  `forward_mosaic=None` keeps the portable forward (what `tuned` picks); the
+  backward always runs in Mosaic GPU when `takes`.
   """
 
   forward_mosaic: MosaicLaunch | None = MosaicLaunch()
-  forward_head_dims: tuple[int, ...] = mosaic_forward.HEAD_DIMS
   backward_mosaic: MosaicBackwardLaunch = MosaicBackwardLaunch()
 
   @classmethod
   def tuned(cls, *, causal: bool, interpret: bool = False) -> "MosaicBackend":
     """Launches measured fastest on an H200 (benchmarks/mosaic_forward.py,
-    mosaic_backward.py, attention.py). Forward in Mosaic GPU, with the fp32
-    bit tricks, only when causal at D=128: kernel times at B=4, T=4096, H=16
-    tie (1.075 ms against the portable 1.073), T=16k is 4% faster (318 against
-    305 TOPS), while at D=64 the portable forward is 17% faster (171 against
-    146 TOPS at H=32) and not causal too (1.80 ms against 1.87 at D=128).
-    Backward with two compute warpgroups and the bit tricks (4.88 ms against
-    the portable 6.90, causal 3.47 against 4.39)."""
+    mosaic_backward.py, attention.py; B=4, T=4096, H=16, D=128): the backward
+    in Mosaic GPU with two compute warpgroups and the fp32 bit tricks (4.88 ms
+    against the portable 6.90, causal 3.47 against 4.39); the portable forward,
+    which since it converts its int32 products by instruction is at least as
+    fast as the Mosaic one everywhere measured (op forward TOPS, portable
+    against Mosaic: causal 234 against 209, at T=16k 308 against 308; not
+    causal 306 against 301)."""
     portable = PallasBackend.tuned(causal=causal, interpret=interpret)
-    return cls(portable.forward_launch, portable.backward_launch,
-               forward_mosaic=MosaicLaunch(bit_tricks=True) if causal else None,
-               forward_head_dims=(128,),
+    return cls(portable.forward_launch, portable.backward_launch, forward_mosaic=None,
                backward_mosaic=MosaicBackwardLaunch(warp_specialized=True, bit_tricks=True))
 
   def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype):
-    if (self.forward_mosaic is None or qkv.q8.shape[-1] not in self.forward_head_dims
-        or not takes(qkv, masks, config, out_dtype)):
+    if self.forward_mosaic is None or not takes(qkv, masks, config, out_dtype):
       return super().forward(qkv, masks, config, out_dtype)
     return forward_mosaic(qkv, masks, config, out_dtype, self.forward_mosaic)
 

@@ -11,6 +11,8 @@ the op compiled through its default implementation, "mosaic" on a Hopper GPU.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -23,6 +25,7 @@ from pallas_kernels.backward_dq import backward_dq
 from pallas_kernels.common import LaunchConfig
 from pallas_kernels.forward import forward
 from pallas_kernels.mosaic_backend import MosaicBackend, takes
+from pallas_kernels.mosaic_forward import MosaicLaunch
 from pallas_kernels.types import Masks
 from sagebwd_jax import api, dot_product_attention
 from sagebwd_jax.reference import ReferenceBackend
@@ -32,8 +35,21 @@ INTERPRET = LaunchConfig(interpret=True)
 MOSAIC_CASES = {"plain", "causal", "gqa_causal", "mqa", "no_smooth_k", "d128"}
 
 
-@pytest.mark.parametrize("case", sorted(KERNEL_CASES))
-def test_op_wiring(case, monkeypatch):
+def _all_mosaic(causal: bool, interpret: bool) -> MosaicBackend:
+  """The tuned backend with the Mosaic forward switched on too."""
+  return dataclasses.replace(MosaicBackend.tuned(causal=causal, interpret=interpret),
+                             forward_mosaic=MosaicLaunch(bit_tricks=True))
+
+
+# Every case through the tuned backend (portable forward); a few through one
+# that runs the Mosaic forward too (taken, fallback for masks, GQA).
+WIRING = ([(case, MosaicBackend.tuned) for case in sorted(KERNEL_CASES)]
+          + [(case, _all_mosaic) for case in ("causal", "d128", "gqa_causal", "segments")])
+
+
+@pytest.mark.parametrize("case,make_backend", WIRING,
+                         ids=[f"{c}-{f.__name__}" for c, f in WIRING])
+def test_op_wiring(case, make_backend, monkeypatch):
   calls = set()
 
   def twin(name, portable):
@@ -45,15 +61,13 @@ def test_op_wiring(case, monkeypatch):
   twin("forward_mosaic", forward)
   twin("backward_dkdv_mosaic", backward_dkdv)
   twin("backward_dq_mosaic", backward_dq)
-  monkeypatch.setattr(api, "_backend", lambda implementation, causal: MosaicBackend.tuned(
-      causal=causal, interpret=True))
+  backend = make_backend(causal=KERNEL_CASES[case].get("is_causal", False), interpret=True)
+  monkeypatch.setattr(api, "_backend", lambda implementation, causal: backend)
   check_against_reference(case, "mosaic")
-  opts = KERNEL_CASES[case]
   expected = set()
-  if case in MOSAIC_CASES:  # tuned: the forward runs in Mosaic GPU when causal at D=128
-    mosaic_forward = opts.get("is_causal", False) and opts.get("head_dim", 64) == 128
+  if case in MOSAIC_CASES:
     expected = {"backward_dkdv_mosaic", "backward_dq_mosaic"} | (
-        {"forward_mosaic"} if mosaic_forward else set())
+        set() if backend.forward_mosaic is None else {"forward_mosaic"})
   assert calls == expected
 
 
@@ -86,8 +100,7 @@ def test_tuned_launches():
   causal, plain = MosaicBackend.tuned(causal=True), MosaicBackend.tuned(causal=False)
   portable = PallasBackend.tuned(causal=True)
   assert causal.forward_launch == portable.forward_launch
-  assert causal.forward_mosaic is not None and plain.forward_mosaic is None
-  assert causal.forward_head_dims == (128,)
+  assert causal.forward_mosaic is None and plain.forward_mosaic is None
   assert causal.backward_mosaic.warp_specialized
 
 
