@@ -68,9 +68,9 @@ def dot_product_attention(
       quantization blocks, so results depend on them. Default: the Pallas
       kernels' tuned sizes for this head dim.
     implementation: "pallas" (the portable GPU kernels; Pallas interpret
-      mode on a machine without a GPU), "mosaic" (the Hopper kernels in
-      Mosaic GPU where they support the case, the portable ones elsewhere;
-      needs an sm_90 GPU),
+      mode on a machine without a GPU), "mosaic" (the backward in Mosaic GPU
+      where its kernels take the case, the portable kernels for the rest,
+      forward included, which measured at least as fast; needs an sm_90 GPU),
       "reference" (pure JAX, same int8 arithmetic) or None: "mosaic" on a
       Hopper GPU, "pallas" on other GPUs, "reference" without a GPU.
 

@@ -93,9 +93,10 @@ class Attention(nnx.Module):
       qk_norm: RMS-normalize q and k per head before RoPE.
       norm_eps: epsilon of the QK-norm.
       rope_theta: RoPE base; None disables RoPE.
-      implementation: "sage" (SageBwd with the op's default kernels: Mosaic
-        GPU on Hopper, Pallas on other GPUs, the pure-JAX reference elsewhere), "reference" (SageBwd, always the pure-JAX
-        reference) or "full" (full-precision jax.nn.dot_product_attention,
+      implementation: "sage" (SageBwd with the op's default kernels: the
+        Hopper backend on H100/H200, the portable Pallas kernels on other
+        GPUs, the pure-JAX reference elsewhere), "reference" (SageBwd, always
+        the pure-JAX reference) or "full" (full-precision jax.nn.dot_product_attention,
         cuDNN on GPU for bf16/fp16) as the baseline.
       smooth_k, smooth_q: SageBwd smoothing options (ignored by "full").
       dtype: compute dtype of projections and attention.
