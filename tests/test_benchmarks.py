@@ -7,10 +7,19 @@ import pathlib
 import sys
 from types import SimpleNamespace
 
+import jax
+import jax.numpy as jnp
+import pytest
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from conftest import gaussian_qkv, mosaic_config  # noqa: E402
+from pallas_kernels.types import Masks  # noqa: E402
+from sagebwd_jax.reference import ReferenceBackend  # noqa: E402
 
 import attention  # noqa: E402  (benchmarks/attention.py)
 import breakdown  # noqa: E402  (benchmarks/breakdown.py)
+import mosaic_ablation  # noqa: E402  (benchmarks/mosaic_ablation.py)
 
 
 def _plane(name, lines):
@@ -63,3 +72,23 @@ def test_kernel_times_sum_stream_kernels_per_call():
   assert report[0] == "x: 2.200 ms of kernels per call"
   assert report[1].split()[:2] == ["2.000", "ms"] and report[1].endswith("fwd")
   assert breakdown.report("x", {}) == ["x: no GPU kernels in the trace"]
+
+
+@pytest.mark.parametrize("names", mosaic_ablation.VARIANTS, ids=lambda n: "+".join(n) or "whole")
+def test_mosaic_ablations_still_apply_and_lower(names):
+  """Each ablation still matches the kernel's source (`ablated_module` raises
+  otherwise, so the benchmark cannot silently time the whole kernel) and
+  leaves a kernel that lowers."""
+  module = mosaic_ablation.ablated_module(names)
+  config = mosaic_config(128, False)
+  q, k, v, _ = gaussian_qkv(jax.random.key(0), 1, 128, 128, 2, 2, 128)
+  qkv = ReferenceBackend().quantize(q, k, v, None, config)
+  launch = module.MosaicLaunch(bit_tricks=True, overlap_qk=True)
+  jax.jit(lambda qkv: module.forward_mosaic(qkv, Masks(), config, jnp.bfloat16, launch)).trace(
+      qkv).lower(lowering_platforms=("cuda",))
+
+
+def test_a_stale_mosaic_ablation_is_an_error(monkeypatch):
+  monkeypatch.setitem(mosaic_ablation.ABLATIONS, "gone", [("no such line", "")])
+  with pytest.raises(ValueError, match="no longer matches"):
+    mosaic_ablation.ablated_module(("gone",))
