@@ -1,11 +1,11 @@
 """The Hopper backend: Mosaic GPU kernels where they apply, portable ones elsewhere.
 
 The quantization pass and the backward pre-pass are the portable kernels' (the
-same int8 tensors feed both paths); the forward and the dK/dV and dQ kernels
-run in Mosaic GPU when `mosaic_forward.supports` takes the case (no masks but
-causality, no Q-smoothing, D in {64, 128}, 64 x 64 blocks, sequence lengths
-multiples of 64, Tq == Tk when causal) and fall back to the Triton kernels
-otherwise, call by call. The Mosaic kernels compile for an sm_90 GPU only (their
+same int8 tensors feed both paths); the dK/dV and dQ kernels (and the
+forward, when `forward_mosaic` asks for it) run in Mosaic GPU when `takes`
+accepts the case (no masks but causality, no Q-smoothing, D in {64, 128},
+64 x 64 blocks, sequence lengths multiples of 64, Tq == Tk when causal, 16-bit
+inputs) and fall back to the Triton kernels otherwise, call by call. The Mosaic kernels compile for an sm_90 GPU only (their
 tests run them in Mosaic GPU interpret mode one by one: tests/test_mosaic*.py).
 """
 
@@ -47,10 +47,11 @@ class MosaicBackend(PallasBackend):
 
   @classmethod
   def tuned(cls, *, causal: bool, interpret: bool = False) -> "MosaicBackend":
-    """Launches measured fastest on an H200 (benchmarks/mosaic_forward.py,
-    mosaic_backward.py, attention.py; B=4, T=4096, H=16, D=128): the backward
-    in Mosaic GPU with two compute warpgroups and the fp32 bit tricks (4.88 ms
-    against the portable 6.90, causal 3.47 against 4.39); the portable forward,
+    """Launches measured fastest on an H200 (benchmarks/mosaic_backward.py,
+    breakdown.py, attention.py; B=4, T=4096, H=16, D=128): the backward in
+    Mosaic GPU with two compute warpgroups and the fp32 bit tricks (dK/dV + dQ
+    4.44 ms of kernel time against the portable 5.57, causal 2.98 against
+    3.13); the portable forward,
     which since it converts its int32 products by instruction is at least as
     fast as the Mosaic one everywhere measured (op forward TOPS, portable
     against Mosaic: causal 234 against 209, at T=16k 308 against 308; not
