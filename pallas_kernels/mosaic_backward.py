@@ -303,6 +303,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
       grid=(heads, kv_len // BLOCK, batch),
       grid_names=("heads", "kv_seq", "batch"),
       compiler_params=plgpu.CompilerParams(approx_math=launch.approx_math),
+      kernel_name="sagebwd_backward_dkdv_mosaic",  # its name in profiles
   )(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scale)
 
 
@@ -443,6 +444,7 @@ def _dkdv_ws_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_s
       num_threads=wgs + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=launch.approx_math),
+      kernel_name="sagebwd_backward_dkdv_mosaic",  # its name in profiles
   )(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scale)
 
 
@@ -579,6 +581,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, config: Confi
       grid=(heads, q_len // BLOCK, batch),
       grid_names=("heads", "q_seq", "batch"),
       compiler_params=plgpu.CompilerParams(approx_math=launch.approx_math),
+      kernel_name="sagebwd_backward_dq_mosaic",  # its name in profiles
   )(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v)
 
 
@@ -713,6 +716,7 @@ def _dq_ws_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, config: Co
       num_threads=wgs + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=launch.approx_math),
+      kernel_name="sagebwd_backward_dq_mosaic",  # its name in profiles
   )(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v)
 
 

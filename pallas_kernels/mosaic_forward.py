@@ -354,6 +354,7 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scale, *, causal: bool, out_
       num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=launch.approx_math),
+      kernel_name="sagebwd_forward_mosaic",  # its name in profiles
   )(q8, q_scale, k8, k_scale, v8_t, v_scale)
 
 
