@@ -27,7 +27,9 @@ import sagebwd_jax
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
-def _implementations():
+def implementations() -> dict:
+  """{name: attn(q, k, v, causal)} for every implementation the benchmarks
+  compare (sage = implementation="pallas", sage_mosaic = "mosaic")."""
   from jax.experimental.pallas.ops.gpu import attention as pallas_mha
 
   def mha(q, k, v, causal):
@@ -100,7 +102,7 @@ def main():
   parser.add_argument("--dims", default="128,64", help="head dims (H*D = 2048)")
   parser.add_argument("--out", default=os.environ.get("OUT", "."))
   args = parser.parse_args()
-  impls = {k: v for k, v in _implementations().items() if k in args.impls.split(",")}
+  impls = {k: v for k, v in implementations().items() if k in args.impls.split(",")}
   if args.quick:
     shapes = [(4, 4096, 16, 128)]
   else:

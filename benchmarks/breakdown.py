@@ -24,7 +24,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-from attention import _implementations, write_csv
+from attention import implementations, write_csv
 
 
 def kernel_times(planes, iters: int) -> dict[str, tuple[float, float]]:
@@ -49,6 +49,7 @@ def kernel_times(planes, iters: int) -> dict[str, tuple[float, float]]:
 
 
 def profile(fn, args, iters: int) -> dict[str, tuple[float, float]]:
+  """`kernel_times` of `iters` calls of the compiled `fn(*args)`."""
   jax.block_until_ready(fn(*args))  # compile outside the trace
   with tempfile.TemporaryDirectory() as trace_dir:
     with jax.profiler.trace(trace_dir):
@@ -81,7 +82,7 @@ def main():
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--out", default=os.environ.get("OUT", "."))
   args = parser.parse_args()
-  impls = _implementations()
+  impls = implementations()
   shape = (args.batch, args.seq, args.heads, args.dim)
   q, k, v, do = (jax.random.normal(key, shape, jnp.bfloat16)
                  for key in jax.random.split(jax.random.key(0), 4))
