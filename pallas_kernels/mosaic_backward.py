@@ -3,7 +3,7 @@
 Same semantics as the portable kernels `pallas_kernels.backward_dkdv.backward_dkdv`
 and `pallas_kernels.backward_dq.backward_dq` (P and dS quantized per token: per
 key row in dK/dV, per query row in dQ; dO.V^T in bf16/fp16 with fp32
-accumulation), restricted to the cases `supports` accepts: no masks besides
+accumulation), restricted to the cases `mosaic_forward.supports` accepts: no masks besides
 causality, no Q-smoothing, D in {64, 128}, 64 x 64 quantization blocks.
 
 First version, straightforward: one warpgroup per CTA, one 64-row block.
@@ -56,8 +56,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import common
 from pallas_kernels import numerics as nm
-from pallas_kernels.mosaic_forward import BLOCK, COMPUTE_WGS, HEAD_DIMS, smem_transforms
-from pallas_kernels.mosaic_forward import supports as _forward_supports
+from pallas_kernels.mosaic_forward import (BLOCK, COMPUTE_WGS, check_supported,
+                                           smem_transforms, warp_specialized_kernel)
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 SLOTS = 2  # shared-memory slots per streamed operand (prefetch one block ahead)
@@ -76,24 +76,6 @@ class MosaicBackwardLaunch:
   # kernel runs.
   warp_specialized: bool = False
   max_concurrent_steps: int = 2
-
-
-def supports(masks: Masks, config: Config, head_dim: int) -> bool:
-  """Whether the Mosaic backward takes this case (else use the portable kernels)."""
-  return _forward_supports(masks, config, head_dim)
-
-
-def _check(qkv: QuantizedQKV, masks: Masks, config: Config, name: str):
-  head_dim = qkv.q8.shape[-1]
-  if not supports(masks, config, head_dim):
-    raise NotImplementedError(
-        f"{name}: needs no masks, smooth_q=False, block_q=block_kv=64, D in {HEAD_DIMS}; "
-        f"got masks={masks.q_ids is not None or masks.kv_ids is not None}, "
-        f"smooth_q={config.smooth_q}, blocks=({config.block_q}, {config.block_kv}), "
-        f"D={head_dim}")
-  q_len, kv_len = qkv.q8.shape[2], qkv.k8.shape[2]
-  if q_len % BLOCK or kv_len % BLOCK:
-    raise ValueError(f"sequence lengths {q_len}, {kv_len} must be multiples of {BLOCK}")
 
 
 def _write_tile(value, smem, dst):
@@ -425,26 +407,14 @@ def _dkdv_ws_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_s
                  transforms=smem_transforms(head_dim, out_dtype)),  # dK, then dV
   )
 
-  def entry(*refs):
-    pl.run_scoped(
-        lambda *scoped: kernel(*refs, scoped),
-        smem,
-        (plgpu.Barrier(num_barriers=wgs),) * 2,
-        (plgpu.Barrier(num_barriers=steps),) * 4,
-        plgpu.Barrier(num_arrivals=wgs, num_barriers=steps),
-        collective_axes="wg",
-    )
-
+  barriers = ((plgpu.Barrier(num_barriers=wgs),) * 2,
+              (plgpu.Barrier(num_barriers=steps),) * 4,
+              plgpu.Barrier(num_arrivals=wgs, num_barriers=steps))
   shape = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), out_dtype)
-  return plgpu.kernel(
-      entry,
-      out_type=(shape, shape),
-      grid=(heads, kv_len // (wgs * BLOCK), batch),
-      grid_names=("heads", "kv_seq", "batch"),
-      num_threads=wgs + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=launch.approx_math),
-      kernel_name="sagebwd_backward_dkdv_mosaic",  # its name in profiles
+  return warp_specialized_kernel(
+      kernel, scratch=smem, barriers=barriers, out_type=(shape, shape),
+      grid=(heads, kv_len // (wgs * BLOCK), batch), grid_names=("heads", "kv_seq", "batch"),
+      approx_math=launch.approx_math, name="sagebwd_backward_dkdv_mosaic",
   )(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scale)
 
 
@@ -453,10 +423,10 @@ def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
                          launch: MosaicBackwardLaunch = MosaicBackwardLaunch()):
   """dK, dV (B, Tk, Hkv, D) in V's dtype, summed over each kv head's group.
 
-  Same contract as `backward_dkdv.backward_dkdv` for the cases `supports`
+  Same contract as `backward_dkdv.backward_dkdv` for the cases `mosaic_forward.supports`
   accepts; with GQA the per-query-head partials are kept in fp32 until summed.
   """
-  _check(qkv, masks, config, "backward_dkdv_mosaic")
+  check_supported(qkv, masks, config, "backward_dkdv_mosaic")
   batch, heads, _, head_dim = qkv.q8.shape
   kv_heads, kv_len = qkv.k8.shape[1], qkv.k8.shape[2]
   group = heads // kv_heads
@@ -698,33 +668,22 @@ def _dq_ws_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, config: Co
                  transforms=smem_transforms(head_dim, out_dtype)),  # dQ
   )
 
-  def entry(*refs):
-    pl.run_scoped(
-        lambda *scoped: kernel(*refs, scoped),
-        smem,
-        (plgpu.Barrier(num_barriers=wgs),) * 2,
-        (plgpu.Barrier(num_barriers=steps),) * 3,
-        plgpu.Barrier(num_arrivals=wgs, num_barriers=steps),
-        collective_axes="wg",
-    )
-
-  return plgpu.kernel(
-      entry,
+  barriers = ((plgpu.Barrier(num_barriers=wgs),) * 2,
+              (plgpu.Barrier(num_barriers=steps),) * 3,
+              plgpu.Barrier(num_arrivals=wgs, num_barriers=steps))
+  return warp_specialized_kernel(
+      kernel, scratch=smem, barriers=barriers,
       out_type=jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), out_dtype),
-      grid=(heads, num_q_tiles, batch),
-      grid_names=("heads", "q_seq", "batch"),
-      num_threads=wgs + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=launch.approx_math),
-      kernel_name="sagebwd_backward_dq_mosaic",  # its name in profiles
+      grid=(heads, num_q_tiles, batch), grid_names=("heads", "q_seq", "batch"),
+      approx_math=launch.approx_math, name="sagebwd_backward_dq_mosaic",
   )(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v)
 
 
 def backward_dq_mosaic(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, config: Config,
                        launch: MosaicBackwardLaunch = MosaicBackwardLaunch()):
   """dQ (B, Tq, H, D) in dO's dtype; same contract as `backward_dq.backward_dq`
-  for the cases `supports` accepts."""
-  _check(qkv, masks, config, "backward_dq_mosaic")
+  for the cases `mosaic_forward.supports` accepts."""
+  check_supported(qkv, masks, config, "backward_dq_mosaic")
   call = _dq_call
   if launch.warp_specialized and qkv.q8.shape[2] % (COMPUTE_WGS * BLOCK) == 0:
     call = _dq_ws_call

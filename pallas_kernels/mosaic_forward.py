@@ -64,6 +64,38 @@ def supports(masks: Masks, config: Config, head_dim: int) -> bool:
           and config.block_kv == BLOCK)
 
 
+def check_supported(qkv: QuantizedQKV, masks: Masks, config: Config, name: str):
+  """Raises unless the Mosaic kernels take this case (`supports`, whole blocks)."""
+  head_dim = qkv.q8.shape[-1]
+  if not supports(masks, config, head_dim):
+    raise NotImplementedError(
+        f"{name}: needs no masks, smooth_q=False, block_q=block_kv=64, D in {HEAD_DIMS}; "
+        f"got masks={masks.q_ids is not None or masks.kv_ids is not None}, "
+        f"smooth_q={config.smooth_q}, blocks=({config.block_q}, {config.block_kv}), "
+        f"D={head_dim}")
+  q_len, kv_len = qkv.q8.shape[2], qkv.k8.shape[2]
+  if q_len % BLOCK or kv_len % BLOCK:
+    raise ValueError(f"sequence lengths {q_len}, {kv_len} must be multiples of {BLOCK}")
+
+
+def warp_specialized_kernel(kernel, *, scratch, barriers, out_type, grid, grid_names,
+                            approx_math: bool, name: str):
+  """`plgpu.kernel` with COMPUTE_WGS compute warpgroups and one producer.
+
+  `kernel(*refs, scoped)` runs in every warpgroup ("wg" tells them apart);
+  `scoped` holds the `scratch` shared-memory tiles and the `barriers`, allocated
+  once for all of them. `name` is the kernel's name in profiles.
+  """
+  def entry(*refs):
+    pl.run_scoped(lambda *scoped: kernel(*refs, scoped), scratch, *barriers,
+                  collective_axes="wg")
+
+  return plgpu.kernel(
+      entry, out_type=out_type, grid=grid, grid_names=grid_names,
+      num_threads=COMPUTE_WGS + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=approx_math), kernel_name=name)
+
+
 def smem_transforms(minor_elems: int, dtype) -> tuple:
   """Tiling and swizzle of a shared-memory tile whose minor dim has `minor_elems`."""
   swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
@@ -322,39 +354,28 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scale, *, causal: bool, out_
         plgpu.barrier_wait(k_consumed.at[slot])
         plgpu.barrier_wait(v_consumed.at[slot])
 
-  def entry(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref):
-    i8 = jnp.int8
-    scratch = (
-        plgpu.SMEM((COMPUTE_WGS, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),
-        plgpu.SMEM((steps, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),
-        plgpu.SMEM((steps, head_dim, BLOCK), i8, transforms=smem_transforms(BLOCK, i8)),
-        plgpu.SMEM((COMPUTE_WGS, BLOCK, BLOCK), i8, transforms=smem_transforms(BLOCK, i8)),
-        plgpu.SMEM((COMPUTE_WGS, BLOCK, head_dim), out_dtype,
-                   transforms=smem_transforms(head_dim, out_dtype)),
-        plgpu.SMEM((COMPUTE_WGS, BLOCK), jnp.float32),
-    )
-    pl.run_scoped(
-        lambda *args: kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref,
-                             args),
-        scratch,
-        (plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
-         plgpu.Barrier(num_barriers=COMPUTE_WGS)),
-        (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=steps),) * 2,
-        plgpu.Barrier(num_arrivals=COMPUTE_WGS),
-        collective_axes="wg",
-    )
-
+  i8 = jnp.int8
+  scratch = (
+      plgpu.SMEM((COMPUTE_WGS, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),
+      plgpu.SMEM((steps, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),
+      plgpu.SMEM((steps, head_dim, BLOCK), i8, transforms=smem_transforms(BLOCK, i8)),
+      plgpu.SMEM((COMPUTE_WGS, BLOCK, BLOCK), i8, transforms=smem_transforms(BLOCK, i8)),
+      plgpu.SMEM((COMPUTE_WGS, BLOCK, head_dim), out_dtype,
+                 transforms=smem_transforms(head_dim, out_dtype)),
+      plgpu.SMEM((COMPUTE_WGS, BLOCK), jnp.float32),
+  )
+  barriers = (
+      (plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
+       plgpu.Barrier(num_barriers=COMPUTE_WGS)),
+      (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=steps),) * 2,
+      plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+  )
   out_type = (jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), out_dtype),
               jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32))
-  return plgpu.kernel(
-      entry,
-      out_type=out_type,
-      grid=(heads, num_q_tiles, batch),
-      grid_names=("heads", "q_seq", "batch"),
-      num_threads=COMPUTE_WGS + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=launch.approx_math),
-      kernel_name="sagebwd_forward_mosaic",  # its name in profiles
+  return warp_specialized_kernel(
+      kernel, scratch=scratch, barriers=barriers, out_type=out_type,
+      grid=(heads, num_q_tiles, batch), grid_names=("heads", "q_seq", "batch"),
+      approx_math=launch.approx_math, name="sagebwd_forward_mosaic",
   )(q8, q_scale, k8, k_scale, v8_t, v_scale)
 
 
@@ -366,17 +387,10 @@ def forward_mosaic(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
   accepts. Tq is padded to a multiple of 128 (two query blocks per CTA) when
   needed; padded rows are dropped.
   """
-  head_dim = qkv.q8.shape[-1]
-  if not supports(masks, config, head_dim):
-    raise NotImplementedError(
-        "forward_mosaic: needs no masks, smooth_q=False, block_q=block_kv=64, D in "
-        f"{HEAD_DIMS}; got masks={masks.q_ids is not None}, smooth_q={config.smooth_q}, "
-        f"blocks=({config.block_q}, {config.block_kv}), D={head_dim}")
+  check_supported(qkv, masks, config, "forward_mosaic")
   out_dtype = jnp.dtype(out_dtype)
   q8, q_scale = qkv.q8, qkv.q_scale
   q_len, kv_len = q8.shape[2], qkv.k8.shape[2]
-  if q_len % BLOCK or kv_len % BLOCK:
-    raise ValueError(f"sequence lengths {q_len}, {kv_len} must be multiples of {BLOCK}")
   if config.causal and q_len != kv_len:
     raise NotImplementedError("forward_mosaic: causal needs Tq == Tk")
   pad = -q_len % (COMPUTE_WGS * BLOCK)

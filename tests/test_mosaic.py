@@ -129,6 +129,16 @@ def test_supports():
     forward_mosaic(_case(1, 64, 1, 1, 128, True)[0], Masks(ids, ids), base, jnp.bfloat16)
 
 
+def test_lengths_not_whole_blocks_are_refused():
+  qkv, config, _, _ = _case(1, 128, 1, 1, 64, False)
+  keys = slice(0, 96)  # one and a half blocks
+  short = qkv._replace(k8=qkv.k8[:, :, keys], k8_t=qkv.k8_t[..., keys],
+                       k_scale=qkv.k_scale[..., keys], v8_t=qkv.v8_t[..., keys],
+                       v_scale=qkv.v_scale[..., keys])
+  with pytest.raises(ValueError, match="multiples of 64"):
+    forward_mosaic(short, Masks(), config, jnp.bfloat16)
+
+
 GPU_CASES = INTERPRET_CASES + [
     (2, 1024, 4, 2, 128, False),
     (2, 1024, 4, 2, 128, True),
