@@ -13,14 +13,14 @@ kernels' in the same run (relative L2). Writes mosaic_backward.csv to --out
 
 from __future__ import annotations
 
-import argparse
-import os
+import functools
 import warnings
 
 import jax
 import jax.numpy as jnp
 
 from attention import time_call, write_csv  # benchmarks/attention.py
+from variants import Rows, parse_args, random_inputs, rel_l2
 from pallas_kernels.backend import PallasBackend
 from pallas_kernels.backward_dkdv import backward_dkdv
 from pallas_kernels.backward_dq import backward_dq
@@ -28,7 +28,6 @@ from pallas_kernels.backward_prepass import backward_prepass
 from pallas_kernels.mosaic_backward import (MosaicBackwardLaunch, backward_dkdv_mosaic,
                                             backward_dq_mosaic)
 from pallas_kernels.types import Config, Masks
-from sagebwd_jax import metrics
 from sagebwd_jax.sagebwd import key_mean
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -43,25 +42,11 @@ VARIANTS = {
 }
 
 
-def _rel(x, ref) -> float:
-  return float(metrics.relative_l2(x, ref))
-
-
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--batch", type=int, default=4)
-  parser.add_argument("--seq", type=int, default=4096)
-  parser.add_argument("--heads", type=int, default=16)
-  parser.add_argument("--head-dim", type=int, default=128)
-  parser.add_argument("--variants", default="all",
-                      help=f"comma list of {sorted(VARIANTS)} or 'all'")
-  parser.add_argument("--out", default=os.environ.get("OUT"))
-  args = parser.parse_args()
-  names = sorted(VARIANTS) if args.variants == "all" else args.variants.split(",")
+  args, names = parse_args(__doc__, VARIANTS)
   b, t, h, d = args.batch, args.seq, args.heads, args.head_dim
-  keys = jax.random.split(jax.random.key(0), 4)
-  q, k, v, do = (jax.random.normal(kk, (b, t, h, d), jnp.bfloat16) for kk in keys)
-  rows = []
+  q, k, v, do = random_inputs(args, 4)
+  table = Rows(args, width=20)
   for causal in (False, True):
     config = Config(scale=d**-0.5, causal=causal, smooth_q=False, block_q=64, block_kv=64)
     pallas = PallasBackend.tuned(causal=causal)
@@ -76,16 +61,8 @@ def main():
     qkv, lse, delta, do8_t, do_scale = jax.block_until_ready(residuals(q, k, v, do))
     dkdv_args = (qkv, v, lse, delta, do, do8_t, do_scale)
     dq_args = (qkv, v, lse, delta, do)
-    flops = 2.5 * 4 * b * h * t * t * d * (0.5 if causal else 1.0)
-    tops = lambda sec: flops / sec / 1e12
-
-    def record(name, sec, **extra):
-      row = dict(impl=name, B=b, T=t, H=h, D=d, causal=causal, ms=sec * 1e3, tops=tops(sec),
-                 **extra)
-      rows.append(row)
-      print(f"{name:>20} causal={causal!s:5} {sec * 1e3:8.3f} ms {tops(sec):7.1f} TOPS "
-            + " ".join(f"{k}={v:.3g}" for k, v in extra.items()), flush=True)
-      return row
+    record = functools.partial(table.record, causal=causal,
+                               flops=2.5 * 4 * b * h * t * t * d * (0.5 if causal else 1.0))
 
     attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                         implementation="cudnn")
@@ -103,12 +80,12 @@ def main():
         dq_out = jax.block_until_ready(dq(*dq_args))
         t_dkdv, t_dq = time_call(dkdv, *dkdv_args), time_call(dq, *dq_args)
       except Exception as e:  # report and go on with the other variants
-        print(f"{name:>20} causal={causal!s:5} FAILED {type(e).__name__}: {e}"[:3000], flush=True)
+        table.failed(name, causal, e)
         return None
       extra = dict(dkdv_ms=t_dkdv * 1e3, dq_ms=t_dq * 1e3)
       if want is not None:
-        extra.update(dq_rel=_rel(dq_out, want[0]), dk_rel=_rel(dk, want[1]),
-                     dv_rel=_rel(dv, want[2]))
+        extra.update(dq_rel=rel_l2(dq_out, want[0]), dk_rel=rel_l2(dk, want[1]),
+                     dv_rel=rel_l2(dv, want[2]))
       record(name, t_dkdv + t_dq, **extra)
       return dq_out, dk, dv
 
@@ -120,20 +97,18 @@ def main():
                 lambda *a, l=VARIANTS[name]: backward_dkdv_mosaic(*a, Masks(), config, l),
                 lambda *a, l=VARIANTS[name]: backward_dq_mosaic(*a, Masks(), config, l),
                 want)
-    for row in rows:
-      if row["causal"] == causal:
-        row["x_cudnn"] = row["tops"] / ref_row["tops"]
+    table.ratios(causal, ref_row)
 
   print("\n| impl | causal | ms (dK/dV + dQ) | TOPS | x cuDNN bwd | dQ / dK / dV rel L2 vs Triton |")
   print("|---|---|---|---|---|---|")
-  for r in rows:
+  for r in table.rows:
     split = f" ({r['dkdv_ms']:.3f} + {r['dq_ms']:.3f})" if "dkdv_ms" in r else ""
     errors = (f"{r['dq_rel']:.1e} / {r['dk_rel']:.1e} / {r['dv_rel']:.1e}"
               if "dq_rel" in r else "-")
     print(f"| {r['impl']} | {r['causal']} | {r['ms']:.3f}{split} | {r['tops']:.1f} | "
           f"{r['x_cudnn']:.2f} | {errors} |")
   if args.out:
-    write_csv(rows, args.out, "mosaic_backward.csv")
+    write_csv(table.rows, args.out, "mosaic_backward.csv")
 
 
 if __name__ == "__main__":

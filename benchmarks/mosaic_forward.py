@@ -12,19 +12,18 @@ Triton forward's in the same run (relative L2). Writes mosaic_forward.csv to
 
 from __future__ import annotations
 
-import argparse
-import os
+import functools
 import warnings
 
 import jax
 import jax.numpy as jnp
 
 from attention import time_call, write_csv  # benchmarks/attention.py
+from variants import Rows, parse_args, random_inputs, rel_l2
 from pallas_kernels.backend import PallasBackend
 from pallas_kernels.forward import forward
 from pallas_kernels.mosaic_forward import MosaicLaunch, forward_mosaic
 from pallas_kernels.types import Config, Masks
-from sagebwd_jax import metrics
 from sagebwd_jax.sagebwd import key_mean
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -43,41 +42,18 @@ VARIANTS = {
 }
 
 
-def _rel(x, ref) -> float:
-  return float(metrics.relative_l2(x, ref))
-
-
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--batch", type=int, default=4)
-  parser.add_argument("--seq", type=int, default=4096)
-  parser.add_argument("--heads", type=int, default=16)
-  parser.add_argument("--head-dim", type=int, default=128)
-  parser.add_argument("--variants", default="all",
-                      help=f"comma list of {sorted(VARIANTS)} or 'all'")
-  parser.add_argument("--out", default=os.environ.get("OUT"))
-  args = parser.parse_args()
-  names = sorted(VARIANTS) if args.variants == "all" else args.variants.split(",")
+  args, names = parse_args(__doc__, VARIANTS)
   b, t, h, d = args.batch, args.seq, args.heads, args.head_dim
-  keys = jax.random.split(jax.random.key(0), 3)
-  q, k, v = (jax.random.normal(kk, (b, t, h, d), jnp.bfloat16) for kk in keys)
-  rows = []
+  q, k, v = random_inputs(args, 3)
+  table = Rows(args, width=16)
   for causal in (False, True):
     config = Config(scale=d**-0.5, causal=causal, smooth_q=False, block_q=64, block_kv=64)
     pallas = PallasBackend.tuned(causal=causal)
     quantize = jax.jit(lambda q, k, v: pallas.quantize(q, k, v, key_mean(k, None), config))
     qkv = jax.block_until_ready(quantize(q, k, v))
-    flops = 4 * b * h * t * t * d * (0.5 if causal else 1.0)
-    tops = lambda sec: flops / sec / 1e12
-
-    def record(name, sec, **extra):
-      row = dict(impl=name, B=b, T=t, H=h, D=d, causal=causal, ms=sec * 1e3, tops=tops(sec),
-                 **extra)
-      rows.append(row)
-      print(f"{name:>16} causal={causal!s:5} {sec * 1e3:8.3f} ms {tops(sec):7.1f} TOPS "
-            + " ".join(f"{k}={v:.3g}" for k, v in extra.items()), flush=True)
-      return row
-
+    record = functools.partial(table.record, causal=causal,
+                               flops=4 * b * h * t * t * d * (0.5 if causal else 1.0))
     cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, implementation="cudnn"))
     ref_row = record("cudnn", time_call(cudnn, q, k, v))
@@ -90,21 +66,19 @@ def main():
           qkv, Masks(), config, jnp.bfloat16, launch))
       try:
         o, lse = jax.block_until_ready(fn(qkv))
-        record(name, time_call(fn, qkv), o_rel_l2=_rel(o, o_t), lse_rel_l2=_rel(lse, lse_t))
+        record(name, time_call(fn, qkv), o_rel_l2=rel_l2(o, o_t), lse_rel_l2=rel_l2(lse, lse_t))
       except Exception as e:  # report and go on with the other variants
-        print(f"{name:>16} causal={causal!s:5} FAILED {type(e).__name__}: {e}"[:2000], flush=True)
-    for row in rows:
-      if row["causal"] == causal:
-        row["x_cudnn"] = row["tops"] / ref_row["tops"]
+        table.failed(name, causal, e)
+    table.ratios(causal, ref_row)
 
   print("\n| impl | causal | ms | TOPS | x cuDNN | O rel L2 vs Triton | lse rel L2 |")
   print("|---|---|---|---|---|---|---|")
-  for r in rows:
+  for r in table.rows:
     print(f"| {r['impl']} | {r['causal']} | {r['ms']:.3f} | {r['tops']:.1f} | "
           f"{r['x_cudnn']:.2f} | {r.get('o_rel_l2', float('nan')):.2e} | "
           f"{r.get('lse_rel_l2', float('nan')):.2e} |")
   if args.out:
-    write_csv(rows, args.out, "mosaic_forward.csv")
+    write_csv(table.rows, args.out, "mosaic_forward.csv")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from sagebwd_jax.reference import ReferenceBackend  # noqa: E402
 import attention  # noqa: E402  (benchmarks/attention.py)
 import breakdown  # noqa: E402  (benchmarks/breakdown.py)
 import mosaic_ablation  # noqa: E402  (benchmarks/mosaic_ablation.py)
+import variants  # noqa: E402  (benchmarks/variants.py)
 
 
 def _plane(name, lines):
@@ -92,3 +93,28 @@ def test_a_stale_mosaic_ablation_is_an_error(monkeypatch):
   monkeypatch.setitem(mosaic_ablation.ABLATIONS, "gone", [("no such line", "")])
   with pytest.raises(ValueError, match="no longer matches"):
     mosaic_ablation.ablated_module(("gone",))
+
+
+def test_variant_flags_pick_known_variants(monkeypatch):
+  known = {"a": 1, "b": 2}
+  monkeypatch.setattr(sys, "argv", ["x", "--seq", "128", "--variants", "b"])
+  args, names = variants.parse_args("doc", known)
+  assert args.seq == 128 and names == ["b"]
+  monkeypatch.setattr(sys, "argv", ["x"])
+  assert variants.parse_args("doc", known)[1] == ["a", "b"]
+  monkeypatch.setattr(sys, "argv", ["x", "--variants", "a,c"])
+  with pytest.raises(SystemExit):  # argparse's error: names the unknown variant
+    variants.parse_args("doc", known)
+
+
+def test_variant_rows_carry_tops_and_the_ratio_to_cudnn():
+  args = SimpleNamespace(batch=1, seq=64, heads=2, head_dim=64)
+  table = variants.Rows(args, width=8)
+  cudnn = table.record("cudnn", 1e-3, causal=False, flops=4e12)
+  ours = table.record("ours", 2e-3, causal=False, flops=4e12, err=1e-4)
+  other = table.record("ours", 1e-3, causal=True, flops=2e12)
+  table.ratios(False, cudnn)
+  assert (cudnn["tops"], ours["tops"]) == (4000.0, 2000.0)
+  assert ours["x_cudnn"] == 0.5 and ours["err"] == 1e-4 and ours["T"] == 64
+  assert "x_cudnn" not in other  # only the ratios of the reference's causality
+  assert [x.shape for x in variants.random_inputs(args, 2)] == [(1, 64, 2, 64)] * 2
