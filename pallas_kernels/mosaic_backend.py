@@ -5,8 +5,9 @@ same int8 tensors feed both paths); the dK/dV and dQ kernels (and the
 forward, when `forward_mosaic` asks for it) run in Mosaic GPU when `takes`
 accepts the case (no masks but causality, no Q-smoothing, D in {64, 128},
 64 x 64 blocks, sequence lengths multiples of 64, Tq == Tk when causal, 16-bit
-inputs) and fall back to the Triton kernels otherwise, call by call. The Mosaic kernels compile for an sm_90 GPU only (their
-tests run them in Mosaic GPU interpret mode one by one: tests/test_mosaic*.py).
+inputs) and fall back to the Triton kernels otherwise, call by call. The Mosaic
+kernels compile for an sm_90 GPU only (their tests run them in Mosaic GPU
+interpret mode one by one: tests/test_mosaic*.py).
 """
 
 from __future__ import annotations

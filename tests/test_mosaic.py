@@ -13,13 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_lowers_to_mosaic_gpu, gaussian_qkv, mosaic_config, rel_l2
+from conftest import CPU, assert_lowers_to_mosaic_gpu, gaussian_qkv, mosaic_config, rel_l2
 from pallas_kernels.mosaic_forward import MosaicLaunch, forward_mosaic, supports
 from pallas_kernels.types import Masks
 from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import key_mean
 
-CPU = jax.devices("cpu")[0]
 REFERENCE = ReferenceBackend()
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_lowers_to_mosaic_gpu, gaussian_qkv, mosaic_config, rel_l2
+from conftest import CPU, assert_lowers_to_mosaic_gpu, gaussian_qkv, mosaic_config, rel_l2
 from pallas_kernels.backward_dkdv import backward_dkdv
 from pallas_kernels.backward_dq import backward_dq
 from pallas_kernels.backward_prepass import backward_prepass
@@ -26,7 +26,6 @@ from pallas_kernels.types import Masks
 from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import key_mean
 
-CPU = jax.devices("cpu")[0]
 REFERENCE = ReferenceBackend()
 INTERPRET = LaunchConfig(interpret=True)
 

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import (KERNEL_CASES, backend_tolerance, check_against_reference, gaussian_qkv,
-                      value_and_grads)
+from conftest import (CPU, KERNEL_CASES, backend_tolerance, check_against_reference,
+                      gaussian_qkv, value_and_grads)
 from pallas_kernels.backend import PallasBackend
 from pallas_kernels.backward_prepass import backward_prepass
 from pallas_kernels.types import Config, Masks
@@ -21,7 +21,6 @@ from sagebwd_jax.sagebwd import key_mean
 
 ON_GPU = jax.default_backend() == "gpu"
 PALLAS = PallasBackend.tuned(causal=False, interpret=not ON_GPU)
-CPU = jax.devices("cpu")[0]
 REFERENCE = ReferenceBackend()
 
 

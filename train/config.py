@@ -131,7 +131,7 @@ def parser() -> argparse.ArgumentParser:
     kw = {"help": HELP[f.name]} if f.name in HELP else {}
     if f.name == "attention":
       p.add_argument(flag, choices=["sage", "full", "reference"], default=default,
-                     help="sage: SageBwd INT8 (Mosaic GPU kernels on Hopper, Pallas on other "
+                     help="sage: SageBwd INT8 (Hopper backend on H100/H200, Pallas on other "
                           "GPUs, pure JAX elsewhere); "
                           "full: jax.nn full precision; reference: pure-JAX SageBwd")
     elif f.name == "data":
