@@ -118,3 +118,9 @@ def test_variant_rows_carry_tops_and_the_ratio_to_cudnn():
   assert ours["x_cudnn"] == 0.5 and ours["err"] == 1e-4 and ours["T"] == 64
   assert "x_cudnn" not in other  # only the ratios of the reference's causality
   assert [x.shape for x in variants.random_inputs(args, 2)] == [(1, 64, 2, 64)] * 2
+
+
+def test_profile_reads_back_its_own_trace():
+  """On the CPU the trace has no GPU plane: no kernels, but a trace was written and read."""
+  fn = jax.jit(lambda x: jnp.sin(x) @ x)
+  assert breakdown.profile(fn, (jnp.ones((64, 64)),), iters=2) == {}
