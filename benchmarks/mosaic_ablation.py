@@ -2,7 +2,7 @@
 
     PYTHONPATH=.:benchmarks python benchmarks/mosaic_ablation.py [--seq 4096]
 
-Each ablation edits the source of `pallas_kernels/mosaic_forward.py` (a
+Each ablation edits the source of `pallas_kernels/mosaic/forward.py` (a
 textual substitution, so the kernel itself carries no switches) and times the
 result against the whole kernel and cuDNN BF16 on the same inputs, B=4,
 H=16, D=128, causal and not. The ablated kernels compute wrong results by
@@ -23,15 +23,15 @@ import jax
 import jax.numpy as jnp
 
 from attention import time_call, write_csv
-from pallas_kernels.backend import PallasBackend
+from pallas_kernels.triton.backend import PallasBackend
 from pallas_kernels.types import Config, Masks
 from sagebwd_jax.sagebwd import key_mean
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
-SOURCE = pathlib.Path(__file__).resolve().parents[1] / "pallas_kernels" / "mosaic_forward.py"
+SOURCE = pathlib.Path(__file__).resolve().parents[1] / "pallas_kernels" / "mosaic" / "forward.py"
 
-# name: (text in mosaic_forward.py, its replacement)
+# name: (text in pallas_kernels/mosaic/forward.py, its replacement)
 ABLATIONS = {
     # S goes to P.V unconverted: no dequantizing, max, exp2, sum or requantizing
     "no_softmax": [
@@ -66,12 +66,12 @@ VARIANTS = [(), ("no_scale_loads",), ("no_commit",), ("no_pv_convert",), ("no_so
 
 
 def ablated_module(names) -> types.ModuleType:
-  """mosaic_forward.py with the named ablations applied, as a fresh module."""
+  """pallas_kernels/mosaic/forward.py with the named ablations applied, as a fresh module."""
   source = SOURCE.read_text()
   for name in names:
     for old, new in ABLATIONS[name]:
       if source.count(old) != 1:
-        raise ValueError(f"ablation {name!r} no longer matches mosaic_forward.py: {old!r}")
+        raise ValueError(f"ablation {name!r} no longer matches pallas_kernels/mosaic/forward.py: {old!r}")
       source = source.replace(old, new)
   module = types.ModuleType("mosaic_forward_" + "_".join(names))
   sys.modules[module.__name__] = module  # dataclasses look their module up

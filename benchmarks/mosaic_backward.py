@@ -21,12 +21,13 @@ import jax.numpy as jnp
 
 from attention import time_call, write_csv  # benchmarks/attention.py
 from variants import Rows, parse_args, random_inputs, rel_l2
-from pallas_kernels.backend import PallasBackend
-from pallas_kernels.backward_dkdv import backward_dkdv
-from pallas_kernels.backward_dq import backward_dq
-from pallas_kernels.backward_prepass import backward_prepass
-from pallas_kernels.mosaic_backward import (MosaicBackwardLaunch, backward_dkdv_mosaic,
-                                            backward_dq_mosaic)
+from pallas_kernels.triton.backend import PallasBackend
+from pallas_kernels.triton.backward_dkdv import backward_dkdv
+from pallas_kernels.triton.backward_dq import backward_dq
+from pallas_kernels.triton.backward_prepass import backward_prepass
+from pallas_kernels.mosaic.backward_common import MosaicBackwardLaunch
+from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
+from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
 from pallas_kernels.types import Config, Masks
 from sagebwd_jax.sagebwd import key_mean
 

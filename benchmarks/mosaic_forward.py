@@ -20,9 +20,9 @@ import jax.numpy as jnp
 
 from attention import time_call, write_csv  # benchmarks/attention.py
 from variants import Rows, parse_args, random_inputs, rel_l2
-from pallas_kernels.backend import PallasBackend
-from pallas_kernels.forward import forward
-from pallas_kernels.mosaic_forward import MosaicLaunch, forward_mosaic
+from pallas_kernels.triton.backend import PallasBackend
+from pallas_kernels.triton.forward import forward
+from pallas_kernels.mosaic.forward import MosaicLaunch, forward_mosaic
 from pallas_kernels.types import Config, Masks
 from sagebwd_jax.sagebwd import key_mean
 

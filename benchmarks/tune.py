@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from attention import time_call
-from pallas_kernels.backend import PallasBackend
-from pallas_kernels.common import LaunchConfig
+from pallas_kernels.triton.backend import PallasBackend
+from pallas_kernels.triton.common import LaunchConfig
 from sagebwd_jax.sagebwd import sagebwd_attention
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)

@@ -84,3 +84,13 @@ class Backend(Protocol):
     Any float dtype: the op casts them to the inputs' dtype.
     """
     ...
+
+
+class PrepassBackend(Backend, Protocol):
+  """A backend whose backward pre-pass other backends can borrow."""
+
+  def prepass(self, o: jax.Array, do: jax.Array,
+              config: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Delta = rowsum(dO * O) (B, H, Tq) fp32; psi(dO) per `block_q` rows,
+    stored transposed (B, H, D, Tq) int8, with its per-token scales (B, H, Tq)."""
+    ...

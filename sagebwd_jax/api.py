@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import numerics as nm
-from pallas_kernels.backend import PallasBackend
-from pallas_kernels.mosaic_backend import MosaicBackend
+from pallas_kernels.triton.backend import PallasBackend
+from pallas_kernels.mosaic.backend import MosaicBackend
 from pallas_kernels.types import Backend, Config, Masks
 from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import sagebwd_attention
@@ -185,7 +185,7 @@ def _backend(implementation, causal: bool) -> Backend:
       raise ValueError(
           f"implementation='mosaic' needs an NVIDIA Hopper GPU (compute capability 9.0); "
           f"{where}. Use implementation='pallas' (Pallas interpret mode without a GPU).")
-    return MosaicBackend.tuned(causal=causal)
+    return MosaicBackend.tuned(PallasBackend.tuned(causal=causal))
   raise ValueError(f"implementation must be 'pallas', 'mosaic', 'reference' or None; "
                    f"got {implementation!r}")
 

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from conftest import CPU, assert_lowers_to_mosaic_gpu, gaussian_qkv, mosaic_config, rel_l2
-from pallas_kernels.mosaic_forward import MosaicLaunch, forward_mosaic, supports
+from pallas_kernels.mosaic.common import supports
+from pallas_kernels.mosaic.forward import MosaicLaunch, forward_mosaic
 from pallas_kernels.types import Masks
 from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import key_mean

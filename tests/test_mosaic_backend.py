@@ -18,14 +18,14 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import KERNEL_CASES, check_against_reference, gaussian_qkv, mosaic_config
-from pallas_kernels import mosaic_backend
-from pallas_kernels.backend import PallasBackend
-from pallas_kernels.backward_dkdv import backward_dkdv
-from pallas_kernels.backward_dq import backward_dq
-from pallas_kernels.common import LaunchConfig
-from pallas_kernels.forward import forward
-from pallas_kernels.mosaic_backend import MosaicBackend, takes
-from pallas_kernels.mosaic_forward import MosaicLaunch
+from pallas_kernels.mosaic import backend as mosaic_backend
+from pallas_kernels.triton.backend import PallasBackend
+from pallas_kernels.triton.backward_dkdv import backward_dkdv
+from pallas_kernels.triton.backward_dq import backward_dq
+from pallas_kernels.triton.common import LaunchConfig
+from pallas_kernels.triton.forward import forward
+from pallas_kernels.mosaic.backend import MosaicBackend, takes
+from pallas_kernels.mosaic.forward import MosaicLaunch
 from pallas_kernels.types import Masks
 from sagebwd_jax import api, dot_product_attention
 from sagebwd_jax.reference import ReferenceBackend
@@ -35,15 +35,19 @@ INTERPRET = LaunchConfig(interpret=True)
 MOSAIC_CASES = {"plain", "causal", "gqa_causal", "mqa", "no_smooth_k", "d128"}
 
 
+def _tuned(causal: bool, interpret: bool) -> MosaicBackend:
+  return MosaicBackend.tuned(PallasBackend.tuned(causal=causal, interpret=interpret))
+
+
 def _all_mosaic(causal: bool, interpret: bool) -> MosaicBackend:
   """The tuned backend with the Mosaic forward switched on too."""
-  return dataclasses.replace(MosaicBackend.tuned(causal=causal, interpret=interpret),
+  return dataclasses.replace(_tuned(causal, interpret),
                              forward_mosaic=MosaicLaunch(bit_tricks=True))
 
 
 # Every case through the tuned backend (portable forward); a few through one
 # that runs the Mosaic forward too (taken, fallback for masks, GQA).
-WIRING = ([(case, MosaicBackend.tuned) for case in sorted(KERNEL_CASES)]
+WIRING = ([(case, _tuned) for case in sorted(KERNEL_CASES)]
           + [(case, _all_mosaic) for case in ("causal", "d128", "gqa_causal", "segments")])
 
 
@@ -97,9 +101,9 @@ def test_takes():
 
 
 def test_tuned_launches():
-  causal, plain = MosaicBackend.tuned(causal=True), MosaicBackend.tuned(causal=False)
   portable = PallasBackend.tuned(causal=True)
-  assert causal.forward_launch == portable.forward_launch
+  causal, plain = _tuned(True, False), _tuned(False, False)
+  assert causal.fallback == portable
   assert causal.forward_mosaic is None and plain.forward_mosaic is None
   assert causal.backward_mosaic.warp_specialized
 

@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 
 from conftest import CPU, assert_lowers_to_mosaic_gpu, gaussian_qkv, mosaic_config, rel_l2
-from pallas_kernels.backward_dkdv import backward_dkdv
-from pallas_kernels.backward_dq import backward_dq
-from pallas_kernels.backward_prepass import backward_prepass
-from pallas_kernels.common import LaunchConfig
-from pallas_kernels.mosaic_backward import (MosaicBackwardLaunch, backward_dkdv_mosaic,
-                                            backward_dq_mosaic)
+from pallas_kernels.triton.backward_dkdv import backward_dkdv
+from pallas_kernels.triton.backward_dq import backward_dq
+from pallas_kernels.triton.backward_prepass import backward_prepass
+from pallas_kernels.triton.common import LaunchConfig
+from pallas_kernels.mosaic.backward_common import MosaicBackwardLaunch
+from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
+from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
 from pallas_kernels.types import Masks
 from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import key_mean
@@ -171,7 +172,7 @@ def test_interpret_finds_no_races():
 
 
 def test_unsupported_cases_are_refused():
-  """The backward takes what `mosaic_forward.supports` takes (tested in
+  """The backward takes what `mosaic.common.supports` takes (tested in
   tests/test_mosaic.py) and refuses the rest."""
   base = mosaic_config(128, True)
   ids = jnp.zeros((1, 64), jnp.int32)

@@ -12,8 +12,8 @@ import pytest
 
 from conftest import (CPU, KERNEL_CASES, backend_tolerance, check_against_reference,
                       gaussian_qkv, value_and_grads)
-from pallas_kernels.backend import PallasBackend
-from pallas_kernels.backward_prepass import backward_prepass
+from pallas_kernels.triton.backend import PallasBackend
+from pallas_kernels.triton.backward_prepass import backward_prepass
 from pallas_kernels.types import Config, Masks
 from sagebwd_jax import dot_product_attention, metrics
 from sagebwd_jax.reference import ReferenceBackend

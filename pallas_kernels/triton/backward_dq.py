@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import common
+from pallas_kernels.triton import common
 from pallas_kernels import numerics as nm
-from pallas_kernels.common import LaunchConfig
+from pallas_kernels.triton.common import LaunchConfig
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 

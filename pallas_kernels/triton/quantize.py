@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import numerics as nm
-from pallas_kernels.common import LaunchConfig
+from pallas_kernels.triton.common import LaunchConfig
 from pallas_kernels.types import Config, QuantizedQKV
 
 

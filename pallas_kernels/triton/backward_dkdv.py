@@ -13,9 +13,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import common
+from pallas_kernels import causal_blocks
+from pallas_kernels.triton import common
 from pallas_kernels import numerics as nm
-from pallas_kernels.common import LaunchConfig
+from pallas_kernels.triton.common import LaunchConfig
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 
@@ -65,7 +66,7 @@ def _kernel(k8_ref, k_scale_ref, v_ref, kv_ids_ref, q8_ref, q8_t_ref, q_scale_re
   zeros = jnp.zeros((block_kv, head_dim), jnp.float32)
   carry = (zeros, zeros)
   if config.causal:
-    start, full, end = common.causal_q_blocks(j, block_q, block_kv, num_q_blocks)
+    start, full, end = causal_blocks.q_blocks(j, block_q, block_kv, num_q_blocks)
     carry = lax.fori_loop(start, full, functools.partial(q_step, causal=True), carry)
     carry = lax.fori_loop(full, end, functools.partial(q_step, causal=False), carry)
   else:

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import LaunchConfig
-from pallas_kernels.quantize import quantize_block
+from pallas_kernels.triton.common import LaunchConfig
+from pallas_kernels.triton.quantize import quantize_block
 
 
 def _kernel(o_ref, do_ref, delta_ref, do8_t_ref, do_scale_ref):

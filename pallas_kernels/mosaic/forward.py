@@ -1,6 +1,6 @@
 """The forward kernel for Hopper in Pallas' Mosaic GPU dialect (`plgpu.kernel`).
 
-Same semantics as `pallas_kernels.forward.forward` (base-2 scores from int8
+Same semantics as `pallas_kernels.triton.forward.forward` (base-2 scores from int8
 Q.K^T times the block scales, online softmax, P quantized per row with the row
 maximum exp2(rowmax(S) - m_new), int8 P.V, O = acc / l, lse = m + log2(l)),
 restricted to the cases `supports` accepts: no masks besides causality, no
@@ -39,12 +39,9 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import numerics as nm
+from pallas_kernels.mosaic.common import (BLOCK, COMPUTE_WGS, check_supported, smem_transforms,
+                                          warp_specialized_kernel)
 from pallas_kernels.types import Config, Masks, QuantizedQKV
-
-BLOCK = 64  # rows per compute warpgroup = quantization block = key tile
-COMPUTE_WGS = 2
-HEAD_DIMS = (64, 128)
-
 
 @dataclasses.dataclass(frozen=True)
 class MosaicLaunch:
@@ -55,52 +52,6 @@ class MosaicLaunch:
   bit_tricks: bool = False  # fp32 bit tricks for int32->fp32 and rounding
   overlap_qk: bool = False  # issue block j+1's Q.K^T before block j's softmax (FA3)
   approx_math: bool = True
-
-
-def supports(masks: Masks, config: Config, head_dim: int) -> bool:
-  """Whether `forward_mosaic` takes this case (else use the portable kernel)."""
-  return (masks.q_ids is None and masks.kv_ids is None and not config.smooth_q
-          and head_dim in HEAD_DIMS and config.block_q == BLOCK
-          and config.block_kv == BLOCK)
-
-
-def check_supported(qkv: QuantizedQKV, masks: Masks, config: Config, name: str):
-  """Raises unless the Mosaic kernels take this case (`supports`, whole blocks)."""
-  head_dim = qkv.q8.shape[-1]
-  if not supports(masks, config, head_dim):
-    raise NotImplementedError(
-        f"{name}: needs no masks, smooth_q=False, block_q=block_kv=64, D in {HEAD_DIMS}; "
-        f"got masks={masks.q_ids is not None or masks.kv_ids is not None}, "
-        f"smooth_q={config.smooth_q}, blocks=({config.block_q}, {config.block_kv}), "
-        f"D={head_dim}")
-  q_len, kv_len = qkv.q8.shape[2], qkv.k8.shape[2]
-  if q_len % BLOCK or kv_len % BLOCK:
-    raise ValueError(f"sequence lengths {q_len}, {kv_len} must be multiples of {BLOCK}")
-
-
-def warp_specialized_kernel(kernel, *, scratch, barriers, out_type, grid, grid_names,
-                            approx_math: bool, name: str):
-  """`plgpu.kernel` with COMPUTE_WGS compute warpgroups and one producer.
-
-  `kernel(*refs, scoped)` runs in every warpgroup ("wg" tells them apart);
-  `scoped` holds the `scratch` shared-memory tiles and the `barriers`, allocated
-  once for all of them. `name` is the kernel's name in profiles.
-  """
-  def entry(*refs):
-    pl.run_scoped(lambda *scoped: kernel(*refs, scoped), scratch, *barriers,
-                  collective_axes="wg")
-
-  return plgpu.kernel(
-      entry, out_type=out_type, grid=grid, grid_names=grid_names,
-      num_threads=COMPUTE_WGS + 1, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=approx_math), kernel_name=name)
-
-
-def smem_transforms(minor_elems: int, dtype) -> tuple:
-  """Tiling and swizzle of a shared-memory tile whose minor dim has `minor_elems`."""
-  swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
-  swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
-  return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
 
 
 def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scale, *, causal: bool, out_dtype,
@@ -383,7 +334,7 @@ def forward_mosaic(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
                    launch: MosaicLaunch = MosaicLaunch()):
   """O (B, Tq, H, D) in `out_dtype` and the base-2 log-sum-exp (B, H, Tq).
 
-  Same contract as `pallas_kernels.forward.forward` for the cases `supports`
+  Same contract as `pallas_kernels.triton.forward.forward` for the cases `supports`
   accepts. Tq is padded to a multiple of 128 (two query blocks per CTA) when
   needed; padded rows are dropped.
   """

@@ -1,5 +1,5 @@
-"""Pieces every Pallas kernel of this package shares: tiles of scores, loop
-bounds for causal block skipping, compiler options."""
+"""What the portable (Pallas Triton) kernels share: launch settings, tiles of
+scores, block scales, the loop over the key blocks a query block sees."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import causal_blocks
 from pallas_kernels import numerics as nm
 
 
@@ -69,18 +70,9 @@ def loop_over_kv_blocks(i, kv_step, carry, *, config, num_kv_blocks: int):
   step = lambda causal: functools.partial(kv_step, causal=causal)
   if not config.causal:
     return lax.fori_loop(0, num_kv_blocks, step(False), carry)
-  block_q, block_kv = config.block_q, config.block_kv
-  full = jnp.minimum(lax.div(i * block_q, block_kv), num_kv_blocks)
-  end = jnp.minimum(lax.div((i + 1) * block_q + block_kv - 1, block_kv), num_kv_blocks)
+  full, end = causal_blocks.kv_blocks(i, config.block_q, config.block_kv, num_kv_blocks)
   carry = lax.fori_loop(0, full, step(False), carry)
   return lax.fori_loop(full, end, step(True), carry)
-
-
-def causal_q_blocks(j, block_q: int, block_kv: int, num_q_blocks: int):
-  """Query blocks that see key block j: [start, full) masked, [full, end) not."""
-  start = jnp.minimum(lax.div(j * block_kv, block_q), num_q_blocks)
-  full = jnp.minimum(lax.div((j + 1) * block_kv + block_q - 2, block_q), num_q_blocks)
-  return start, full, num_q_blocks
 
 
 def head_map(group: int):

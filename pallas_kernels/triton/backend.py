@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.backward_dkdv import backward_dkdv
-from pallas_kernels.backward_dq import backward_dq
-from pallas_kernels.backward_prepass import backward_prepass
-from pallas_kernels.common import LaunchConfig
-from pallas_kernels.forward import forward
-from pallas_kernels.quantize import quantize_qkv
+from pallas_kernels.triton.backward_dkdv import backward_dkdv
+from pallas_kernels.triton.backward_dq import backward_dq
+from pallas_kernels.triton.backward_prepass import backward_prepass
+from pallas_kernels.triton.common import LaunchConfig
+from pallas_kernels.triton.forward import forward
+from pallas_kernels.triton.quantize import quantize_qkv
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 
@@ -38,14 +38,12 @@ class PallasBackend:
   def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype):
     return forward(qkv, masks, config, out_dtype, self.forward_launch)
 
-  def backward(self, qkv: QuantizedQKV, v, o, lse, do, masks: Masks, config: Config):
-    delta, do8_t, do_scale = backward_prepass(o, do, block_q=config.block_q,
-                                              launch=self.backward_launch)
-    return self.gradients(qkv, v, lse, delta, do, do8_t, do_scale, masks, config)
+  def prepass(self, o, do, config: Config):
+    """Delta = rowsum(dO * O) and psi(dO) per block_q rows, stored (B, H, D, T)."""
+    return backward_prepass(o, do, block_q=config.block_q, launch=self.backward_launch)
 
-  def gradients(self, qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: Masks,
-                config: Config):
-    """dQ, dK, dV from the pre-pass's outputs (the dK/dV and dQ kernels)."""
+  def backward(self, qkv: QuantizedQKV, v, o, lse, do, masks: Masks, config: Config):
+    delta, do8_t, do_scale = self.prepass(o, do, config)
     dk, dv = backward_dkdv(qkv, v, lse, delta, do, do8_t, do_scale, masks, config,
                            self.backward_launch)
     dq = backward_dq(qkv, v, lse, delta, do, masks, config, self.backward_launch)

@@ -1,0 +1,76 @@
+"""The Hopper backend: Mosaic GPU kernels where they take the case, another
+backend's (`fallback`) everywhere else.
+
+The quantization pass and the backward pre-pass are the fallback's (the same
+int8 tensors feed both paths); the dK/dV and dQ kernels (and the forward,
+when `forward_mosaic` asks for it) run in Mosaic GPU when `takes` accepts the
+case (no masks but causality, no Q-smoothing, D in {64, 128}, 64 x 64 blocks,
+sequence lengths multiples of 64, Tq == Tk when causal, 16-bit inputs) and in
+the fallback otherwise, call by call. The Mosaic kernels compile for an sm_90
+GPU only (their tests run them in Mosaic GPU interpret mode one by one:
+tests/test_mosaic*.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from pallas_kernels.mosaic import common
+from pallas_kernels.mosaic.backward_common import MosaicBackwardLaunch
+from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
+from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
+from pallas_kernels.mosaic.forward import MosaicLaunch, forward_mosaic
+from pallas_kernels.types import Config, Masks, PrepassBackend, QuantizedQKV
+
+
+def takes(qkv: QuantizedQKV, masks: Masks, config: Config, dtype) -> bool:
+  """Whether the Mosaic kernels run this case (`dtype`: V's, which the
+  backward's dO.V^T wgmma takes as is)."""
+  q_len, kv_len = qkv.q8.shape[2], qkv.k8.shape[2]
+  block = common.BLOCK
+  return (common.supports(masks, config, qkv.q8.shape[-1])
+          and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+          and q_len % block == 0 and kv_len % block == 0
+          and (not config.causal or q_len == kv_len))
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBackend:
+  """SageBwd on Hopper (sm_90): Mosaic GPU kernels, each where it is faster.
+
+  `fallback` runs the quantization pass, the backward pre-pass and every case
+  `takes` refuses (the op passes the portable backend). `forward_mosaic=None`
+  keeps the fallback's forward; the backward runs in Mosaic GPU when `takes`.
+  """
+
+  fallback: PrepassBackend
+  forward_mosaic: MosaicLaunch | None = MosaicLaunch()
+  backward_mosaic: MosaicBackwardLaunch = MosaicBackwardLaunch()
+
+  @classmethod
+  def tuned(cls, fallback: PrepassBackend) -> "MosaicBackend":
+    """The launches `benchmarks/mosaic_backward.py` and `benchmarks/attention.py`
+    measured fastest on an H200: the backward with two compute warpgroups and
+    the fp32 bit tricks; the fallback's forward, at least as fast as this
+    Mosaic forward at every shape measured (docs/performance.md)."""
+    return cls(fallback, forward_mosaic=None,
+               backward_mosaic=MosaicBackwardLaunch(warp_specialized=True, bit_tricks=True))
+
+  def quantize(self, q, k, v, k_mean, config: Config) -> QuantizedQKV:
+    return self.fallback.quantize(q, k, v, k_mean, config)
+
+  def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype):
+    if self.forward_mosaic is None or not takes(qkv, masks, config, out_dtype):
+      return self.fallback.forward(qkv, masks, config, out_dtype)
+    return forward_mosaic(qkv, masks, config, out_dtype, self.forward_mosaic)
+
+  def backward(self, qkv: QuantizedQKV, v, o, lse, do, masks: Masks, config: Config):
+    if not takes(qkv, masks, config, v.dtype):
+      return self.fallback.backward(qkv, v, o, lse, do, masks, config)
+    delta, do8_t, do_scale = self.fallback.prepass(o, do, config)
+    dk, dv = backward_dkdv_mosaic(qkv, v, lse, delta, do, do8_t, do_scale, masks, config,
+                                  self.backward_mosaic)
+    dq = backward_dq_mosaic(qkv, v, lse, delta, do, masks, config, self.backward_mosaic)
+    return dq, dk, dv

@@ -1,0 +1,62 @@
+"""What the Mosaic GPU kernels share: the cases they take, the warp-specialized
+launch (compute warpgroups and a TMA producer), shared-memory layouts."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+from pallas_kernels.types import Config, Masks, QuantizedQKV
+
+BLOCK = 64  # rows per compute warpgroup = quantization block = key tile
+COMPUTE_WGS = 2
+HEAD_DIMS = (64, 128)
+
+
+def supports(masks: Masks, config: Config, head_dim: int) -> bool:
+  """Whether the Mosaic kernels take this case (else the portable ones run)."""
+  return (masks.q_ids is None and masks.kv_ids is None and not config.smooth_q
+          and head_dim in HEAD_DIMS and config.block_q == BLOCK
+          and config.block_kv == BLOCK)
+
+
+def check_supported(qkv: QuantizedQKV, masks: Masks, config: Config, name: str):
+  """Raises unless the Mosaic kernels take this case (`supports`, whole blocks)."""
+  head_dim = qkv.q8.shape[-1]
+  if not supports(masks, config, head_dim):
+    raise NotImplementedError(
+        f"{name}: needs no masks, smooth_q=False, block_q=block_kv=64, D in {HEAD_DIMS}; "
+        f"got masks={masks.q_ids is not None or masks.kv_ids is not None}, "
+        f"smooth_q={config.smooth_q}, blocks=({config.block_q}, {config.block_kv}), "
+        f"D={head_dim}")
+  q_len, kv_len = qkv.q8.shape[2], qkv.k8.shape[2]
+  if q_len % BLOCK or kv_len % BLOCK:
+    raise ValueError(f"sequence lengths {q_len}, {kv_len} must be multiples of {BLOCK}")
+
+
+def warp_specialized_kernel(kernel, *, scratch, barriers, out_type, grid, grid_names,
+                            approx_math: bool, name: str):
+  """`plgpu.kernel` with COMPUTE_WGS compute warpgroups and one producer.
+
+  `kernel(*refs, scoped)` runs in every warpgroup ("wg" tells them apart);
+  `scoped` holds the `scratch` shared-memory tiles and the `barriers`, allocated
+  once for all of them. `name` is the kernel's name in profiles.
+  """
+  def entry(*refs):
+    pl.run_scoped(lambda *scoped: kernel(*refs, scoped), scratch, *barriers,
+                  collective_axes="wg")
+
+  return plgpu.kernel(
+      entry, out_type=out_type, grid=grid, grid_names=grid_names,
+      num_threads=COMPUTE_WGS + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=approx_math), kernel_name=name)
+
+
+def smem_transforms(minor_elems: int, dtype) -> tuple:
+  """Tiling and swizzle of a shared-memory tile whose minor dim has `minor_elems`."""
+  swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
+  swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+
+
