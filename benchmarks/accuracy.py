@@ -1,6 +1,6 @@
 """SPEC Table 1: SageBwd's error against fp64 attention, beside the paper's.
 
-    PYTHONPATH=. python benchmarks/accuracy.py [--implementation pallas] [--seq 4096]
+    python -m benchmarks.accuracy [--implementation pallas] [--seq 4096]
 
 Gaussian Q, K with sigma in {1, 3, 5, 8, 10}, V and dO with sigma 1, bf16
 inputs, B=1, H=1, D=128. Prints cosine similarity / relative L2 of O, dQ, dK,

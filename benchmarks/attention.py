@@ -1,7 +1,7 @@
 """Attention speed: SageBwd's Pallas kernels against cuDNN BF16, XLA and jax's
 own Pallas `mha`, in one process, forward and forward+backward.
 
-    PYTHONPATH=. python benchmarks/attention.py [--quick] [--out DIR]
+    python -m benchmarks.attention [--quick] [--out DIR]
 
 Prints a table (TFLOP/s-equivalent TOPS and the ratio to cuDNN measured in the
 same run), writes attention.csv and attention.png to --out (default $OUT or

@@ -1,13 +1,13 @@
 """Where the time goes: device time per kernel of one attention call, from a
 `jax.profiler` trace, forward and forward+backward.
 
-    PYTHONPATH=.:benchmarks python benchmarks/breakdown.py [--impls sage,cudnn] \
+    python -m benchmarks.breakdown [--impls sage,cudnn] \
         [--seq 4096 --heads 16 --dim 128] [--out DIR]
 
 For each implementation and causality, runs the jitted forward and gradient
 `--iters` times under the profiler and prints, per kernel, its device time
 per call (summed over launches), the launches per call and its share, then
-the whole call's kernel time. Complements benchmarks/attention.py (wall
+the whole call's kernel time. Complements `benchmarks.attention` (wall
 time): gaps between kernels and host overhead do not show here. Writes
 breakdown.csv to --out (default $OUT or .).
 """
@@ -24,7 +24,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-from attention import implementations, write_csv
+from benchmarks.attention import implementations, write_csv
 
 
 def kernel_times(planes, iters: int) -> dict[str, tuple[float, float]]:

@@ -22,7 +22,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from attention import time_call, write_csv
+from benchmarks.attention import time_call, write_csv
 from pallas_kernels.triton.backend import PallasBackend
 from pallas_kernels.types import Config, Masks
 from sagebwd_jax.sagebwd import key_mean

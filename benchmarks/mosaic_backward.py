@@ -1,6 +1,6 @@
 """The Mosaic GPU backward kernels against the portable (Triton) ones and cuDNN.
 
-    PYTHONPATH=.:benchmarks python benchmarks/mosaic_backward.py [--seq 4096] [--variants all]
+    python -m benchmarks.mosaic_backward [--seq 4096] [--variants all]
 
 B=4, T=4096, H=16, D=128 by default, causal and not. Every backward is timed
 on the same inputs (the portable quantization pass, forward and pre-pass);
@@ -19,8 +19,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from attention import time_call, write_csv  # benchmarks/attention.py
-from variants import Rows, parse_args, random_inputs, rel_l2
+from benchmarks.attention import time_call, write_csv
+from benchmarks.variants import Rows, parse_args, random_inputs, rel_l2
 from pallas_kernels.triton.backend import PallasBackend
 from pallas_kernels.triton.backward_dkdv import backward_dkdv
 from pallas_kernels.triton.backward_dq import backward_dq

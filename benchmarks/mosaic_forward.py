@@ -18,8 +18,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from attention import time_call, write_csv  # benchmarks/attention.py
-from variants import Rows, parse_args, random_inputs, rel_l2
+from benchmarks.attention import time_call, write_csv
+from benchmarks.variants import Rows, parse_args, random_inputs, rel_l2
 from pallas_kernels.triton.backend import PallasBackend
 from pallas_kernels.triton.forward import forward
 from pallas_kernels.mosaic.forward import MosaicLaunch, forward_mosaic

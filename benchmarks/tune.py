@@ -1,6 +1,6 @@
 """Sweep the Pallas kernels' launch settings (warps, pipeline stages) on a GPU.
 
-    PYTHONPATH=. python benchmarks/tune.py [--seq 4096] [--dims 128,64]
+    python -m benchmarks.tune [--seq 4096] [--dims 128,64]
 
 For each head dim and causal flag: the forward alone under each forward
 setting, then forward+backward under each backward setting (with the best
@@ -18,7 +18,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from attention import time_call
+from benchmarks.attention import time_call
 from pallas_kernels.triton.backend import PallasBackend
 from pallas_kernels.triton.common import LaunchConfig
 from sagebwd_jax.sagebwd import sagebwd_attention

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import csv
+import importlib
+import os
 import pathlib
+import pkgutil
+import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -11,16 +15,32 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+import benchmarks
+from benchmarks import attention, breakdown, mosaic_ablation, variants
+from conftest import gaussian_qkv, mosaic_config
+from pallas_kernels.types import Masks
+from sagebwd_jax.reference import ReferenceBackend
 
-from conftest import gaussian_qkv, mosaic_config  # noqa: E402
-from pallas_kernels.types import Masks  # noqa: E402
-from sagebwd_jax.reference import ReferenceBackend  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__)
+                 if hasattr(importlib.import_module(f"benchmarks.{m.name}"), "main"))
 
-import attention  # noqa: E402  (benchmarks/attention.py)
-import breakdown  # noqa: E402  (benchmarks/breakdown.py)
-import mosaic_ablation  # noqa: E402  (benchmarks/mosaic_ablation.py)
-import variants  # noqa: E402  (benchmarks/variants.py)
+
+def test_every_script_is_a_module_listed_in_the_benchmarks_readme():
+  """Each script imports as `benchmarks.<name>` (absolute imports only) and
+  benchmarks/README.md gives its `python -m` command."""
+  assert "attention" in SCRIPTS and "variants" not in SCRIPTS
+  readme = (ROOT / "benchmarks" / "README.md").read_text()
+  missing = [n for n in SCRIPTS if f"python -m benchmarks.{n}" not in readme]
+  assert not missing, f"benchmarks/README.md has no command for {missing}"
+
+
+def test_a_script_runs_from_the_root_without_pythonpath():
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  run = subprocess.run([sys.executable, "-m", "benchmarks.breakdown", "--help"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=120)
+  assert run.returncode == 0, run.stderr
+  assert "--impls" in run.stdout
 
 
 def _plane(name, lines):
