@@ -1,4 +1,4 @@
-"""SPEC Table 1: SageBwd's error against fp64 attention, beside the paper's.
+"""The paper's Table 1: SageBwd's error against fp64 attention, beside the paper's.
 
     python -m benchmarks.accuracy [--implementation pallas] [--seq 4096]
 

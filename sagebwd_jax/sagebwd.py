@@ -1,4 +1,4 @@
-"""SageBwd as one `jax.custom_vjp`: SPEC.md's algorithm, stage by stage.
+"""SageBwd as one `jax.custom_vjp`: docs/algorithm.md, stage by stage.
 
 forward:  K-smoothing -> quantize Q, K, V -> INT8 attention -> residuals
 backward: Delta and psi(dO) -> recomputed P -> INT8 dV, dQ, dK (dP in bf16)

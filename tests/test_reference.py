@@ -16,7 +16,8 @@ from sagebwd_jax.reference import ReferenceBackend
 
 NAMES = ("O", "dQ", "dK", "dV")
 
-# SPEC Table 1 (relative L2 vs full precision); the bar is 1.25x these.
+# The paper's Table 1 (relative L2 vs full precision; docs/algorithm.md); the
+# bar is 1.25x these.
 TABLE1_REL_L2 = {
     1.0: (0.0160, 0.0184, 0.0220, 0.0159),
     3.0: (0.0389, 0.0758, 0.0777, 0.0387),

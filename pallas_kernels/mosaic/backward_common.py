@@ -29,7 +29,11 @@ SLOTS = 2  # shared-memory slots per streamed operand (prefetch one block ahead)
 @dataclasses.dataclass(frozen=True)
 class MosaicBackwardLaunch:
   """Tuning knobs of the Mosaic backward (static; results do not depend on
-  them beyond fp32 rounding of exp2 under approx_math)."""
+  them beyond fp32 rounding of exp2 under approx_math).
+
+  `python -m benchmarks.mosaic_backward` times the combinations against the
+  portable kernels on the same inputs; `MosaicBackend.tuned` takes the
+  fastest (figures: docs/performance.md)."""
 
   bit_tricks: bool = False  # fp32 bit tricks for int32->fp32 and rounding
   approx_math: bool = True

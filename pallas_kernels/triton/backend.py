@@ -26,9 +26,9 @@ class PallasBackend:
 
   @classmethod
   def tuned(cls, *, causal: bool, interpret: bool = False) -> "PallasBackend":
-    """Launch settings measured fastest by benchmarks/tune.py on an H200
-    (B=4, T=4096, H=16, D=128, 64 x 64 tiles): 4 warps everywhere; forward 2
-    pipeline stages (3 when causal), backward 2."""
+    """Launch settings measured fastest by `python -m benchmarks.tune` on an
+    H200 (B=4, T=4096, H=16, D=128, 64 x 64 tiles): 4 warps everywhere;
+    forward 2 pipeline stages (3 when causal), backward 2."""
     return cls(LaunchConfig(interpret=interpret, num_warps=4, num_stages=3 if causal else 2),
                LaunchConfig(interpret=interpret, num_warps=4, num_stages=2))
 

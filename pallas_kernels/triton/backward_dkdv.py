@@ -21,10 +21,11 @@ from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 
 # int32 -> fp32: dS^T.Q by the conversion instruction, S^T and P^T.dO by the
-# bit trick (numerics.int32_to_float). On an H200, B=4, T=4096, H=16, D=128:
-# 3.56 ms against 3.87 with the trick everywhere (causal 2.03 against 2.24);
-# moving S^T too gave 3.61, S^T and P^T.dO too 3.81 (the conversion unit also
-# runs this kernel's exp2); S^T alone 3.69 (causal 1.97).
+# bit trick (numerics.int32_to_float). A mix: the conversion unit also runs
+# this kernel's exp2, so converting every product by instruction measured
+# slower, and so did the trick everywhere. Decided by kernel time in
+# `python -m benchmarks.breakdown --impls sage` over the combinations
+# (docs/performance.md lists them).
 SCORE_BIT_TRICKS, DV_BIT_TRICKS, DK_BIT_TRICKS = True, True, False
 
 

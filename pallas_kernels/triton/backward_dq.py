@@ -17,8 +17,8 @@ from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 
 # int32 -> fp32 of S and of dS.K by the conversion instruction, not the bit
-# trick (numerics.int32_to_float): on an H200, B=4, T=4096, H=16, D=128, the
-# kernel takes 2.01 ms against 2.13 (causal 1.10 against 1.15).
+# trick (numerics.int32_to_float), as in the forward. Decided by kernel time
+# in `python -m benchmarks.breakdown --impls sage` (docs/performance.md).
 CONVERT_BIT_TRICKS = False
 
 

@@ -20,8 +20,9 @@ from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 
 # int32 -> fp32 of S and of P.V by the conversion instruction, not the bit
-# trick (numerics.int32_to_float): on an H200, B=4, T=4096, H=16, D=128, the
-# kernel takes 1.37 ms against 1.53 (causal 0.80 against 0.84).
+# trick (numerics.int32_to_float, which says why the faster one depends on the
+# kernel): here the instruction measured faster. Decided by kernel time in
+# `python -m benchmarks.breakdown --impls sage` (figures: docs/performance.md).
 CONVERT_BIT_TRICKS = False
 
 

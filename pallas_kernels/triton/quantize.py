@@ -80,7 +80,7 @@ def quantize(x, *, block: int, launch: LaunchConfig, multiplier: float = 1.0, me
 
 
 def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig) -> QuantizedQKV:
-  """The forward's quantization pass (SPEC forward steps 1-3)."""
+  """The forward's quantization pass (docs/algorithm.md, forward steps 1-3)."""
   q_out = quantize(q, block=config.block_q, launch=launch,
                    multiplier=config.scale * nm.LOG2_E, smooth_rows=config.smooth_q)
   q8, q8_t, q_scale = q_out[:3]
