@@ -19,6 +19,8 @@ venv: $(VENV)/.installed
 test: venv
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
 
+# `train` runs from the checkout (make's working directory), not from
+# site-packages: pyproject.toml installs only sagebwd_jax and pallas_kernels.
 train: venv
 	$(VPY) -m train --preset tiny
 
