@@ -1,29 +1,38 @@
 """`dot_product_attention`: SageBwd behind the signature of jax.nn's.
 
-This module checks arguments, pads sequences to whole blocks, builds the
-masks and picks a backend; `sagebwd.py` holds the algorithm.
+This module checks arguments, pads sequences to whole blocks and head dims to
+a kernel's, builds the masks and picks a backend; `sagebwd.py` holds the
+algorithm.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from collections.abc import Sequence
+from typing import Callable, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from pallas_kernels import numerics as nm
 from pallas_kernels.triton.backend import PallasBackend
 from pallas_kernels.mosaic.backend import MosaicBackend
 from pallas_kernels.types import Backend, Config, Masks
 from sagebwd_jax.reference import ReferenceBackend
-from sagebwd_jax.sagebwd import sagebwd_attention
+from sagebwd_jax.sagebwd import key_mean, sagebwd_attention
 
-Implementation = Literal["pallas", "mosaic", "reference"]
-SUPPORTED_HEAD_DIMS = (64, 128)
+Implementation = Literal["pallas", "mosaic", "reference", "cudnn", "xla"]
+SAGE_IMPLEMENTATIONS = ("pallas", "mosaic", "reference")
+FULL_PRECISION_IMPLEMENTATIONS = ("cudnn", "xla")
+# Head dims the kernels run as they are; smaller ones are zero-padded up to
+# the next of these inside the op.
+KERNEL_HEAD_DIMS = (64, 128, 256)
+MAX_HEAD_DIM = KERNEL_HEAD_DIMS[-1]
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 SegmentIds = jax.Array | tuple[jax.Array, jax.Array]
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 def dot_product_attention(
@@ -33,31 +42,46 @@ def dot_product_attention(
     bias: jax.Array | None = None,
     mask: jax.Array | None = None,
     *,
-    scale: float | None = None,
+    scale: float | jax.Array | None = None,
     is_causal: bool = False,
     query_seq_lengths: jax.Array | None = None,
     key_value_seq_lengths: jax.Array | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
     segment_ids: SegmentIds | None = None,
     smooth_k: bool = True,
     smooth_q: bool = False,
     block_q: int | None = None,
     block_kv: int | None = None,
-    implementation: Implementation | None = None,
-) -> jax.Array:
+    implementation: Implementation | Sequence[Implementation] | None = None,
+    return_residual: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
   """SageBwd attention: INT8 forward and backward, drop-in for jax.nn's.
 
   Args:
-    query: (B, Tq, H, D) or (Tq, H, D); bf16, fp16 or fp32.
+    query: (B, Tq, H, D) or (Tq, H, D); bf16, fp16 or fp32; D <= 256. D of
+      64, 128 or 256 runs as is; a smaller D is zero-padded to the next of
+      these inside the op (zero channels change no score and no output).
     key: (B, Tk, Hkv, D) with H a multiple of Hkv (GQA/MQA); same dtype.
     value: like `key`.
-    bias: not supported (must be None): an arbitrary additive bias cannot be
-      folded into int8 scores. Use the structured masks below.
-    mask: not supported (must be None): use `is_causal`, sequence lengths
-      or `segment_ids`, which the kernels honour tile by tile.
-    scale: multiplies Q.K^T; default 1/sqrt(D).
+    bias: None or an all-zero array (checked, so it must be concrete): an
+      arbitrary additive bias cannot be folded into int8 scores. Use the
+      structured masks below.
+    mask: None or an all-True boolean array (checked, so concrete): a dense
+      mask cannot be honoured tile by tile; use `is_causal`, sequence lengths
+      or `segment_ids`.
+    scale: multiplies Q.K^T; default 1/sqrt(D) of the caller's D. A Python
+      float (any finite value, negative and zero included) goes into the int8
+      scales exactly; a traced scale is multiplied into `query` first, which
+      rounds it once more to query's dtype.
     is_causal: query i sees keys j <= i (top-left aligned, as jax.nn).
-    query_seq_lengths: (B,) int; query rows past the length output 0.
-    key_value_seq_lengths: (B,) int; keys past the length are masked.
+    query_seq_lengths: (B,) int; query rows past the length output 0, and
+      neither they nor their cotangent can change any other output or
+      gradient (they are zeroed before quantization and their cotangent is
+      dropped), whatever they hold, NaN included.
+    key_value_seq_lengths: (B,) int; keys past the length are masked and
+      zeroed before quantization, and get zero gradients.
+    local_window_size: sliding-window attention; not implemented yet (must
+      be None: a NotImplementedError says so).
     segment_ids: (B, T) int when Tq == Tk, or a pair (q_ids (B, Tq),
       kv_ids (B, Tk)); a query sees only keys with its own id. A query row
       that sees no key at all outputs 0, never NaN.
@@ -67,59 +91,202 @@ def dot_product_attention(
     block_q, block_kv: tile sizes (powers of two >= 16); they fix the
       quantization blocks, so results depend on them. Default: the Pallas
       kernels' tuned sizes for this head dim.
-    implementation: "pallas" (the portable GPU kernels; Pallas interpret
-      mode on a machine without a GPU), "mosaic" (the backward in Mosaic GPU
-      where its kernels take the case, the portable kernels for the rest,
-      forward included, which measured at least as fast; needs an sm_90 GPU),
-      "reference" (pure JAX, same int8 arithmetic) or None: "mosaic" on a
-      Hopper GPU, "pallas" on other GPUs, "reference" without a GPU.
+    implementation: a name or a sequence of names tried in order: a backend
+      that cannot take the case raises NotImplementedError (with the reason)
+      and the next one is tried. "pallas" (the portable GPU kernels; Pallas
+      interpret mode on a machine without a GPU), "mosaic" (the backward in
+      Mosaic GPU where its kernels take the case, the portable kernels for
+      the rest, forward included, which measured at least as fast; needs an
+      sm_90 GPU), "reference" (pure JAX, same int8 arithmetic); and, as last
+      resorts, "cudnn" and "xla": these are NOT SageBwd but full-precision
+      attention by `jax.nn.dot_product_attention` ("cudnn" takes only bf16
+      and fp16 on a GPU, and no segment_ids or smoothing options apply).
+      None: ("mosaic", "pallas") on a GPU, "reference" without one.
+    return_residual: also return the log-sum-exp of the scores (natural
+      log, jax.nn's layout (B, Tq, H) or (Tq, H), the output's dtype; -inf
+      for rows that see no key). SageBwd's residual carries no gradient:
+      differentiating through it raises NotImplementedError.
 
   Returns:
-    The attention output, shaped and typed like `query`. Its gradient is
-    SageBwd's quantized backward (a `jax.custom_vjp`).
+    The attention output, shaped and typed like `query` (and the residual
+    with `return_residual`). Its gradient is SageBwd's quantized backward (a
+    `jax.custom_vjp`).
   """
-  if bias is not None:
-    raise ValueError("bias is not supported by SageBwd attention: an additive bias "
-                     "cannot enter int8 scores. Pass bias=None.")
-  if mask is not None:
-    raise ValueError("mask is not supported by SageBwd attention: a dense boolean mask "
-                     "cannot be honoured tile by tile. Express it with is_causal, "
-                     "query_seq_lengths/key_value_seq_lengths or segment_ids.")
+  if local_window_size is not None:
+    raise NotImplementedError(
+        f"local_window_size={local_window_size!r}: sliding-window attention is not "
+        "implemented in SageBwd's kernels yet; pass local_window_size=None.")
   unbatched = _check_qkv(query, key, value)
+  _check_trivial("bias", bias, lambda x: not np.any(x), "all zeros",
+                 "an additive bias cannot enter int8 scores")
+  _check_trivial("mask", mask, np.all, "all True",
+                 "a dense boolean mask cannot be honoured tile by tile; express it with "
+                 "is_causal, query_seq_lengths/key_value_seq_lengths or segment_ids")
   if unbatched:
     query, key, value = query[None], key[None], value[None]
+  batch, q_len, num_heads, _ = query.shape
+  kv_len = key.shape[1]
+  names = _implementations(implementation)
+  _check_no_auto_sharding(names, query, key, value)
+  q_lengths = _lengths("query_seq_lengths", query_seq_lengths, batch, q_len)
+  kv_lengths = _lengths("key_value_seq_lengths", key_value_seq_lengths, batch, kv_len)
+  q_seg, kv_seg = _segments(segment_ids, batch, q_len, kv_len)
+  scale = _scale(scale)
+  case = _Case(bool(is_causal), q_lengths, kv_lengths, q_seg, kv_seg, scale, bool(smooth_k),
+               bool(smooth_q), block_q, block_kv)
+
+  # Tokens past a length are zeroed before anything reads them, so they
+  # cannot set an int8 block's scale or carry a NaN into valid rows; the
+  # output's select drops their cotangent, so dO's blocks never see it.
+  q_valid = _valid(q_lengths, q_len)
+  kv_valid = _valid(kv_lengths, kv_len)
+  query = _zero_invalid(query, q_valid)
+  key, value = _zero_invalid(key, kv_valid), _zero_invalid(value, kv_valid)
+
+  if batch == 0:
+    out, lse = jnp.zeros(query.shape, query.dtype), jnp.zeros((0, q_len, num_heads), query.dtype)
+  else:
+    out, lse = _first_that_takes(names, query, key, value, case, return_residual)
+  out = _zero_invalid(out, q_valid)
+  if not return_residual:
+    return out[0] if unbatched else out
+  return (out[0], lse[0]) if unbatched else (out, lse)
+
+
+class _Case:
+  """One call's checked options, as the implementations consume them."""
+
+  def __init__(self, causal: bool, q_lengths, kv_lengths, q_seg, kv_seg, scale,
+               smooth_k: bool, smooth_q: bool, block_q, block_kv):
+    self.causal, self.q_lengths, self.kv_lengths = causal, q_lengths, kv_lengths
+    self.q_seg, self.kv_seg, self.scale = q_seg, kv_seg, scale
+    self.smooth_k, self.smooth_q = smooth_k, smooth_q
+    self.block_q, self.block_kv = block_q, block_kv
+
+
+def _first_that_takes(names: tuple[str, ...], query, key, value, case: _Case,
+                      return_residual: bool) -> tuple[jax.Array, jax.Array | None]:
+  """Runs the first implementation in `names` that does not raise
+  NotImplementedError; raises one listing every reason if none takes it."""
+  reasons = []
+  for name in names:
+    try:
+      if name in FULL_PRECISION_IMPLEMENTATIONS:
+        return _full_precision(name, query, key, value, case, return_residual)
+      return _sage(name, query, key, value, case, return_residual)
+    except NotImplementedError as e:
+      reasons.append(f"{name!r}: {e}")
+  raise NotImplementedError("no implementation takes this case; " + "; ".join(reasons))
+
+
+def _sage(name: str, query, key, value, case: _Case, return_residual: bool):
   batch, q_len, _, head_dim = query.shape
   kv_len = key.shape[1]
+  backend = _backend(name, case.causal, head_dim=head_dim)
+  default_q, default_kv = _default_blocks(head_dim, case.causal)
+  block_q = _block("block_q", case.block_q, default_q, q_len)
+  block_kv = _block("block_kv", case.block_kv, default_kv, kv_len)
 
-  backend = _backend(implementation, bool(is_causal))
-  default_q, default_kv = _default_blocks(head_dim, is_causal)
-  block_q = _block("block_q", block_q, default_q, q_len)
-  block_kv = _block("block_kv", block_kv, default_kv, kv_len)
-  config = Config(scale=_scale(scale, head_dim), causal=bool(is_causal),
-                  smooth_q=bool(smooth_q), block_q=block_q, block_kv=block_kv)
+  scale = 1.0 / math.sqrt(head_dim) if case.scale is None else case.scale
+  if isinstance(scale, jax.Array):
+    # Config is static: a traced scale goes into Q's values instead.
+    query = (query.astype(jnp.float32) * scale).astype(query.dtype)
+    scale = 1.0
+  elif scale < 0:
+    query, scale = -query, -scale  # exact: psi is symmetric
+  config = Config(scale=scale, causal=case.causal, smooth_q=case.smooth_q,
+                  block_q=block_q, block_kv=block_kv)
 
-  q_lengths = _lengths("query_seq_lengths", query_seq_lengths, batch)
-  kv_lengths = _lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
-  q_seg, kv_seg = _segments(segment_ids, batch, q_len, kv_len)
-
-  q_pad, kv_pad = -q_len % block_q, -kv_len % block_kv
-  pad_tokens = lambda x, n: jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2))
-  if kv_lengths is not None:
-    # Keys past the length are masked; zeroed, they cannot set their block's
-    # int8 scale either (a large value there would coarsen the valid keys).
-    valid = (jnp.arange(kv_len)[None, :] < kv_lengths[:, None])[:, :, None, None]
-    key, value = jnp.where(valid, key, 0), jnp.where(valid, value, 0)
-  query = pad_tokens(query, q_pad)
-  key, value = pad_tokens(key, kv_pad), pad_tokens(value, kv_pad)
+  padded_dim = next(d for d in KERNEL_HEAD_DIMS if d >= head_dim)
+  pad = lambda x, n, d: jnp.pad(x, [(0, 0), (0, n), (0, 0), (0, d)])
+  q_pad, kv_pad, d_pad = -q_len % block_q, -kv_len % block_kv, padded_dim - head_dim
+  query = pad(query, q_pad, d_pad)
+  key, value = pad(key, kv_pad, d_pad), pad(value, kv_pad, d_pad)
   masks = Masks()  # padded query rows need no mask: they are sliced off
-  if q_lengths is not None or kv_lengths is not None or q_seg is not None or kv_pad:
+  if (case.q_lengths is not None or case.kv_lengths is not None or case.q_seg is not None
+      or kv_pad):
     masks = Masks(
-        _token_ids(q_seg, q_lengths, batch, q_len, q_len + q_pad, nm.Q_INVALID_ID),
-        _token_ids(kv_seg, kv_lengths, batch, kv_len, kv_len + kv_pad, nm.KV_INVALID_ID))
+        _token_ids(case.q_seg, case.q_lengths, batch, q_len, q_len + q_pad, nm.Q_INVALID_ID),
+        _token_ids(case.kv_seg, case.kv_lengths, batch, kv_len, kv_len + kv_pad,
+                   nm.KV_INVALID_ID))
 
-  out = sagebwd_attention(query, key, value, masks, config, backend, bool(smooth_k))
-  out = out[:, :q_len]
-  return out[0] if unbatched else out
+  out = sagebwd_attention(query, key, value, masks, config, backend, case.smooth_k)
+  out = out[:, :q_len, :, :head_dim]
+  lse = None
+  if return_residual:
+    lse = _forward_lse(query, key, value, masks, config, backend, case.smooth_k)
+    lse = _residual(lse[:, :q_len], out.dtype)
+  return out, lse
+
+
+def _forward_lse(query, key, value, masks: Masks, config: Config, backend: Backend,
+                 smooth_k: bool) -> jax.Array:
+  """The forward's natural-log log-sum-exp (B, Tq, H), +inf where a row saw
+  no key, without a gradient.
+
+  `sagebwd_attention` returns only O, so this runs the forward once more
+  (under jit XLA merges the two where it can prove them equal).
+  """
+  query, key, value = jax.lax.stop_gradient((query, key, value))
+  k_mean = key_mean(key, masks.kv_ids) if smooth_k else None
+  qkv = backend.quantize(query, key, value, k_mean, config)
+  lse = jnp.swapaxes(backend.forward(qkv, masks, config, query.dtype)[1], 1, 2) * nm.LN_2
+  if k_mean is not None:
+    # The kernels' scores are of K - mean(K): each row is shifted by q . mean.
+    group = query.shape[2] // key.shape[2]
+    shift = jnp.einsum("bthd,bhd->bth", query.astype(jnp.float32),
+                       jnp.repeat(k_mean, group, axis=1))
+    lse = lse + config.scale * shift
+  return lse
+
+
+def _residual(lse: jax.Array, dtype) -> jax.Array:
+  """The lse (+inf where a row saw no key) as jax.nn's residual (-inf
+  there), guarded against differentiation."""
+  lse = jnp.where(lse == jnp.inf, -jnp.inf, lse)
+  return _no_gradient(lse.astype(dtype))
+
+
+@jax.custom_vjp
+def _no_gradient(x: jax.Array) -> jax.Array:
+  """Identity whose backward refuses any cotangent but a symbolic zero."""
+  return x
+
+
+def _no_gradient_fwd(x):
+  return x.value, None
+
+
+def _no_gradient_bwd(_, cotangent):
+  if not isinstance(cotangent, SymbolicZero):
+    raise NotImplementedError(
+        "SageBwd's residual (return_residual=True) has no gradient: its backward "
+        "does not take a log-sum-exp cotangent. Stop the gradient through it "
+        "(jax.lax.stop_gradient) or use implementation='xla' for this computation.")
+  return (None,)
+
+
+_no_gradient.defvjp(_no_gradient_fwd, _no_gradient_bwd, symbolic_zeros=True)
+
+
+def _full_precision(name: str, query, key, value, case: _Case, return_residual: bool):
+  """jax.nn.dot_product_attention as a last resort: full precision, not SageBwd."""
+  if name == "cudnn":
+    if _platform() not in _GPU_PLATFORMS:
+      raise NotImplementedError(f"cuDNN attention needs a GPU; computations go to "
+                                f"{_platform()}")
+    if query.dtype not in (jnp.bfloat16, jnp.float16):
+      raise NotImplementedError(f"cuDNN attention takes bf16 or fp16, not {query.dtype}")
+    if case.q_seg is not None:
+      raise NotImplementedError("cuDNN attention through jax.nn takes no segment_ids")
+  mask = None
+  if case.q_seg is not None:
+    mask = (case.q_seg[:, :, None] == case.kv_seg[:, None, :])[:, None]
+  result = jax.nn.dot_product_attention(
+      query, key, value, mask=mask, scale=case.scale, is_causal=case.causal,
+      query_seq_lengths=case.q_lengths, key_value_seq_lengths=case.kv_lengths,
+      implementation=name, return_residual=return_residual)
+  return result if return_residual else (result, None)
 
 
 def _check_qkv(query, key, value) -> bool:
@@ -148,16 +315,67 @@ def _check_qkv(query, key, value) -> bool:
     raise ValueError(f"query and key must have the same head dim; got "
                      f"{query.shape[-1]} and {key.shape[-1]}")
   head_dim = query.shape[-1]
-  if head_dim not in SUPPORTED_HEAD_DIMS:
-    raise ValueError(f"head dim D={head_dim} is not supported; SageBwd kernels take D in "
-                     f"{SUPPORTED_HEAD_DIMS} (pad D with zeros and pass scale=1/sqrt(D))")
+  if not 0 < head_dim <= MAX_HEAD_DIM:
+    raise ValueError(f"head dim D={head_dim} is not supported; SageBwd takes 1 <= D <= "
+                     f"{MAX_HEAD_DIM} (D in {KERNEL_HEAD_DIMS} natively, smaller D "
+                     "zero-padded to the next of these)")
   num_heads, num_kv_heads = query.shape[-2], key.shape[-2]
-  if num_heads % num_kv_heads:
+  if num_kv_heads == 0 or num_heads % num_kv_heads:
     raise ValueError(f"query heads ({num_heads}) must be a multiple of key/value heads "
                      f"({num_kv_heads}) for grouped-query attention")
   if query.shape[-3] == 0 or key.shape[-3] == 0:
     raise ValueError("query and key must have at least one token")
   return query.ndim == 3
+
+
+def _check_trivial(name: str, x, is_trivial: Callable[[np.ndarray], bool], trivial: str,
+                   why: str) -> None:
+  """Accepts None or a concrete `x` that changes nothing (jax.nn accepts such
+  arrays too); refuses anything else with a ValueError saying why."""
+  if x is None:
+    return
+  try:
+    concrete = np.asarray(x)
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError) as e:
+    raise ValueError(f"{name}: SageBwd attention accepts a {name} only when it is "
+                     f"{trivial}, and a traced {name} cannot be checked: {why}.") from e
+  if not is_trivial(concrete):
+    raise ValueError(f"{name} is not supported by SageBwd attention unless it is "
+                     f"{trivial}: {why}.")
+
+
+def _implementations(implementation) -> tuple[str, ...]:
+  """`implementation` as the names to try, in order."""
+  if implementation is None:
+    return ("mosaic", "pallas") if _platform() in _GPU_PLATFORMS else ("reference",)
+  names = ((implementation,) if isinstance(implementation, str)
+           else tuple(implementation) if isinstance(implementation, Sequence) else None)
+  known = SAGE_IMPLEMENTATIONS + FULL_PRECISION_IMPLEMENTATIONS
+  if not names or any(name not in known for name in names):
+    raise ValueError(f"implementation must be one of {known}, a non-empty sequence of "
+                     f"them, or None; got {implementation!r}")
+  return names
+
+
+def _check_no_auto_sharding(names: tuple[str, ...], *arrays: jax.Array) -> None:
+  """The Pallas kernels run only where every mesh axis is manual: inside
+  `shard_map`. Refuses, with what to do, the cases visible at trace time:
+  an explicit mesh in context, or concrete arrays spread over devices."""
+  if names[0] not in ("pallas", "mosaic"):
+    return
+  mesh = jax.sharding.get_abstract_mesh()
+  automatic = [name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+               if kind != jax.sharding.AxisType.Manual and mesh.shape[name] > 1]
+  spread = any(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+               and len(x.sharding.device_set) > 1 for x in arrays)
+  if automatic or spread:
+    where = (f"mesh axes {tuple(automatic)} are not manual" if automatic
+             else "the inputs are spread over several devices")
+    raise ValueError(
+        f"implementation={names[0]!r} runs Pallas kernels, which cannot be partitioned "
+        f"automatically, and {where}. Run the op under jax.shard_map: "
+        "sagebwd_jax.sharding.sharded_attention(mesh, q, k, v, ...) or "
+        "shard_attention(dot_product_attention, mesh) does it for you.")
 
 
 def _platform() -> str:
@@ -168,8 +386,10 @@ def _platform() -> str:
   return device if isinstance(device, str) else device.platform
 
 
-def _backend(implementation, causal: bool) -> Backend:
-  on_gpu = _platform() in ("gpu", "cuda", "rocm")
+def _backend(implementation: str | None, causal: bool, *, head_dim: int = 64) -> Backend:
+  """The SageBwd backend of one name (None: the default's first that takes
+  it); NotImplementedError where that backend cannot run here."""
+  on_gpu = _platform() in _GPU_PLATFORMS
   if implementation is None:
     implementation = ("mosaic" if _hopper() else "pallas") if on_gpu else "reference"
   if implementation == "reference":
@@ -182,11 +402,11 @@ def _backend(implementation, causal: bool) -> Backend:
       where = (f"{device.device_kind} has compute capability "
                f"{getattr(device, 'compute_capability', None)}" if on_gpu
                else f"computations go to {_platform()}")
-      raise ValueError(
+      raise NotImplementedError(
           f"implementation='mosaic' needs an NVIDIA Hopper GPU (compute capability 9.0); "
           f"{where}. Use implementation='pallas' (Pallas interpret mode without a GPU).")
     return MosaicBackend.tuned(PallasBackend.tuned(causal=causal))
-  raise ValueError(f"implementation must be 'pallas', 'mosaic', 'reference' or None; "
+  raise ValueError(f"implementation must be one of {SAGE_IMPLEMENTATIONS} or None; "
                    f"got {implementation!r}")
 
 
@@ -217,19 +437,27 @@ def _block(name: str, value: int | None, default: int, seq_len: int) -> int:
   return int(value)
 
 
-def _scale(scale, head_dim: int) -> float:
+def _scale(scale) -> float | jax.Array | None:
+  """A concrete scale as a Python float, a traced one as an fp32 scalar."""
   if scale is None:
-    return 1.0 / math.sqrt(head_dim)
+    return None
+  if isinstance(scale, jax.core.Tracer):
+    if scale.shape != () or not jnp.issubdtype(scale.dtype, jnp.floating):
+      raise TypeError(f"scale must be a float scalar; got a traced {scale.dtype} array of "
+                      f"shape {scale.shape}")
+    return scale.astype(jnp.float32)
   try:
     scale = float(scale)
-  except (TypeError, ValueError, jax.errors.ConcretizationTypeError) as e:
-    raise TypeError(f"scale must be a Python float known at trace time; got {scale!r}") from e
-  if not math.isfinite(scale) or scale <= 0:
-    raise ValueError(f"scale must be a positive finite float; got {scale}")
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"scale must be a float scalar; got {scale!r}") from e
+  if not math.isfinite(scale):
+    raise ValueError(f"scale must be finite; got {scale}")
   return scale
 
 
-def _lengths(name: str, lengths, batch: int) -> jax.Array | None:
+def _lengths(name: str, lengths, batch: int, seq_len: int) -> jax.Array | None:
+  """(B,) int32 lengths clipped to [0, seq_len] (in their own dtype first,
+  so a uint32 2**32 - 1 means 'all', not -1)."""
   if lengths is None:
     return None
   lengths = jnp.asarray(lengths)
@@ -237,7 +465,22 @@ def _lengths(name: str, lengths, batch: int) -> jax.Array | None:
     raise ValueError(f"{name} must have shape (batch,) = ({batch},); got {lengths.shape}")
   if not jnp.issubdtype(lengths.dtype, jnp.integer):
     raise TypeError(f"{name} must be an integer array; got {lengths.dtype}")
-  return lengths.astype(jnp.int32)
+  if jnp.issubdtype(lengths.dtype, jnp.signedinteger):
+    lengths = jnp.maximum(lengths, 0)
+  return jnp.minimum(lengths, seq_len).astype(jnp.int32)
+
+
+def _valid(lengths: jax.Array | None, seq_len: int) -> jax.Array | None:
+  """(B, T) bool: True for tokens before the length; None without lengths."""
+  if lengths is None:
+    return None
+  return jnp.arange(seq_len)[None, :] < lengths[:, None]
+
+
+def _zero_invalid(x: jax.Array, valid: jax.Array | None) -> jax.Array:
+  """x (B, T, H, D) with tokens past the length set to 0 (a select, so NaN
+  there does not survive and their cotangent is dropped)."""
+  return x if valid is None else jnp.where(valid[:, :, None, None], x, jnp.zeros((), x.dtype))
 
 
 def _token_ids(segment_ids, lengths, batch: int, seq_len: int, padded_len: int,
@@ -247,8 +490,9 @@ def _token_ids(segment_ids, lengths, batch: int, seq_len: int, padded_len: int,
   if segment_ids is not None:
     # A pad, not a scatter: XLA:CPU crashed on the scatter under shard_map.
     ids = jnp.pad(segment_ids, ((0, 0), (0, padded_len - seq_len)))
-  length = seq_len if lengths is None else jnp.minimum(lengths, seq_len)[:, None]
-  return jnp.where(jnp.arange(padded_len)[None, :] < length, ids, invalid)
+  length = (jnp.full((batch, 1), seq_len, jnp.int32) if lengths is None
+            else lengths[:, None])
+  return jnp.where(jnp.arange(padded_len)[None, :] < length, ids, jnp.int32(invalid))
 
 
 def _segments(segment_ids, batch: int, q_len: int, kv_len: int):

@@ -10,6 +10,9 @@ heads, so each shard computes exactly what the single device computes for it.
 mesh = jax.make_mesh((4, 2), ("data", "model"))
 out = sharded_attention(mesh, q, k, v, is_causal=True)  # q (B, T, H, D)
 attend = shard_attention(jax.nn.dot_product_attention, mesh)  # any such op
+# MaxText-style: the batch over several axes, or q's whole PartitionSpec.
+attend = shard_attention(mesh=mesh, batch_axis=("data", "fsdp"), head_axis="tensor")
+attend = shard_attention(mesh=mesh, spec=P(("data", "fsdp"), None, "tensor", None))
 ```
 
 Query heads and key/value heads are both split on the head axis, so GQA
@@ -27,19 +30,24 @@ from jax.sharding import Mesh, PartitionSpec as P
 from sagebwd_jax.api import dot_product_attention
 
 _ARRAY_KWARGS = ("query_seq_lengths", "key_value_seq_lengths", "segment_ids")
+MeshAxes = str | tuple[str, ...] | None  # one mesh axis, several (major first), or none
 
 
-def axis_size(mesh: Mesh, axis: str | None) -> int:
-  """Devices along `axis` (1 for None)."""
+def axis_size(mesh: Mesh, axis: MeshAxes) -> int:
+  """Devices along `axis`, or along all of a tuple of axes (1 for None)."""
   if axis is None:
     return 1
-  if axis not in mesh.shape:
-    raise ValueError(f"mesh has no axis {axis!r}; its axes are {tuple(mesh.axis_names)}")
-  return mesh.shape[axis]
+  names = axis if isinstance(axis, tuple) else (axis,)
+  size = 1
+  for name in names:
+    if name not in mesh.shape:
+      raise ValueError(f"mesh has no axis {name!r}; its axes are {tuple(mesh.axis_names)}")
+    size *= mesh.shape[name]
+  return size
 
 
 def check_split(mesh: Mesh, *, batch: int | None, num_heads: int, num_kv_heads: int,
-                batch_axis: str | None = "data", head_axis: str | None = "model") -> None:
+                batch_axis: MeshAxes = "data", head_axis: MeshAxes = "model") -> None:
   """ValueError unless batch and heads divide evenly over their mesh axes."""
   n_data, n_model = axis_size(mesh, batch_axis), axis_size(mesh, head_axis)
   if batch is not None and batch % n_data:
@@ -55,21 +63,28 @@ def check_split(mesh: Mesh, *, batch: int | None, num_heads: int, num_kv_heads: 
 
 
 def shard_attention(fn: Callable = dot_product_attention, mesh: Mesh | None = None, *,
-                    batch_axis: str | None = "data",
-                    head_axis: str | None = "model") -> Callable:
+                    batch_axis: MeshAxes = "data", head_axis: MeshAxes = "model",
+                    spec: P | None = None) -> Callable:
   """`fn(q, k, v, **kwargs)` run under `jax.shard_map` over `mesh`.
 
   q, k, v are (B, T, H, D) (or unbatched (T, H, D): then only heads split):
   B goes on `batch_axis`, H (query and key/value heads alike) on `head_axis`;
-  either may be None (not split), and mesh axes named by neither see
-  replicated inputs. `query_seq_lengths`, `key_value_seq_lengths` and
-  `segment_ids` are split with the batch; other keyword arguments are passed
-  through as they are. Works inside or outside `jit`, with `grad`.
+  each is one mesh axis name, a tuple of them (the dimension split over all,
+  as in a PartitionSpec: MaxText's `("data", "fsdp")`), or None (not
+  split). `spec`, instead of the two, is q's PartitionSpec (B, T, H, D),
+  whose T and D entries must be None: sequences and head dims stay whole.
+  Mesh axes named by neither see replicated inputs. `query_seq_lengths`,
+  `key_value_seq_lengths` and `segment_ids` are split with the batch; other
+  keyword arguments are passed through as they are. Works inside or
+  outside `jit`, with `grad`.
   """
   if mesh is None:
     raise ValueError("shard_attention needs a mesh")
+  if spec is not None:
+    batch_axis, head_axis = _axes_of(spec)
+  batch_axis, head_axis = _axes("batch_axis", batch_axis), _axes("head_axis", head_axis)
   for axis in (batch_axis, head_axis):
-    axis_size(mesh, axis)  # the axis exists
+    axis_size(mesh, axis)  # the axes exist
 
   @functools.wraps(fn)
   def wrapped(query, key, value, *args, **kwargs):
@@ -97,9 +112,30 @@ def shard_attention(fn: Callable = dot_product_attention, mesh: Mesh | None = No
 
 
 def sharded_attention(mesh: Mesh, query: jax.Array, key: jax.Array, value: jax.Array, *,
-                      batch_axis: str | None = "data", head_axis: str | None = "model",
-                      **kwargs) -> jax.Array:
+                      batch_axis: MeshAxes = "data", head_axis: MeshAxes = "model",
+                      spec: P | None = None, **kwargs) -> jax.Array:
   """`sagebwd_jax.dot_product_attention(query, key, value, **kwargs)` with the
-  batch split over `batch_axis` and the heads over `head_axis` of `mesh`."""
+  batch split over `batch_axis` and the heads over `head_axis` of `mesh` (or
+  as q's PartitionSpec `spec` says; see `shard_attention`)."""
   return shard_attention(dot_product_attention, mesh, batch_axis=batch_axis,
-                         head_axis=head_axis)(query, key, value, **kwargs)
+                         head_axis=head_axis, spec=spec)(query, key, value, **kwargs)
+
+
+def _axes(name: str, axes) -> MeshAxes:
+  """One mesh axis name, a tuple of them (a list too) or None; else TypeError."""
+  if axes is None or isinstance(axes, str):
+    return axes
+  if isinstance(axes, (tuple, list)) and all(isinstance(a, str) for a in axes):
+    return tuple(axes) if axes else None
+  raise TypeError(f"{name} must be a mesh axis name, a tuple of them or None; got {axes!r}")
+
+
+def _axes_of(spec: P) -> tuple[MeshAxes, MeshAxes]:
+  """(batch axes, head axes) of q's PartitionSpec (B, T, H, D)."""
+  if not isinstance(spec, P):
+    raise TypeError(f"spec must be a jax.sharding.PartitionSpec; got {spec!r}")
+  entries = tuple(spec) + (None,) * (4 - len(spec))
+  if len(entries) != 4 or entries[1] is not None or entries[3] is not None:
+    raise ValueError(f"spec must be a PartitionSpec of q's (B, T, H, D) that splits only "
+                     f"B and H (T and D stay whole on each device); got {spec}")
+  return entries[0], entries[2]

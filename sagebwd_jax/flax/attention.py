@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sagebwd_jax.api import SUPPORTED_HEAD_DIMS, dot_product_attention
+from sagebwd_jax.api import MAX_HEAD_DIM, dot_product_attention
 from sagebwd_jax.sharding import check_split, shard_attention
 
 AttentionImpl = Literal["sage", "full", "reference"]
@@ -87,8 +87,9 @@ class Attention(nnx.Module):
       num_heads: query heads.
       num_kv_heads: key/value heads (GQA); must divide num_heads. Default
         num_heads (plain multi-head attention).
-      head_dim: default in_features // num_heads; must be 64 or 128 unless
-        implementation="full".
+      head_dim: default in_features // num_heads; at most 256 unless
+        implementation="full" (64, 128 and 256 run natively, smaller head
+        dims zero-padded inside the op).
       causal: each token attends to itself and earlier tokens only.
       qk_norm: RMS-normalize q and k per head before RoPE.
       norm_eps: epsilon of the QK-norm.
@@ -120,10 +121,10 @@ class Attention(nnx.Module):
     if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
       raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of "
                        f"num_kv_heads ({num_kv_heads})")
-    if implementation != "full" and head_dim not in SUPPORTED_HEAD_DIMS:
-      raise ValueError(f"head_dim={head_dim} is not supported by SageBwd (need one of "
-                       f"{SUPPORTED_HEAD_DIMS}); change in_features/num_heads or "
-                       "head_dim, or use implementation='full'")
+    if implementation != "full" and not 0 < head_dim <= MAX_HEAD_DIM:
+      raise ValueError(f"head_dim={head_dim} is not supported by SageBwd (need 1 to "
+                       f"{MAX_HEAD_DIM}); change in_features/num_heads or head_dim, or use "
+                       "implementation='full'")
     if mesh is not None:
       check_split(mesh, batch=None, num_heads=num_heads, num_kv_heads=num_kv_heads,
                   batch_axis=batch_axis, head_axis=head_axis)

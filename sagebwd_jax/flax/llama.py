@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sagebwd_jax.api import SUPPORTED_HEAD_DIMS
+from sagebwd_jax.api import MAX_HEAD_DIM
 from sagebwd_jax.flax.attention import IMPLEMENTATIONS, Attention, AttentionImpl, RMSNorm
 
 # GPT-2's initialization: N(0, 0.02), with the projections that write into the
@@ -63,9 +63,9 @@ class LlamaConfig:
     if self.attention not in IMPLEMENTATIONS:
       raise ValueError(f"LlamaConfig.attention must be one of {IMPLEMENTATIONS}; "
                        f"got {self.attention!r}")
-    if self.attention != "full" and self.head_dim not in SUPPORTED_HEAD_DIMS:
+    if self.attention != "full" and self.head_dim > MAX_HEAD_DIM:
       raise ValueError(f"LlamaConfig: head_dim = dim // n_heads = {self.head_dim}; "
-                       f"SageBwd attention needs one of {SUPPORTED_HEAD_DIMS}")
+                       f"SageBwd attention takes at most {MAX_HEAD_DIM}")
 
   @property
   def head_dim(self) -> int:
