@@ -1,41 +1,64 @@
-"""`python -m train [--preset tiny] [flags]`: pre-train, then plot the run."""
+"""`python -m train [--preset tiny] [flags]`: pre-train, then plot the run.
+
+Every error a user can act on (a flag out of range, a run folder in the way,
+a checkpoint or file that cannot be written) ends the run with one line
+naming the flag, file or checkpoint, and exit status 1.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import sys
 import time
 
-from train.config import from_args
+from train.config import from_args, to_json
+
+
+def _summary(result: dict, seconds: float, png: str) -> str:
+  fmt = lambda x: "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"
+  speed = ("" if result["tokens_per_s"] is None else
+           f"; {result['tokens_per_s']:,.0f} tokens/s ({result['compile_s']:.0f}s of "
+           f"compilation not counted)")
+  return (f"done in {seconds:.0f}s: step {result['step']}, loss {fmt(result['loss'])}, "
+          f"val_loss {fmt(result['val_loss'])}{speed}; plot {png}")
 
 
 def main(argv: list[str] | None = None) -> None:
   try:
-    cfg = from_args(argv)
+    cfg, print_config = from_args(argv)
   except ValueError as e:
     raise SystemExit(f"error: {e}")
+  if print_config:
+    from train.rundir import RunError, resolve
+    try:
+      print(to_json(dataclasses.replace(cfg, out=resolve(cfg))))
+    except RunError as e:
+      raise SystemExit(f"error: {e}")
+    return
   from train.sharding import initialize_distributed
   try:
     initialize_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id)
   except ValueError as e:
     raise SystemExit(f"error: {e}")
-  from train.loop import NonFiniteError, train  # after argument parsing: jax is slow to import
+  from train.loop import train  # after argument parsing: jax is slow to import
   from train.plot import plot
+  from train.rundir import RunError
 
   t0 = time.perf_counter()
   try:
-    last = train(cfg)
-  except NonFiniteError as e:
-    raise SystemExit(f"error: {e}")
-  except ValueError as e:
+    result = train(cfg)
+  except (RunError, ValueError) as e:
     raise SystemExit(f"error: {e}")
   import jax
   if jax.process_index() != 0:
     return  # process 0 writes the plot and the summary
-  png = plot([cfg.run_dir], os.path.join(cfg.run_dir, "loss.png"))
-  print(f"done in {time.perf_counter() - t0:.0f}s: step {last.get('step')}, "
-        f"loss {last.get('loss', float('nan')):.4f}, val_loss "
-        f"{last.get('val_loss', float('nan')):.4f}; plot {png}", file=sys.stderr)
+  try:
+    png = plot([result["run_dir"]], os.path.join(result["run_dir"], "loss.png"))
+  except ValueError as e:
+    raise SystemExit(f"error: plotting the run: {e}")
+  print(_summary(result, time.perf_counter() - t0, png), file=sys.stderr)
 
 
 if __name__ == "__main__":

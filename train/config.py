@@ -1,77 +1,128 @@
 """The run's configuration: one dataclass, named presets, and the CLI flags.
 
 Every field of `Config` is a flag (`--batch-size` for `batch_size`); a preset
-fills the fields first and flags given on the command line override it.
+fills the fields first and flags given on the command line override it. The
+comment above each field is its `--help` line and the `# --- ... ---` lines
+are the help's groups, so the dataclass is the one place to read (and
+change) what a flag means. `check` validates every field, naming the flag
+and the values it accepts.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
+import json
+import math
+import re
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
 class Config:
+  # --- run: where it is written, resuming ---
+  # Run name (default: the preset's); without --out the run goes to runs/<name>, or runs/<name>-2, ... when taken.
   name: str = "tiny"
-  # Model (a Llama; see sagebwd_jax.flax.LlamaConfig). head_dim = dim // n_heads.
-  vocab_size: int | None = None    # None: 256 for text (bytes), from the tokens for .bin
-  dim: int = 128
-  n_layers: int = 2
-  n_heads: int = 2
-  n_kv_heads: int = 2
-  ffn_dim: int = 384
-  rope_theta: float = 10000.0
-  qk_norm: bool = True
-  tie_embeddings: bool = False
-  attention: str = "sage"          # sage | full | reference
-  smooth_k: bool = True
-  smooth_q: bool = False
-  dtype: str = "bfloat16"          # compute dtype; parameters stay float32
-  # Data.
-  data: list[str] = field(default_factory=list)  # empty: the Python stdlib sources
-  val_fraction: float = 0.05
-  seq_len: int = 128
-  batch_size: int = 8
-  grad_accum: int = 1
-  # Optimisation: AdamW, linear warmup then cosine decay to lr * min_lr_ratio.
-  steps: int = 250
-  lr: float = 3e-3
-  min_lr_ratio: float = 0.1
-  warmup: int = 25
-  weight_decay: float = 0.1
-  beta1: float = 0.9
-  beta2: float = 0.95
-  grad_clip: float = 1.0
-  # Evaluation, checkpoints, bookkeeping.
-  eval_every: int = 50
-  eval_batches: int = 8
-  ckpt_every: int = 125
-  keep: int = 2
-  out: str | None = None           # run directory; None: runs/<name>
+  # Run folder (config.json, metrics.jsonl, checkpoints/, loss.png); default runs/<name>.
+  out: str | None = None
+  # Continue the run in the folder from its newest checkpoint that restores, exactly.
   resume: bool = False
+  # Start over in a folder that holds a run, deleting its checkpoints and metrics.
+  overwrite: bool = False
+  # Model initialization and the data order (a batch is a function of seed and step).
   seed: int = 0
-  progress: bool = True            # tqdm bar
-  # Devices (train/sharding.py): the mesh, and multi-host start-up.
-  mesh: str | None = None          # "data=N,model=M"; None: data = all devices, model = 1
-  coordinator: str | None = None   # host:port of process 0 (or "auto"); None: from the env
+  # Show a progress bar.
+  progress: bool = True
+
+  # --- model: a Llama (sagebwd_jax.flax.LlamaConfig), head_dim = dim // n_heads ---
+  # Vocabulary; default: 256 for text (bytes), the tokens' maximum rounded up to 64 for .bin.
+  vocab_size: int | None = None
+  # Model width.
+  dim: int = 128
+  # Transformer blocks.
+  n_layers: int = 2
+  # Query heads; dim // n_heads must be 64 or 128.
+  n_heads: int = 2
+  # Key/value heads (GQA); must divide n_heads.
+  n_kv_heads: int = 2
+  # Hidden width of the SwiGLU feed-forward.
+  ffn_dim: int = 384
+  # RoPE base.
+  rope_theta: float = 10000.0
+  # RMSNorm on each head's q and k before RoPE (SPEC: needed at large batches).
+  qk_norm: bool = True
+  # Share the token embedding with the output layer.
+  tie_embeddings: bool = False
+  # sage: SageBwd INT8 (Mosaic on H100/H200, Pallas on other GPUs, pure JAX on CPU); full: jax.nn; reference: pure-JAX SageBwd.
+  attention: str = "sage"
+  # Subtract K's per-channel mean before quantizing (sage, reference).
+  smooth_k: bool = True
+  # Per-block Q-smoothing (sage, reference).
+  smooth_q: bool = False
+  # Compute dtype; parameters and optimizer state stay float32.
+  dtype: str = "bfloat16"
+
+  # --- data ---
+  # Text files, folders (every text file inside) or one nanoGPT .bin of uint16 tokens; default: this Python's stdlib sources.
+  data: list[str] = field(default_factory=list)
+  # Share of the data held out for validation.
+  val_fraction: float = 0.05
+  # Tokens per sequence.
+  seq_len: int = 128
+  # Sequences per micro-batch (global, over all devices).
+  batch_size: int = 8
+  # Micro-batches per optimizer step (tokens per step = batch x seq x accum).
+  grad_accum: int = 1
+
+  # --- optimisation: AdamW, linear warmup then cosine decay ---
+  # Optimizer steps.
+  steps: int = 250
+  # Peak learning rate.
+  lr: float = 3e-3
+  # Final learning rate as a fraction of --lr (cosine decay ends at lr x ratio at --steps).
+  min_lr_ratio: float = 0.1
+  # Linear warmup steps.
+  warmup: int = 25
+  # AdamW decoupled weight decay, on the linear layers' matrices only.
+  weight_decay: float = 0.1
+  # Adam's first-moment decay.
+  beta1: float = 0.9
+  # Adam's second-moment decay.
+  beta2: float = 0.95
+  # Clip the gradient to this global L2 norm.
+  grad_clip: float = 1.0
+
+  # --- evaluation and checkpoints ---
+  # Evaluate every N steps (and at the start and the end).
+  eval_every: int = 50
+  # Validation batches per evaluation (the same ones each time).
+  eval_batches: int = 8
+  # Save a checkpoint every N steps (and at the end).
+  ckpt_every: int = 125
+  # Checkpoints kept (the newest).
+  keep: int = 2
+
+  # --- devices: the mesh and multi-host start-up (train/sharding.py) ---
+  # Device mesh 'data=N,model=M' (N x M = all devices): batch split on data, attention heads on model; default data=<all devices>,model=1.
+  mesh: str | None = None
+  # Multi-host: host:port of process 0's coordinator, or 'auto' (SLURM, Open MPI, ...); default: JAX_COORDINATOR_ADDRESS if set, else one process.
+  coordinator: str | None = None
+  # Multi-host: number of processes; default: JAX_NUM_PROCESSES or detected.
   num_processes: int | None = None
+  # Multi-host: this process's index; default: JAX_PROCESS_ID or detected.
   process_id: int | None = None
 
   @property
   def tokens_per_step(self) -> int:
     return self.batch_size * self.seq_len * self.grad_accum
 
-  @property
-  def run_dir(self) -> str:
-    return self.out if self.out else f"runs/{self.name}"
 
-
-PRESETS: dict[str, dict] = {
+PRESETS: dict[str, dict[str, Any]] = {
     # CPU demo: byte-level Llama on the stdlib sources, ~1 minute on 2 cores.
     "tiny": dict(),
-    # One GPU, an hour-scale run: ~85M parameters (with a 50K vocabulary),
-    # 131K tokens per step.
+    # One GPU, an hour-scale run: 131K tokens per step.
     "small": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048,
                   seq_len=2048, batch_size=16, grad_accum=4, steps=5000, lr=6e-4,
                   warmup=200, eval_every=250, eval_batches=20, ckpt_every=500,
@@ -85,92 +136,190 @@ PRESETS: dict[str, dict] = {
                 keep=3),
 }
 
-
-def preset(name: str, **overrides) -> Config:
-  if name not in PRESETS:
-    raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-  return Config(name=name, **{**PRESETS[name], **overrides})
+CHOICES = {"attention": ("sage", "full", "reference"), "dtype": ("bfloat16", "float32")}
 
 
-HELP = {
-    "name": "run name; the run folder defaults to runs/<name>",
-    "vocab_size": "default: 256 for text (bytes), the tokens' maximum rounded up to 64 for .bin",
-    "qk_norm": "RMSNorm on each head's q and k before RoPE (SPEC: needed at large batches)",
-    "smooth_k": "subtract K's per-channel mean before quantizing (sage/reference)",
-    "smooth_q": "per-block Q-smoothing (sage/reference; off by default)",
-    "dtype": "compute dtype; parameters and optimizer state stay float32",
-    "seq_len": "tokens per sequence", "batch_size": "sequences per micro-batch",
-    "grad_accum": "micro-batches per optimizer step (tokens per step = batch x seq x accum)",
-    "lr": "peak learning rate (after --warmup steps, cosine decay to lr x --min-lr-ratio)",
-    "warmup": "linear warmup steps", "eval_every": "evaluate every N steps",
-    "eval_batches": "validation batches per evaluation (the same ones each time)",
-    "ckpt_every": "save a checkpoint every N steps (and at the end)",
-    "keep": "checkpoints kept (the most recent)", "out": "run folder (default runs/<name>)",
-    "resume": "continue from the run folder's latest checkpoint, exactly",
-    "seed": "model init and the data order (batches are a function of seed and step)",
-    "mesh": "device mesh 'data=N,model=M' (N x M = all devices of all processes): batch "
-            "split on data, attention heads on model; default data=<all devices>,model=1",
-    "coordinator": "multi-host: host:port of process 0's coordinator, or 'auto' (SLURM, "
-                   "Open MPI, ...); default: JAX_COORDINATOR_ADDRESS if set, else one process",
-    "num_processes": "multi-host: number of processes (default: JAX_NUM_PROCESSES or detected)",
-    "process_id": "multi-host: this process's index (default: JAX_PROCESS_ID or detected)",
+@dataclass(frozen=True)
+class Range:
+  """Accepted values of a numeric flag: `lo` and `hi` bounds, either may be open."""
+  lo: float | None = None
+  hi: float | None = None
+  lo_open: bool = False
+  hi_open: bool = False
+
+  def __contains__(self, x: float) -> bool:
+    return ((self.lo is None or (x > self.lo if self.lo_open else x >= self.lo))
+            and (self.hi is None or (x < self.hi if self.hi_open else x <= self.hi)))
+
+  def __str__(self) -> str:
+    lo, hi = (f"{x:g}" if isinstance(x, float) else str(x) for x in (self.lo, self.hi))
+    if self.hi is None:
+      return f"{'>' if self.lo_open else '>='} {lo}"
+    return f"in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
+
+
+POSITIVE, NON_NEGATIVE, AT_LEAST_1 = Range(0, lo_open=True), Range(0), Range(1)
+UNIT = Range(0, 1, hi_open=True)  # [0, 1)
+RANGES: dict[str, Range] = {
+    "seed": Range(0, 2**32 - 1),  # jax.random.key wraps larger seeds onto smaller ones
+    "vocab_size": AT_LEAST_1, "dim": AT_LEAST_1, "n_layers": AT_LEAST_1,
+    "n_heads": AT_LEAST_1, "n_kv_heads": AT_LEAST_1, "ffn_dim": AT_LEAST_1,
+    "rope_theta": POSITIVE, "val_fraction": Range(0, 1, lo_open=True, hi_open=True),
+    "seq_len": AT_LEAST_1, "batch_size": AT_LEAST_1, "grad_accum": AT_LEAST_1,
+    "steps": AT_LEAST_1, "lr": POSITIVE, "min_lr_ratio": Range(0, 1), "warmup": NON_NEGATIVE,
+    "weight_decay": NON_NEGATIVE, "beta1": UNIT, "beta2": UNIT, "grad_clip": POSITIVE,
+    "eval_every": AT_LEAST_1, "eval_batches": AT_LEAST_1, "ckpt_every": AT_LEAST_1,
+    "keep": AT_LEAST_1, "num_processes": AT_LEAST_1, "process_id": NON_NEGATIVE,
 }
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
-def _flag(name: str) -> str:
+def flag(name: str) -> str:
+  """The command-line flag of a field: `--batch-size` for `batch_size`."""
   return "--" + name.replace("_", "-")
 
 
-def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
-      prog="python -m train",
-      description="Pre-train a Llama with SageBwd INT8 attention (or full precision).")
-  p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-  for f in dataclasses.fields(Config):
-    flag, default = _flag(f.name), argparse.SUPPRESS  # absent flags keep the preset
-    kw = {"help": HELP[f.name]} if f.name in HELP else {}
-    if f.name == "attention":
-      p.add_argument(flag, choices=["sage", "full", "reference"], default=default,
-                     help="sage: SageBwd INT8 (Hopper backend on H100/H200, Pallas on other "
-                          "GPUs, pure JAX elsewhere); "
-                          "full: jax.nn full precision; reference: pure-JAX SageBwd")
-    elif f.name == "data":
-      p.add_argument(flag, nargs="+", default=default, metavar="PATH",
-                     help="text files, folders (every text file inside) or one "
-                          "nanoGPT .bin of uint16 tokens; default: the stdlib sources")
-    elif f.name == "dtype":
-      p.add_argument(flag, choices=["bfloat16", "float32"], default=default, **kw)
-    elif f.type in ("bool", bool):
-      p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, **kw)
-    elif f.type in ("int", "int | None"):
-      p.add_argument(flag, type=int, default=default, **kw)
-    elif f.type == "float":
-      p.add_argument(flag, type=float, default=default, **kw)
-    else:
-      p.add_argument(flag, default=default, **kw)
-  return p
-
-
-def from_args(argv: list[str] | None = None) -> Config:
-  args = vars(parser().parse_args(argv))
-  name = args.pop("preset")
-  cfg = preset(name, **args)
-  check(cfg)
-  return cfg
+def preset(preset_name: str, /, **overrides) -> Config:
+  """The preset's configuration (its `name` too) with `overrides` on top."""
+  if preset_name not in PRESETS:
+    raise ValueError(f"--preset {preset_name!r}: choose one of {', '.join(PRESETS)}")
+  return Config(**{"name": preset_name, **PRESETS[preset_name], **overrides})
 
 
 def check(cfg: Config) -> None:
+  """ValueError naming the flag and what it accepts, for the first bad field."""
+  for f in dataclasses.fields(Config):
+    value = getattr(cfg, f.name)
+    if value is None and "None" in str(f.type):
+      continue
+    kind = str(f.type).split(" |")[0]
+    if kind == "bool" and not isinstance(value, bool):
+      raise ValueError(f"{flag(f.name)} must be true or false, got {value!r}")
+    if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+      raise ValueError(f"{flag(f.name)} must be an integer, got {value!r}")
+    if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))
+                            or not math.isfinite(value)):
+      raise ValueError(f"{flag(f.name)} must be a finite number, got {value!r}")
+    if f.name in RANGES and value not in RANGES[f.name]:
+      raise ValueError(f"{flag(f.name)} must be {RANGES[f.name]}, got {value}")
+    if f.name in CHOICES and value not in CHOICES[f.name]:
+      raise ValueError(f"{flag(f.name)} must be one of {', '.join(CHOICES[f.name])}, "
+                       f"got {value!r}")
+  if not _NAME.fullmatch(cfg.name):
+    raise ValueError(f"--name must be letters, digits, '.', '_' or '-' (a folder name), "
+                     f"got {cfg.name!r}")
+  if not isinstance(cfg.data, list) or not all(isinstance(p, str) for p in cfg.data):
+    raise ValueError(f"--data must be a list of paths, got {cfg.data!r}")
+  if cfg.warmup > cfg.steps:
+    raise ValueError(f"--warmup must be in [0, --steps] = [0, {cfg.steps}], got {cfg.warmup}")
   if cfg.dim % cfg.n_heads or cfg.dim // cfg.n_heads not in (64, 128):
-    raise ValueError(f"head_dim = dim // n_heads must be 64 or 128 "
-                     f"(dim={cfg.dim}, n_heads={cfg.n_heads})")
+    raise ValueError(f"--dim / --n-heads (head_dim) must be 64 or 128, got --dim {cfg.dim} "
+                     f"--n-heads {cfg.n_heads}")
   if cfg.n_heads % cfg.n_kv_heads:
-    raise ValueError(f"n_heads ({cfg.n_heads}) must be a multiple of n_kv_heads "
-                     f"({cfg.n_kv_heads})")
-  for name in ("steps", "seq_len", "batch_size", "grad_accum", "eval_every",
-               "eval_batches", "ckpt_every", "keep"):
-    if getattr(cfg, name) < 1:
-      raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    raise ValueError(f"--n-kv-heads must divide --n-heads ({cfg.n_heads}), got "
+                     f"{cfg.n_kv_heads}")
+  if cfg.resume and cfg.overwrite:
+    raise ValueError("--resume and --overwrite exclude each other: continue the run, or "
+                     "start it over")
+  if (cfg.process_id is not None and cfg.num_processes is not None
+      and cfg.process_id >= cfg.num_processes):
+    raise ValueError(f"--process-id must be in [0, --num-processes) = [0, "
+                     f"{cfg.num_processes}), got {cfg.process_id}")
   from train.sharding import parse_mesh
   parse_mesh(cfg.mesh)  # the string's form; the device count is checked at start-up
-  if not 0.0 < cfg.val_fraction < 1.0:
-    raise ValueError(f"val_fraction must be in (0, 1), got {cfg.val_fraction}")
+
+
+def params_besides_embeddings(cfg: Config) -> int:
+  """Parameters of the blocks and the final norm (the embedding and the output
+  layer add vocab x dim each; one when tied)."""
+  head_dim = cfg.dim // cfg.n_heads
+  attention = 2 * cfg.dim * cfg.dim + 2 * cfg.dim * cfg.n_kv_heads * head_dim
+  block = attention + 3 * cfg.dim * cfg.ffn_dim + 2 * cfg.dim + 2 * head_dim * cfg.qk_norm
+  return cfg.n_layers * block + cfg.dim
+
+
+def describe(name: str) -> str:
+  """One line on a preset: its model, its size and its tokens per step."""
+  c = preset(name)
+  return (f"{name}: dim {c.dim}, {c.n_layers} layers, {c.n_heads} heads of "
+          f"{c.dim // c.n_heads} ({c.n_kv_heads} kv), ffn {c.ffn_dim}; "
+          f"{params_besides_embeddings(c) / 1e6:.1f}M parameters + 2 x vocab x {c.dim} "
+          f"embeddings; {c.tokens_per_step:,} tokens/step = {c.batch_size} x {c.seq_len} "
+          f"x {c.grad_accum}; {c.steps:,} steps")
+
+
+def field_docs() -> tuple[dict[str, str], dict[str, str]]:
+  """(help line of each field, group of each field), read from the comments
+  in `Config`'s source."""
+  helps, groups, comment, group = {}, {}, [], ""
+  for line in inspect.getsource(Config).splitlines():
+    line = line.strip()
+    if m := re.fullmatch(r"# --- (.+) ---", line):
+      group, comment = m.group(1), []
+    elif line.startswith("# "):
+      comment.append(line[2:])
+    elif (m := re.match(r"(\w+): ", line)) and comment:
+      helps[m.group(1)], groups[m.group(1)], comment = " ".join(comment), group, []
+  return helps, groups
+
+
+def _limits(name: str) -> str:
+  """' (accepted values; default, and the presets' values where they differ)'."""
+  default = getattr(Config(), name)
+  notes = [str(RANGES[name])] if name in RANGES else []
+  if name != "name" and default not in (None, []):  # those fields' help says the default
+    notes.append(f"default {default}"
+                 + "".join(f", {p} {v[name]}" for p, v in PRESETS.items() if name in v))
+  return f" ({'; '.join(notes)})" if notes else ""
+
+
+def parser() -> argparse.ArgumentParser:
+  presets = "\n".join("  " + describe(name) for name in PRESETS)
+  p = argparse.ArgumentParser(
+      prog="python -m train", formatter_class=argparse.RawDescriptionHelpFormatter,
+      description="Pre-train a Llama with SageBwd INT8 attention (or full precision).\n"
+                  "A preset sets every flag; flags given override it. Defaults below "
+                  "are the tiny preset's, then the other presets' where they differ.",
+      epilog=f"presets:\n{presets}\n\nGuide: docs/training.md")
+  # Python 3.12's argparse takes "-3e-3" for an option and says "expected one
+  # argument"; read it as a number so the range check can name what is wrong.
+  p._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$", re.I)
+  helps, groups = field_docs()
+  sections = {}
+  for f in dataclasses.fields(Config):
+    title, _, description = groups[f.name].partition(": ")
+    if title not in sections:
+      sections[title] = p.add_argument_group(title, description or None)
+    g = sections[title]
+    if f.name == "name":
+      g.add_argument("--preset", default="tiny", choices=list(PRESETS),
+                     help="the settings to start from (listed at the end; default tiny)")
+      g.add_argument("--print-config", action="store_true",
+                     help="print the resolved configuration as JSON and exit")
+    kind = str(f.type).split(" |")[0]
+    kw = dict(default=argparse.SUPPRESS,  # absent flags keep the preset's value
+              help=helps[f.name].rstrip(".") + _limits(f.name))
+    if f.name in CHOICES:
+      kw["choices"] = CHOICES[f.name]
+    if kind == "bool":
+      g.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, **kw)
+    elif kind == "list[str]":
+      g.add_argument(flag(f.name), nargs="+", metavar="PATH", **kw)
+    else:
+      g.add_argument(flag(f.name), type={"int": int, "float": float}.get(kind, str), **kw)
+  return p
+
+
+def from_args(argv: list[str] | None = None) -> tuple[Config, bool]:
+  """(the configuration the flags ask for, whether --print-config was given).
+
+  ValueError, naming the flag, for anything out of range."""
+  args = vars(parser().parse_args(argv))
+  print_config = args.pop("print_config")
+  cfg = preset(args.pop("preset"), **args)
+  check(cfg)
+  return cfg, print_config
+
+
+def to_json(cfg: Config) -> str:
+  return json.dumps(dataclasses.asdict(cfg), indent=2)

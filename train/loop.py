@@ -1,26 +1,26 @@
-"""The training loop: data, model, optimizer, checkpoints, metrics, in order."""
+"""The training loop: run folder, data, model, optimizer, checkpoints, metrics,
+in that order; then the steps."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import shutil
 import time
 
 import jax
 import numpy as np
 from tqdm import tqdm
 
-from train import data, optim, sharding
+from train import data, optim, rundir, sharding
 from train.checkpoint import Checkpoints
 from train.config import Config, check
 from train.metrics import MetricsLog
+from train.rundir import RunError
 from train.step import build_model, count_params, make_steps
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(RunError):
   """The loss, gradient or parameters stopped being finite."""
 
 
@@ -54,25 +54,50 @@ def evaluate(eval_step, params, batches: Batches, cfg: Config) -> float:
 
 
 def train(cfg: Config) -> dict:
-  """Runs `cfg` to `cfg.steps`; returns the last metrics. Raises NonFiniteError."""
+  """Runs `cfg` to `cfg.steps` (from its newest good checkpoint with --resume).
+
+  Returns the summary: step, loss, val_loss (the last logged), run_dir,
+  tokens_per_s (this session's training alone; None if it trained no step)
+  and compile_s. Raises RunError (NonFiniteError among them) and ValueError
+  with one-line messages.
+  """
   check(cfg)
   mesh = sharding.make_mesh(cfg.mesh)  # one device: a mesh of 1, the same code
   sharding.check_config(cfg, mesh)
   main = jax.process_index() == 0  # process 0 alone writes logs, metrics, config
-  run_dir = cfg.run_dir
-  os.makedirs(run_dir, exist_ok=True)
   log = (tqdm.write if cfg.progress else print) if main else (lambda *a, **k: None)
+
+  # The run folder: every process resolves it before the first one creates it.
+  run_dir = rundir.resolve(cfg)
+  sharding.barrier("sagebwd-train: run folder resolved")
+  rundir.prepare(cfg, run_dir, main, log)
+  lock = rundir.lock(run_dir) if main else None
+  try:
+    return _train(dataclasses.replace(cfg, out=run_dir), mesh, main, log)
+  finally:
+    if lock is not None:
+      os.close(lock)
+
+
+def _train(cfg: Config, mesh, main: bool, log) -> dict:
+  run_dir = cfg.out
+  log(f"run folder: {run_dir}")
   log(f"devices: mesh data={mesh.shape['data']} x model={mesh.shape['model']} over "
       f"{jax.process_count()} process(es), {jax.device_count()} {jax.default_backend()} "
       f"device(s)")
 
-  # Data.
+  # Data, and the configuration as config.json records it (vocabulary resolved).
   ds = data.load(cfg.data, cfg.val_fraction, cfg.seq_len)
   vocab = cfg.vocab_size or ds.vocab_size
   if vocab < ds.vocab_size:
     raise ValueError(f"--vocab-size {vocab} is too small for {ds.source}: its tokens "
                      f"need {ds.vocab_size}")
+  cfg = dataclasses.replace(cfg, vocab_size=vocab)
   log(f"data: {ds.source}: {len(ds.train):,} train / {len(ds.val):,} val tokens")
+  if cfg.resume:
+    rundir.compare_with_saved(cfg, log)
+  if main:
+    rundir.save_config(cfg)
   batches = Batches(ds, cfg, mesh)
 
   # Model, optimizer, compiled steps.
@@ -91,38 +116,40 @@ def train(cfg: Config) -> dict:
   log(f"tokens per step: {cfg.tokens_per_step:,} = batch {cfg.batch_size} x "
       f"seq {cfg.seq_len} x grad_accum {cfg.grad_accum}")
 
-  # Checkpoints: resume from the latest, or start a fresh run in the folder.
-  ckpt_dir = os.path.join(run_dir, "checkpoints")
-  if main and not cfg.resume and os.path.exists(ckpt_dir):
-    log(f"fresh run: removing the old checkpoints in {ckpt_dir} (use --resume to continue)")
-    shutil.rmtree(ckpt_dir)
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-    multihost_utils.sync_global_devices("sagebwd-train: checkpoint folder ready")
-  ckpts = Checkpoints(run_dir, cfg.keep)
+  # Checkpoints: with --resume, the newest that restores intact.
+  ckpts = Checkpoints(run_dir, cfg.keep, primary=main)
   start = 0
   if cfg.resume:
-    if ckpts.latest_step() is None:
-      raise ValueError(f"--resume: no checkpoint in {ckpt_dir}")
-    state = ckpts.restore(state)
-    start = int(state["step"])
-    log(f"resumed from step {start}")
-  metrics = MetricsLog(run_dir, start if cfg.resume else None, enabled=main)
-  if main:
-    with open(os.path.join(run_dir, "config.json"), "w") as f:
-      json.dump(dataclasses.asdict(cfg), f, indent=2)
+    restored = ckpts.restore_newest(state, log)
+    if restored is None:
+      log(f"no checkpoint in {ckpts.dir} yet: starting from step 0")
+    else:
+      state, start = restored
+      log(f"resumed from step {start}")
+  metrics = MetricsLog(run_dir, start, enabled=main, warn=lambda m: log(f"warning: {m}"))
+  summary = dict(run_dir=run_dir, tokens_per_s=None, compile_s=0.0)
+  if start >= cfg.steps:
+    log(f"nothing to train: the run is at step {start} and --steps is {cfg.steps}")
+    ckpts.close()
+    metrics.close()
+    return {**metrics.summary(), **summary}
 
-  def eval_and_log(step: int) -> float:
+  # Compiled before the clock starts: tokens/s counts training alone.
+  t0 = time.perf_counter()
+  train_step = train_step.lower(state, batches.train(start)).compile()
+  summary["compile_s"] = time.perf_counter() - t0
+  log(f"compiled the train step in {summary['compile_s']:.1f}s")
+
+  def eval_and_log(step: int) -> None:
     val_loss = evaluate(eval_step, state["params"], batches, cfg)
     metrics.write(step=step, tokens=step * cfg.tokens_per_step, val_loss=val_loss)
     log(f"step {step}: val_loss {val_loss:.4f}")
-    return val_loss
 
   if start == 0:
     eval_and_log(0)
-  last = {}
-  bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not (cfg.progress and main),
-             mininterval=1.0, dynamic_ncols=True)
+  train_time = 0.0
+  bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps,
+             disable=not (cfg.progress and main), mininterval=1.0, dynamic_ncols=True)
   try:
     for step in bar:  # `step` steps are done; this one makes it step + 1
       t0 = time.perf_counter()
@@ -130,22 +157,27 @@ def train(cfg: Config) -> dict:
       state, m = train_step(state, batch)
       m = {k: float(v) for k, v in jax.device_get(m).items()}  # waits for the step
       dt = time.perf_counter() - t0
+      train_time += dt
       done = step + 1
-      last = dict(step=done, tokens=done * cfg.tokens_per_step, **m, lr=float(lr_at(step)),
-                  tokens_per_s=cfg.tokens_per_step / dt, step_time=dt)
-      metrics.write(**last)
+      metrics.write(step=done, tokens=done * cfg.tokens_per_step, **m, lr=float(lr_at(step)),
+                    tokens_per_s=cfg.tokens_per_step / dt, step_time=dt)
       if not all(math.isfinite(m[k]) for k in ("loss", "grad_norm", "param_norm")):
+        latest = ckpts.latest_step()
         raise NonFiniteError(
             f"non-finite values at step {done}: loss={m['loss']}, grad_norm={m['grad_norm']}, "
-            f"param_norm={m['param_norm']}; stopping. The last good checkpoint "
-            f"(step {ckpts.latest_step()}) in {ckpt_dir} is untouched.")
-      bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{last['tokens_per_s']:,.0f}",
+            f"param_norm={m['param_norm']}; stopping. "
+            + (f"The latest checkpoint (step {latest}) in {ckpts.dir} is untouched."
+               if latest is not None else "No checkpoint was saved."))
+      bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{cfg.tokens_per_step / dt:,.0f}",
                       refresh=False)
       if done % cfg.eval_every == 0 or done == cfg.steps:
-        last["val_loss"] = eval_and_log(done)
+        eval_and_log(done)
       if done % cfg.ckpt_every == 0 or done == cfg.steps:
+        metrics.sync()  # the rows a checkpoint implies are on disk before it is
         ckpts.save(done, state)
   finally:
     bar.close()
     ckpts.close()
-  return last
+    metrics.close()
+  summary["tokens_per_s"] = (cfg.steps - start) * cfg.tokens_per_step / train_time
+  return {**metrics.summary(), **summary}

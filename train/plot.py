@@ -2,13 +2,17 @@
 
     python -m train.plot runs/tiny runs/other [--out loss.png] [--x tokens]
 
-Train loss is drawn thin (with a moving average on top), validation loss
-with markers, one colour per run.
+Top: train loss drawn thin (a moving average on top), validation loss with
+markers, one colour per run, and the loss of a uniform guess over the
+vocabulary (ln 256 = 5.545 for bytes). Bottom: the learning rate. The title
+names each run with its attention and tokens per step (from config.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 
 import matplotlib
@@ -17,7 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from train.metrics import read  # noqa: E402
+from train.metrics import MetricsError, read  # noqa: E402
 
 
 def _smooth(y: np.ndarray, window: int) -> np.ndarray:
@@ -28,15 +32,47 @@ def _smooth(y: np.ndarray, window: int) -> np.ndarray:
   return np.concatenate([head, (c[window:] - c[:-window]) / window])
 
 
+def load_run(run: str) -> tuple[str, list[dict], dict]:
+  """(name, metrics rows, config.json or {}) of a run folder or a metrics file."""
+  path = run if os.path.isfile(run) else os.path.join(run, "metrics.jsonl")
+  if not os.path.exists(path):
+    raise ValueError(f"{run!r} has no metrics.jsonl: not a run folder")
+  rows = read(path)
+  if not rows:
+    raise MetricsError(f"{path} has no rows: the run has not logged a step yet")
+  config = {}
+  config_path = os.path.join(os.path.dirname(path), "config.json")
+  if os.path.isfile(config_path):
+    try:
+      with open(config_path) as f:
+        config = json.load(f)
+    except (OSError, ValueError) as e:
+      raise ValueError(f"cannot read {config_path}: {e}") from e
+  name = os.path.basename(os.path.abspath(os.path.dirname(path)))
+  return name, rows, config if isinstance(config, dict) else {}
+
+
+def _vocab(config: dict) -> int | None:
+  """The run's vocabulary: saved, or bytes for text data (runs saved before
+  config.json recorded it)."""
+  if isinstance(config.get("vocab_size"), int):
+    return config["vocab_size"]
+  if config and not any(str(p).endswith(".bin") for p in config.get("data") or []):
+    return 256
+  return None
+
+
 def plot(runs: list[str], out: str, x: str = "step") -> str:
-  fig, ax = plt.subplots(figsize=(8, 5))
-  for i, run in enumerate(runs):
-    path = os.path.join(run, "metrics.jsonl")
-    if not os.path.exists(path):
-      raise ValueError(f"{run!r} has no metrics.jsonl: not a run folder")
-    rows = read(path)
+  """Draws `runs` into `out` (".png" added when it has no extension); returns
+  the path written. ValueError naming the file for anything unreadable."""
+  if not os.path.splitext(out)[1]:
+    out += ".png"
+  loaded = [load_run(run) for run in runs]
+  fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True,
+                                  gridspec_kw=dict(height_ratios=[3, 1]))
+  titles, vocabs = [], set()
+  for i, (label, rows, config) in enumerate(loaded):
     color = f"C{i}"
-    label = os.path.basename(os.path.normpath(run))
     train = [r for r in rows if "loss" in r]
     val = [r for r in rows if "val_loss" in r]
     if train:
@@ -45,25 +81,51 @@ def plot(runs: list[str], out: str, x: str = "step") -> str:
       ax.plot(xs, ys, color=color, alpha=0.25, lw=0.8)
       ax.plot(xs, _smooth(ys, max(1, len(ys) // 50)), color=color, lw=1.5,
               label=f"{label} train")
+      ax_lr.plot(xs, [r["lr"] for r in train], color=color, lw=1.2)
     if val:
       ax.plot([r[x] for r in val], [r["val_loss"] for r in val], "o--", color=color,
               ms=4, label=f"{label} val")
-  ax.set_xlabel("tokens" if x == "tokens" else "step")
+    about = [str(config["attention"])] if "attention" in config else []
+    if all(k in config for k in ("batch_size", "seq_len", "grad_accum")):
+      about.append(f"{config['batch_size'] * config['seq_len'] * config['grad_accum']:,} "
+                   f"tokens/step")
+    titles.append(label + (f" ({', '.join(about)})" if about else ""))
+    if _vocab(config):
+      vocabs.add(_vocab(config))
+  for v in sorted(vocabs):
+    ax.axhline(math.log(v), color="gray", ls=":", lw=1,
+               label=f"uniform over {v:,} tokens: ln {v} = {math.log(v):.3f}")
+  if vocabs:  # axhline leaves the limits alone: keep the line off the frame
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(lo, max(hi, math.log(max(vocabs)) + 0.05 * (hi - lo)))
+  ax.set_title("; ".join(titles), fontsize=10)
   ax.set_ylabel("loss (nats per token)")
   ax.grid(alpha=0.3)
-  ax.legend()
+  ax.legend(fontsize=8)
+  ax_lr.set_ylabel("learning rate")
+  ax_lr.set_xlabel("tokens" if x == "tokens" else "step")
+  ax_lr.grid(alpha=0.3)
   fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  fig.savefig(out, dpi=120)
-  plt.close(fig)
+  try:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=120)
+  except OSError as e:
+    raise ValueError(f"--out {out}: writing the plot failed: {e.strerror}") from e
+  except ValueError as e:  # matplotlib: an extension it cannot write
+    raise ValueError(f"--out {out}: {e}") from e
+  finally:
+    plt.close(fig)
   return out
 
 
 def main(argv: list[str] | None = None) -> None:
   p = argparse.ArgumentParser(prog="python -m train.plot", description=__doc__.split("\n")[0])
-  p.add_argument("runs", nargs="+", help="run folders (each with a metrics.jsonl)")
-  p.add_argument("--out", default="loss.png", help="PNG to write (default loss.png)")
-  p.add_argument("--x", choices=["step", "tokens"], default="step")
+  p.add_argument("runs", nargs="+", help="run folders (each with a metrics.jsonl), or "
+                                         "metrics files")
+  p.add_argument("--out", default="loss.png",
+                 help="image to write; .png is added without an extension (default loss.png)")
+  p.add_argument("--x", choices=["step", "tokens"], default="step",
+                 help="x axis (default step)")
   args = p.parse_args(argv)
   try:
     print(plot(args.runs, args.out, args.x))

@@ -161,3 +161,11 @@ def initialize_distributed(coordinator: str | None = None, num_processes: int | 
   jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                              process_id=process_id)
   return True
+
+
+def barrier(name: str) -> None:
+  """Waits for every process to get here (a no-op with one process)."""
+  import jax
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
