@@ -178,3 +178,59 @@ def finalize_rows(acc: jax.Array, m: jax.Array, l: jax.Array):
   l_safe = jnp.where(empty, 1.0, l)
   lse = jnp.where(empty, jnp.inf, safe_row_max(m) + jnp.log2(l_safe))
   return acc / l_safe[..., None], lse
+
+
+# The forward with V's block scale folded into P (the Hopper forward; the
+# reference with `unsigned_p` or `p_block`): P is quantized per row of each
+# step's tile of keys against E, the row's largest folded score, and the
+# accumulators are kept in units of exp2(E) / levels.
+# E never falls below the running maximum minus this, so the factor that moves
+# the accumulators to a new E, exp2(E_old - E_new), stays far inside fp32.
+E_FLOOR_BELOW_MAX = 60.0
+# The running maximum's start: finite, so rows that have seen no key yet get
+# finite exponents (their accumulators are 0 whatever the factor).
+NOTHING_SEEN = -1e30
+
+
+def folded_v_scales(v_block_scale: jax.Array, blocks_per_step: int
+                    ) -> tuple[jax.Array, jax.Array]:
+  """log2 and reciprocal of each V block's scale (..., num_blocks) as folded
+  into P. An all-zero block (scale 0) takes the largest scale of its step (or
+  1): its int8 values are 0, so P.V does not depend on it, while the row sum of
+  P must still count its keys."""
+  steps = v_block_scale.reshape(*v_block_scale.shape[:-1], -1, blocks_per_step)
+  partner = jnp.max(steps, axis=-1, keepdims=True)
+  safe = jnp.where(steps > 0, steps, jnp.where(partner > 0, partner, 1.0))
+  safe = safe.reshape(v_block_scale.shape)
+  return jnp.log2(safe), 1.0 / safe
+
+
+def folded_softmax_step(s: jax.Array, log2_v_scale: jax.Array, inv_v_scale: jax.Array,
+                        m: jax.Array, e: jax.Array, l: jax.Array, *, levels: float):
+  """One step of the online softmax with P = round(levels * exp2(S + log2 sV - E)).
+
+  `s`: (..., rows, keys) base-2 scores of the step, -inf where masked;
+  `log2_v_scale`, `inv_v_scale`: (..., keys), each key's V block scale
+  (`folded_v_scales`). `m` starts at NOTHING_SEEN, `e` at -inf, `l` at 0.
+  Returns (P, alpha, m, e, l): P integer-valued fp32 in [0, levels], alpha the
+  factor for the old accumulators, l the row sums of unfolded P in units of
+  exp2(e) / levels. P.V (int8 V) in these units is accumulated as
+  acc * alpha + P.V.
+  """
+  folded = s + log2_v_scale[..., None, :]
+  top = jnp.max(folded, axis=-1)
+  m_new = jnp.maximum(m, top)
+  e_new = jnp.maximum(top, m_new - E_FLOOR_BELOW_MAX)
+  alpha = jnp.exp2(e - e_new)
+  log2_levels = math.log2(levels)
+  p = jnp.exp2(jnp.minimum(folded - e_new[..., None] + log2_levels, log2_levels))
+  l_new = alpha * l + jnp.sum(p * inv_v_scale[..., None, :], axis=-1)
+  return jnp.round(p), alpha, m_new, e_new, l_new
+
+
+def finalize_folded_rows(acc: jax.Array, e: jax.Array, l: jax.Array, *, levels: float):
+  """`finalize_rows` for `folded_softmax_step`'s units: O and the base-2 lse."""
+  empty = l == 0
+  l_safe = jnp.where(empty, 1.0, l)
+  lse = jnp.where(empty, jnp.inf, e + jnp.log2(l_safe) - math.log2(levels))
+  return acc / l_safe[..., None], lse

@@ -12,6 +12,8 @@ the query blocks and scans over key blocks, like the forward and dQ kernels.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -67,8 +69,18 @@ def _group(x: jax.Array, num_kv_heads: int) -> jax.Array:
   return x.reshape(x.shape[0], num_kv_heads, x.shape[1] // num_kv_heads, *x.shape[2:])
 
 
+@dataclasses.dataclass(frozen=True)
 class ReferenceBackend:
-  """The SPEC's algorithm in `jnp`; see `pallas_kernels.types.Backend`."""
+  """The algorithm of docs/algorithm.md in `jnp`; see `pallas_kernels.types.Backend`.
+
+  `p_block` and `unsigned_p` pick how the forward quantizes P, so the
+  reference mirrors each kernel: per row of a `p_block`-key tile (default:
+  one key block, as the portable kernels), to 0..127, or to 0..255 with
+  `unsigned_p` (the Hopper forward: `p_block=128, unsigned_p=True`).
+  """
+
+  p_block: int | None = None
+  unsigned_p: bool = False
 
   def quantize(self, q, k, v, k_mean, config: Config) -> QuantizedQKV:
     # Scores are base-2 logits: scale * log2(e) goes into Q's scale.
@@ -96,24 +108,34 @@ class ReferenceBackend:
 
   def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype):
     batch, num_heads, q_len, head_dim = qkv.q8.shape
-    num_kv_heads = qkv.k8.shape[1]
+    num_kv_heads, kv_len = qkv.k8.shape[1], qkv.k8.shape[2]
+    p_block = self.p_block or config.block_kv
+    if p_block % config.block_kv or kv_len % p_block:
+      raise ValueError(f"p_block={p_block} must be a multiple of block_kv={config.block_kv} "
+                       f"that divides the padded key length {kv_len}")
+    blocks_per_step = p_block // config.block_kv
+    levels = 255.0 if self.unsigned_p else nm.INT8_MAX
     tiles = _Tiles(qkv, masks, config)
     shape = (batch, num_kv_heads, num_heads // num_kv_heads, q_len // config.block_q,
              config.block_q)
+    log2_v_scale, inv_v_scale = (
+        _per_token(x, config.block_kv)[:, :, None, None, :] for x in nm.folded_v_scales(
+            qkv.v_scale[..., ::config.block_kv], blocks_per_step))
 
     def kv_step(carry, j):
-      acc, m, l = carry
-      s = tiles.scores(j)
-      p8, p_scale, alpha, m_new, l = nm.online_softmax_step(s, m, l)
-      pv = _int8_einsum("bhgiqk,bhdk->bhgiqd", p8, tiles.kv_block(qkv.v8_t, j, axis=-1))
-      v_scale = tiles.block_scale(qkv.v_scale, j)
-      acc = acc * alpha[..., None] + nm.dequantize(pv, p_scale[..., None], v_scale)
-      return (acc, m_new, l), None
+      acc, m, e, l = carry
+      blocks = [j * blocks_per_step + i for i in range(blocks_per_step)]
+      s = jnp.concatenate([tiles.scores(i) for i in blocks], axis=-1)
+      keys = lambda x: jax.lax.dynamic_slice_in_dim(x, j * p_block, p_block, axis=-1)
+      p, alpha, m, e, l = nm.folded_softmax_step(s, keys(log2_v_scale), keys(inv_v_scale),
+                                                 m, e, l, levels=levels)
+      pv = _int8_einsum("bhgiqk,bhdk->bhgiqd", p, keys(qkv.v8_t))
+      return (acc * alpha[..., None] + pv.astype(_f32), m, e, l), None
 
-    init = (jnp.zeros((*shape, head_dim), _f32), jnp.full(shape, -jnp.inf, _f32),
-            jnp.zeros(shape, _f32))
-    (acc, m, l), _ = jax.lax.scan(kv_step, init, jnp.arange(tiles.num_kv_blocks))
-    o, lse = nm.finalize_rows(acc, m, l)
+    init = (jnp.zeros((*shape, head_dim), _f32), jnp.full(shape, nm.NOTHING_SEEN, _f32),
+            jnp.full(shape, -jnp.inf, _f32), jnp.zeros(shape, _f32))
+    (acc, _, e, l), _ = jax.lax.scan(kv_step, init, jnp.arange(kv_len // p_block))
+    o, lse = nm.finalize_folded_rows(acc, e, l, levels=levels)
     o = o.reshape(batch, num_heads, q_len, head_dim)
     return jnp.swapaxes(o, 1, 2).astype(out_dtype), lse.reshape(batch, num_heads, q_len)
 

@@ -4,9 +4,9 @@ dispatch: which kernels it runs for which case, and the op's results.
 CI checks the wiring: the op on every kernel case with the three Mosaic entry
 points swapped for their portable twins (same contract; Pallas interpret mode),
 against the CPU reference, recording which entry points ran. The Mosaic kernels
-themselves are checked one by one in Mosaic GPU interpret mode
-(tests/test_mosaic.py, tests/test_mosaic_backward.py). GPU (`@pytest.mark.gpu`):
-the op compiled through its default implementation, "mosaic" on a Hopper GPU.
+themselves are checked one by one (tests/test_mosaic.py, tests/test_mosaic_backward.py).
+GPU (`@pytest.mark.gpu`): the op compiled through its default implementation,
+"mosaic" on a Hopper GPU, against the reference with the same P quantization.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pallas_kernels.triton.backward_dq import backward_dq
 from pallas_kernels.triton.common import LaunchConfig
 from pallas_kernels.triton.forward import forward
 from pallas_kernels.mosaic.backend import MosaicBackend, takes
-from pallas_kernels.mosaic.forward import MosaicLaunch
+from pallas_kernels.mosaic import forward as mosaic_forward
 from pallas_kernels.types import Masks
 from sagebwd_jax import api, dot_product_attention
 from sagebwd_jax.reference import ReferenceBackend
@@ -39,16 +39,15 @@ def _tuned(causal: bool, interpret: bool) -> MosaicBackend:
   return MosaicBackend.tuned(PallasBackend.tuned(causal=causal, interpret=interpret))
 
 
-def _all_mosaic(causal: bool, interpret: bool) -> MosaicBackend:
-  """The tuned backend with the Mosaic forward switched on too."""
-  return dataclasses.replace(_tuned(causal, interpret),
-                             forward_mosaic=MosaicLaunch(bit_tricks=True))
+def _portable_forward(causal: bool, interpret: bool) -> MosaicBackend:
+  """The tuned backend with the fallback's forward."""
+  return dataclasses.replace(_tuned(causal, interpret), forward_mosaic=None)
 
 
-# Every case through the tuned backend (portable forward); a few through one
-# that runs the Mosaic forward too (taken, fallback for masks, GQA).
+# Every case through the tuned backend; a few through one that keeps the
+# fallback's forward (taken, fallback for masks, GQA).
 WIRING = ([(case, _tuned) for case in sorted(KERNEL_CASES)]
-          + [(case, _all_mosaic) for case in ("causal", "d128", "gqa_causal", "segments")])
+          + [(case, _portable_forward) for case in ("causal", "d128", "gqa_causal", "segments")])
 
 
 @pytest.mark.parametrize("case,make_backend", WIRING,
@@ -56,15 +55,15 @@ WIRING = ([(case, _tuned) for case in sorted(KERNEL_CASES)]
 def test_op_wiring(case, make_backend, monkeypatch):
   calls = set()
 
-  def twin(name, portable):
+  def twin(module, name, portable):
     def run(*args):
       calls.add(name)
       return portable(*args[:-1], INTERPRET)  # the launch is the last argument
-    monkeypatch.setattr(mosaic_backend, name, run)
+    monkeypatch.setattr(module, name, run)
 
-  twin("forward_mosaic", forward)
-  twin("backward_dkdv_mosaic", backward_dkdv)
-  twin("backward_dq_mosaic", backward_dq)
+  twin(mosaic_forward, "forward_mosaic", forward)
+  twin(mosaic_backend, "backward_dkdv_mosaic", backward_dkdv)
+  twin(mosaic_backend, "backward_dq_mosaic", backward_dq)
   backend = make_backend(causal=KERNEL_CASES[case].get("is_causal", False), interpret=True)
   monkeypatch.setattr(api, "_backend", lambda implementation, causal: backend)
   check_against_reference(case, "mosaic")
@@ -104,7 +103,7 @@ def test_tuned_launches():
   portable = PallasBackend.tuned(causal=True)
   causal, plain = _tuned(True, False), _tuned(False, False)
   assert causal.fallback == portable
-  assert causal.forward_mosaic is None and plain.forward_mosaic is None
+  assert causal.forward_mosaic == plain.forward_mosaic == mosaic_forward.ForwardTuning()
   assert causal.backward_mosaic.warp_specialized
 
 
@@ -124,5 +123,9 @@ def test_gpu_default_is_mosaic_on_hopper():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", sorted(KERNEL_CASES))
-def test_gpu_op_matches_reference(case):
+def test_gpu_op_matches_reference(case, monkeypatch):
+  """Where the Mosaic forward takes the case, the reference quantizes P as it does."""
+  if case in MOSAIC_CASES:
+    monkeypatch.setattr(api, "ReferenceBackend",
+                        lambda: ReferenceBackend(p_block=128, unsigned_p=True))
   check_against_reference(case, None)

@@ -2,13 +2,13 @@
 backend's (`fallback`) everywhere else.
 
 The quantization pass and the backward pre-pass are the fallback's (the same
-int8 tensors feed both paths); the dK/dV and dQ kernels (and the forward,
-when `forward_mosaic` asks for it) run in Mosaic GPU when `takes` accepts the
-case (no masks but causality, no Q-smoothing, D in {64, 128}, 64 x 64 blocks,
-sequence lengths multiples of 64, Tq == Tk when causal, 16-bit inputs) and in
-the fallback otherwise, call by call. The Mosaic kernels compile for an sm_90
-GPU only (their tests run them in Mosaic GPU interpret mode one by one:
-tests/test_mosaic*.py).
+int8 tensors feed both paths). The forward runs in Mosaic GPU when
+`forward.takes` accepts the case (no masks but causality, no Q-smoothing, D in
+{64, 128}, 64 x 64 blocks, whole 128-key steps, Tq == Tk when causal, 16-bit
+output), quantizing P as `ReferenceBackend(p_block=128, unsigned_p=True)`
+does; the dK/dV and dQ kernels when `takes` accepts it (the same, with keys in
+whole 64-token blocks). Anything else runs in the fallback, call by call. The
+Mosaic kernels compile for an sm_90 GPU only.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pallas_kernels.mosaic import common
 from pallas_kernels.mosaic.backward_common import MosaicBackwardLaunch
 from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
 from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
-from pallas_kernels.mosaic.forward import MosaicLaunch, forward_mosaic
+from pallas_kernels.mosaic import forward
 from pallas_kernels.types import Config, Masks, PrepassBackend, QuantizedQKV
 
 
@@ -46,25 +46,27 @@ class MosaicBackend:
   """
 
   fallback: PrepassBackend
-  forward_mosaic: MosaicLaunch | None = MosaicLaunch()
+  forward_mosaic: forward.ForwardTuning | None = forward.ForwardTuning()
   backward_mosaic: MosaicBackwardLaunch = MosaicBackwardLaunch()
 
   @classmethod
   def tuned(cls, fallback: PrepassBackend) -> "MosaicBackend":
-    """The launches `benchmarks/mosaic_backward.py` and `benchmarks/attention.py`
-    measured fastest on an H200: the backward with two compute warpgroups and
-    the fp32 bit tricks; the fallback's forward, at least as fast as this
-    Mosaic forward at every shape measured (docs/performance.md)."""
-    return cls(fallback, forward_mosaic=None,
+    """The launches `python -m benchmarks.attention` and
+    `python -m benchmarks.mosaic_backward` measured fastest on an H200: the
+    forward with two compute warpgroups, the backward with two compute
+    warpgroups and the fp32 bit tricks (docs/performance.md)."""
+    return cls(fallback, forward_mosaic=forward.ForwardTuning(),
                backward_mosaic=MosaicBackwardLaunch(warp_specialized=True, bit_tricks=True))
 
   def quantize(self, q, k, v, k_mean, config: Config) -> QuantizedQKV:
     return self.fallback.quantize(q, k, v, k_mean, config)
 
   def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype):
-    if self.forward_mosaic is None or not takes(qkv, masks, config, out_dtype):
+    q_len, head_dim = qkv.q8.shape[2:]
+    if self.forward_mosaic is None or not forward.takes(masks, config, q_len, qkv.k8.shape[2],
+                                                        head_dim, out_dtype):
       return self.fallback.forward(qkv, masks, config, out_dtype)
-    return forward_mosaic(qkv, masks, config, out_dtype, self.forward_mosaic)
+    return forward.forward_mosaic(qkv, masks, config, out_dtype, self.forward_mosaic)
 
   def backward(self, qkv: QuantizedQKV, v, o, lse, do, masks: Masks, config: Config):
     if not takes(qkv, masks, config, v.dtype):

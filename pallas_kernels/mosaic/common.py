@@ -36,8 +36,8 @@ def check_supported(qkv: QuantizedQKV, masks: Masks, config: Config, name: str):
 
 
 def warp_specialized_kernel(kernel, *, scratch, barriers, out_type, grid, grid_names,
-                            approx_math: bool, name: str):
-  """`plgpu.kernel` with COMPUTE_WGS compute warpgroups and one producer.
+                            approx_math: bool, name: str, compute_wgs: int = COMPUTE_WGS):
+  """`plgpu.kernel` with `compute_wgs` compute warpgroups and one producer.
 
   `kernel(*refs, scoped)` runs in every warpgroup ("wg" tells them apart);
   `scoped` holds the `scratch` shared-memory tiles and the `barriers`, allocated
@@ -49,7 +49,7 @@ def warp_specialized_kernel(kernel, *, scratch, barriers, out_type, grid, grid_n
 
   return plgpu.kernel(
       entry, out_type=out_type, grid=grid, grid_names=grid_names,
-      num_threads=COMPUTE_WGS + 1, thread_name="wg",
+      num_threads=compute_wgs + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=approx_math), kernel_name=name)
 
 

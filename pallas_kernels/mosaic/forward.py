@@ -1,356 +1,307 @@
-"""The forward kernel for Hopper in Pallas' Mosaic GPU dialect (`plgpu.kernel`).
+"""The forward kernel for Hopper (Mosaic GPU, `plgpu.kernel`).
 
-Same semantics as `pallas_kernels.triton.forward.forward` (base-2 scores from int8
-Q.K^T times the block scales, online softmax, P quantized per row with the row
-maximum exp2(rowmax(S) - m_new), int8 P.V, O = acc / l, lse = m + log2(l)),
-restricted to the cases `supports` accepts: no masks besides causality, no
-Q-smoothing, D in {64, 128}, 64 x 64 quantization blocks.
+Each CTA owns `compute_wgs` blocks of 64 query rows, one per compute
+warpgroup, and a producer warpgroup that streams K and V^T by TMA through a
+ring of `max_concurrent_steps` shared-memory slots. A step covers 128 keys:
+two 64-token quantization blocks of K and V (the halves h = 0, 1). Per step
+and half, a warpgroup computes
 
-Structure (FlashAttention-3 style, like jax's `attention_mgpu.py`): one CTA
-per (query head, 128 query rows, batch) with three warpgroups. Warpgroups 0
-and 1 each own 64 query rows (one quantization block) and run
-  S = wgmma_int8(Q8, K8^T)  (int32 accumulator, K tile (64, D) is K-major)
-  online softmax, P8 = round(P / sP) staged through shared memory
-  PV = wgmma_int8(P8, V8)   (V stored transposed (D, Tk): K-major again)
-warpgroup 2 is the producer: it streams K and V^T tiles through a
-`max_concurrent_steps`-deep ring of shared-memory slots with TMA. A schedule
-barrier alternates the two consumers' tensor-core and softmax phases
-(`use_schedule_barrier`); `overlap_qk` also issues the next block's Q.K^T
-before this block's softmax. Causal: only the diagonal key block is masked,
-later blocks are skipped, the longest query tiles launch first.
+  S_h = wgmma_s8(Q8, K8_h^T) into an int32 accumulator that starts at
+        0x4B400000, so its bits read as fp32 are f = 1.5 * 2**23 + S_h exactly
+        (|S_h| < 2**22): no conversion instruction;
+  P_h = exp2(min(f * c_h + b_h, log2 255)): the whole exp2 argument in one FMA.
+        c_h = q_scale * k_scale_h turns S into base-2 logits; the row constant
+        b_h = log2 v_scale_h - 1.5 * 2**23 * c_h - E + log2 255 removes the
+        bias, folds in V's block scale and quantizes P per row of the 128-key
+        tile to 0..255 against E, the row's largest folded score (the clip
+        absorbs the fp32 rounding of b_h, so P never exceeds 255);
 
-Scales are stored per token (`QuantizedQKV`), so a 64-token tile of k_scale
-or v_scale is 64 copies of the block's scale: loaded (from global memory, one
-key block ahead of use) as a per-row vector of the 64-row accumulator, it
-multiplies each row by that same scalar, exactly the scalar product the
-portable kernel forms. Every `MosaicLaunch` gives the same results up to fp32
-rounding (bit tricks are exact; approx_math changes exp2/log2/division ulps).
+then rounds P by adding 1.5 * 2**23, packs the low bytes into wgmma's 8-bit
+register operand (`registers.p_dot_v`; V^T's keys are stored permuted to
+match), and forms PV = P_0.V8_0 + P_1.V8_1 in one int32 accumulator by
+unsigned x signed wgmmas. The output accumulates as
+acc = acc * exp2(E_prev - E) + float(PV). E is floored at the running maximum
+minus 60, so the rescale factor never overflows; tiles that far below the
+maximum contribute below fp32 resolution anyway. docs/algorithm.md gives the
+algorithm and `sagebwd_jax.reference.ReferenceBackend(p_block=128,
+unsigned_p=True)` computes the same values in plain JAX.
+
+The two warpgroups take turns on the tensor cores (a schedule barrier): one
+runs its softmax while the other's products run. Causal: the query blocks of a
+CTA see the same key steps (128 query rows against 128-key steps), the last
+one masked; later steps are skipped and the longest CTAs launch first.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
+import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels import numerics as nm
-from pallas_kernels.mosaic.common import (BLOCK, COMPUTE_WGS, check_supported, smem_transforms,
-                                          warp_specialized_kernel)
+from pallas_kernels.mosaic import registers
+from pallas_kernels.mosaic.common import BLOCK, smem_transforms, warp_specialized_kernel
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
+KV_STEP = 2 * BLOCK  # keys per step: two quantization blocks
+P_LEVELS = 255.0  # P is unsigned 8-bit
+_LOG2_P_LEVELS = math.log2(P_LEVELS)
+_MAGIC_F = 12582912.0  # 1.5 * 2**23: numerics' rounding add
+_MAGIC_I = 0x4B400000  # its bits
+
+
 @dataclasses.dataclass(frozen=True)
-class MosaicLaunch:
-  """Tuning knobs of the Mosaic forward (static)."""
+class ForwardTuning:
+  """Launch settings of the Mosaic forward (they do not change results)."""
 
-  max_concurrent_steps: int = 2  # K/V ring depth
-  use_schedule_barrier: bool = True  # alternate the two warpgroups' tensor-core phases
-  bit_tricks: bool = False  # fp32 bit tricks for int32->fp32 and rounding
-  overlap_qk: bool = False  # issue block j+1's Q.K^T before block j's softmax (FA3)
-  approx_math: bool = True
+  compute_wgs: int = 2  # warpgroups of 64 query rows per CTA
+  max_concurrent_steps: int = 2  # K/V ring depth (128 keys a slot)
+  schedule_barrier: bool = True  # compute warpgroups take turns on the tensor cores
+
+  def __post_init__(self):
+    # One or two 64-row blocks fit a 128-key step, so with causal masking every
+    # warpgroup of a CTA sees the same steps.
+    if self.compute_wgs not in (1, 2):
+      raise ValueError(f"compute_wgs must be 1 or 2; got {self.compute_wgs}")
+    if self.max_concurrent_steps < 2:
+      raise ValueError(f"max_concurrent_steps must be >= 2; got {self.max_concurrent_steps}")
+    if self.schedule_barrier and self.compute_wgs != 2:
+      raise ValueError("schedule_barrier alternates two compute warpgroups")
 
 
-def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scale, *, causal: bool, out_dtype,
-                  launch: MosaicLaunch, padded: bool):
+def takes(masks: Masks, config: Config, q_len: int, kv_len: int, head_dim: int,
+          dtype) -> bool:
+  """Whether `forward_mosaic` computes this case (else the fallback does)."""
+  return (masks.q_ids is None and masks.kv_ids is None and not config.smooth_q
+          and head_dim in (64, 128) and config.block_q == BLOCK
+          and config.block_kv == BLOCK and q_len % BLOCK == 0 and kv_len % KV_STEP == 0
+          and (not config.causal or q_len == kv_len)
+          and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
+
+
+def _block_scales(per_token: jax.Array) -> jax.Array:
+  """(B, H, T) per-token copies -> (B, H, T // BLOCK), one per block."""
+  return per_token[..., ::BLOCK]
+
+
+def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, causal: bool,
+                  out_dtype, tuning: ForwardTuning):
+  """q8 (B, H, Tq, D); k8 (B, Hkv, Tk / 64, 64, D); vt8 (B, Hkv, Tk / 64, D, 64)
+  with keys in `registers.permute_keys` order; scales per block."""
   batch, heads, q_len, head_dim = q8.shape
-  kv_heads, kv_len = k8.shape[1], k8.shape[2]
+  kv_heads, num_kv_blocks = k8.shape[1], k8.shape[2]
   group = heads // kv_heads
-  num_kv_blocks = kv_len // BLOCK
-  num_q_tiles = q_len // (COMPUTE_WGS * BLOCK)
-  steps = min(launch.max_concurrent_steps, num_kv_blocks)
-  bit_tricks = launch.bit_tricks
+  wgs = tuning.compute_wgs
+  num_steps = num_kv_blocks * BLOCK // KV_STEP
+  num_q_tiles = q_len // (wgs * BLOCK)
+  ring = min(tuning.max_concurrent_steps, num_steps)
+  halves = KV_STEP // BLOCK
   row = plgpu.Layout.WGMMA.reduce(1)
+  vt_transforms = smem_transforms(BLOCK, jnp.int8)
 
-  def kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, vs_ref, o_ref, lse_ref, scoped):
-    b = lax.axis_index("batch")
-    h = lax.axis_index("heads")
-    t = lax.axis_index("q_seq")
+  def kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, lsv_ref, isv_ref, o_ref, lse_ref, scoped):
+    b, h, t = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_seq")
     if causal:  # the longest query tiles launch first (shorter tail)
       t = num_q_tiles - 1 - t
     wg = lax.axis_index("wg")
-    (q_smem2, k_smem, vt_smem, p_smem2, o_smem2, lse_smem2), bars, consumed, sched = scoped
-    k_bars, v_bars, q_bars = bars
+    (q_smem, k_smem, vt_smem, o_smem, lse_smem), (k_bars, v_bars, q_bars), consumed, sched = (
+        scoped)
     k_consumed, v_consumed = consumed
     kvh = lax.div(h, jnp.array(group, h.dtype))
+    # Key steps the CTA's query blocks see (the same for each of its warpgroups).
+    cta_steps = lax.div(t * wgs * BLOCK, KV_STEP) + 1 if causal else num_steps
 
     def schedule_barrier():
-      if launch.use_schedule_barrier:
+      if tuning.schedule_barrier:
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
 
-    if causal:  # key blocks the CTA's last query row sees
-      cta_kv_steps = (t + 1) * COMPUTE_WGS
-      if padded:  # the last CTA's second query block is padding (Tq = Tk)
-        cta_kv_steps = jnp.minimum(cta_kv_steps, num_kv_blocks)
-    else:
-      cta_kv_steps = num_kv_blocks
-
-    @pl.when(wg < COMPUTE_WGS)
+    @pl.when(wg < wgs)
     def _compute():
-      plgpu.set_max_registers(232, action="increase")
-      q_smem, p_smem = q_smem2.at[wg], p_smem2.at[wg]
-      o_smem, lse_smem = o_smem2.at[wg], lse_smem2.at[wg]
-      qi = t * COMPUTE_WGS + wg  # this warpgroup's query block
-      q_base = qi * BLOCK
-      if not causal:
-        kv_steps = num_kv_blocks
-      elif padded:  # the padding block (qi == num_kv_blocks) sees every key, unmasked
-        kv_steps = jnp.minimum(qi + 1, num_kv_blocks)
-      else:
-        kv_steps = qi + 1
-
-      plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(q_base, BLOCK)], q_smem, q_bars.at[wg])
-      q_scale_row = plgpu.load(qs_ref.at[b, h, pl.ds(q_base, BLOCK)], layout=row, optimized=False)
+      plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+      q_base = (t * wgs + wg) * BLOCK
+      plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(q_base, BLOCK)], q_smem.at[wg],
+                              q_bars.at[wg])
+      q_scale = qs_ref[b, h, q_base]
       plgpu.barrier_wait(q_bars.at[wg])
 
-      m = plgpu.layout_cast(jnp.full((BLOCK,), -jnp.inf, jnp.float32), row)
-      l = plgpu.layout_cast(jnp.full((BLOCK,), 0.0, jnp.float32), row)
-      acc = plgpu.layout_cast(jnp.full((BLOCK, head_dim), 0.0, jnp.float32),
-                              plgpu.Layout.WGMMA)
+      def step_scales(j):
+        """Per half: (c_h, base_h, 1 / v_scale_h); base_h = log2 v_scale_h -
+        1.5 * 2**23 * c_h, so f * c_h + base_h is the folded base-2 score."""
+        out = []
+        for half in range(halves):
+          blk = j * halves + half
+          # c > 0 keeps masked scores at -inf (-inf * 0 is NaN); a floor this
+          # small moves unmasked scores of an all-zero block by < 2**-75.
+          c = jnp.maximum(q_scale * ks_ref[b, kvh, blk], 2.0**-100)
+          out.append((c, lsv_ref[b, kvh, blk] - _MAGIC_F * c, isv_ref[b, kvh, blk]))
+        return tuple(out)
 
-      if launch.use_schedule_barrier:
-        pl.when(wg == 1)(schedule_barrier)
-
-      def load_scales(j):
-        kv = pl.ds(j * BLOCK, BLOCK)
-        return (plgpu.load(ks_ref.at[b, kvh, kv], layout=row, optimized=False),
-                plgpu.load(vs_ref.at[b, kvh, kv], layout=row, optimized=False))
-
-      def scores(s_int, k_scale_row, j, masked):
-        """Base-2 logits: int32 -> fp32 times (q block scale * k block scale)."""
-        s = nm.int32_to_float(s_int, bit_tricks=bit_tricks) * lax.broadcast_in_dim(
-            q_scale_row * k_scale_row, (BLOCK, BLOCK), [0])
-        if masked:  # causal, on the last key block this query block sees
-          q_pos = plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0,
-                                         layout=plgpu.Layout.WGMMA)
-          kv_pos = plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1,
-                                          layout=plgpu.Layout.WGMMA)
-          s = jnp.where(q_pos + q_base >= kv_pos + j * BLOCK, s, -jnp.inf)
-        return s
-
-      def softmax_to_smem(s, m, l, v_scale_row):
-        """numerics.online_softmax_step; P8 goes to p_smem (an 8-bit wgmma A
-        operand must come from shared memory)."""
-        m_tile = jnp.max(s, axis=1)
-        m_new = jnp.maximum(m, m_tile)
-        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m - m_safe)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, (BLOCK, BLOCK), [0]))
-        l = alpha * l + jnp.sum(p, axis=1)
-        # P per row, scaled by its row maximum exp2(rowmax(S) - m_new)
-        p_amax = jnp.exp2(m_tile - m_safe)
-        inv = nm.inverse_scale(p_amax)
-        p_smem[...] = nm.round_to_int8(p * lax.broadcast_in_dim(inv, (BLOCK, BLOCK), [0]),
-                                       nonnegative=True, bit_tricks=bit_tricks)
-        plgpu.commit_smem()
-        return alpha, m_new, l, (p_amax / nm.INT8_MAX) * v_scale_row
-
-      def end_softmax(slot):
-        if launch.use_schedule_barrier:  # done with softmax; wait for the tensor core
-          plgpu.barrier_arrive(sched)
-          plgpu.barrier_wait(v_bars.at[slot])
-          plgpu.barrier_wait(sched)
-        else:
-          plgpu.barrier_wait(v_bars.at[slot])
-
-      def accumulate(acc, alpha, pv, pv_scale):
-        pv = nm.int32_to_float(pv, bit_tricks=bit_tricks)
-        return (acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                + pv * lax.broadcast_in_dim(pv_scale, acc.shape, [0]))
-
-      def issue_qk(j, s_ref):
-        slot = lax.rem(j, jnp.array(steps, j.dtype))
+      def scores(slot):
+        """Both halves' S, issued together; bits of 1.5 * 2**23 + S as fp32."""
         plgpu.barrier_wait(k_bars.at[slot])
-        plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-        schedule_barrier()  # the other warpgroup's softmax runs meanwhile
+        magic = plgpu.layout_cast(jnp.full((BLOCK, BLOCK), _MAGIC_I, jnp.int32),
+                                  plgpu.Layout.WGMMA)
+
+        def issue(accs):
+          for half, acc in enumerate(accs):
+            plgpu.wgmma(acc, q_smem.at[wg], k_smem.at[slot, half].T)
+          schedule_barrier()  # the other warpgroup's softmax runs meanwhile
+
+        s = pl.run_state(issue)(tuple(plgpu.ACC.init(magic) for _ in range(halves)))
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        return [lax.bitcast_convert_type(x, jnp.float32) for x in s]
+
+      def causal_mask(f, j, half):
+        q_pos = plgpu.broadcasted_iota(jnp.int32, f.shape, 0, layout=plgpu.Layout.WGMMA)
+        kv_pos = plgpu.broadcasted_iota(jnp.int32, f.shape, 1, layout=plgpu.Layout.WGMMA)
+        return jnp.where(q_pos + q_base >= kv_pos + (j * KV_STEP + half * BLOCK), f, -jnp.inf)
+
+      def softmax(f, scales, m, e, l):
+        """P of one step as rounding-add bits, and the rescaled running state."""
+        bcast = lambda x: lax.broadcast_in_dim(x, (BLOCK, BLOCK), [0])
+        tops = [jnp.max(x, axis=1) * c + base for x, (c, base, _) in zip(f, scales)]
+        m_new = jnp.maximum(m, functools.reduce(jnp.maximum, tops))
+        e_new = jnp.maximum(functools.reduce(jnp.maximum, tops), m_new - nm.E_FLOOR_BELOW_MAX)
+        alpha = jnp.exp2(e - e_new)
+        bits, l_new = [], l * alpha
+        for x, (c, base, inv_v_scale) in zip(f, scales):
+          offset = base + _LOG2_P_LEVELS - e_new
+          p = jnp.exp2(jnp.minimum(x * c + bcast(offset), _LOG2_P_LEVELS))
+          l_new = l_new + jnp.sum(p, axis=1) * inv_v_scale
+          bits.append(lax.bitcast_convert_type(p + _MAGIC_F, jnp.int32))
+        return bits, alpha, m_new, e_new, l_new
 
       def kv_step(j, carry, *, masked: bool):
-        """Q.K^T, softmax, P.V of key block j, one after the other."""
-        acc, m, l, (k_scale_row, v_scale_row) = carry
-        slot = lax.rem(j, jnp.array(steps, j.dtype))
-        # The next key block's scales, a whole step ahead of their use.
-        next_scales = load_scales(jnp.minimum(j + 1, num_kv_blocks - 1))
-
-        def qk(s_ref):
-          issue_qk(j, s_ref)
-          return s_ref[...]
-
-        s_int = pl.run_scoped(qk, plgpu.ACC((BLOCK, BLOCK), jnp.int32))
-        plgpu.barrier_arrive(k_consumed.at[slot])
-        alpha, m, l, pv_scale = softmax_to_smem(scores(s_int, k_scale_row, j, masked), m, l,
-                                                v_scale_row)
-        end_softmax(slot)
-
-        def pv(acc_ref):
-          plgpu.wgmma(acc_ref, p_smem, vt_smem.at[slot].transpose((1, 0)))
-          return acc_ref[...]
-
-        pv = pl.run_scoped(pv, plgpu.ACC((BLOCK, head_dim), jnp.int32))
+        acc, m, e, l, scales = carry
+        slot = lax.rem(j, jnp.array(ring, j.dtype))
+        next_scales = step_scales(jnp.minimum(j + 1, num_steps - 1))
+        f = scores(slot)
+        if masked:
+          f = [causal_mask(x, j, half) for half, x in enumerate(f)]
+        bits, alpha, m, e, l = softmax(f, scales, m, e, l)
+        if tuning.schedule_barrier:  # softmax done: let the other warpgroup issue
+          plgpu.barrier_arrive(sched)
+        plgpu.barrier_wait(v_bars.at[slot])
+        if tuning.schedule_barrier:
+          plgpu.barrier_wait(sched)
+        pv = registers.p_dot_v(tuple(bits), tuple(vt_smem.at[slot, i] for i in range(halves)),
+                               vt_transforms, head_dim)
         plgpu.barrier_arrive(v_consumed.at[slot])
-        return accumulate(acc, alpha, pv, pv_scale), m, l, next_scales
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv.astype(jnp.float32)
+        return acc, m, e, l, next_scales
 
-      def overlapped_step(j, carry, *, masked: bool, has_next: bool):
-        """Softmax and P.V of key block j while Q.K^T of block j + 1 runs
-        (its int32 scores arrive in the carry)."""
-        acc, m, l, (k_scale_row, v_scale_row), s_int = carry
-        slot = lax.rem(j, jnp.array(steps, j.dtype))
-        next_scales = load_scales(jnp.minimum(j + 1, num_kv_blocks - 1))
-
-        def body(pv_ref, s_ref=None):
-          if has_next:
-            issue_qk(j + 1, s_ref)
-          alpha, m_new, l_new, pv_scale = softmax_to_smem(
-              scores(s_int, k_scale_row, j, masked), m, l, v_scale_row)
-          end_softmax(slot)
-          plgpu.wgmma(pv_ref, p_smem, vt_smem.at[slot].transpose((1, 0)))
-          s_next = s_int
-          if has_next:  # wait for Q.K^T only; P.V may still run
-            s_next = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-            plgpu.barrier_arrive(k_consumed.at[lax.rem(j + 1, jnp.array(steps, j.dtype))])
-          pv = plgpu.wgmma_accumulator_load(pv_ref, wait_n=0)
-          return alpha, m_new, l_new, pv_scale, s_next, pv
-
-        scratch = [plgpu.ACC((BLOCK, head_dim), jnp.int32)]
-        if has_next:
-          scratch.append(plgpu.ACC((BLOCK, BLOCK), jnp.int32))
-        alpha, m, l, pv_scale, s_next, pv = pl.run_scoped(body, *scratch)
-        plgpu.barrier_arrive(v_consumed.at[slot])
-        return accumulate(acc, alpha, pv, pv_scale), m, l, next_scales, s_next
-
-      carry = (acc, m, l, load_scales(0))
-      # Causal: blocks before the last one this query block sees are whole;
-      # the last is the diagonal (or, for a padding block, one more whole block).
-      masked_last = causal
-      last = jnp.asarray(kv_steps - 1, jnp.int32)
-      if launch.overlap_qk:
-        def first_qk(s_ref):
-          issue_qk(jnp.int32(0), s_ref)
-          return s_ref[...]
-
-        carry = (*carry, pl.run_scoped(first_qk, plgpu.ACC((BLOCK, BLOCK), jnp.int32)))
-        plgpu.barrier_arrive(k_consumed.at[0])
-        carry = lax.fori_loop(
-            0, kv_steps - 1,
-            functools.partial(overlapped_step, masked=False, has_next=True), carry)
-        carry = overlapped_step(last, carry, masked=masked_last, has_next=False)[:4]
+      full_row = lambda value: plgpu.layout_cast(jnp.full((BLOCK,), value, jnp.float32), row)
+      carry = (plgpu.layout_cast(jnp.full((BLOCK, head_dim), 0.0, jnp.float32),
+                                 plgpu.Layout.WGMMA),
+               full_row(nm.NOTHING_SEEN), full_row(-jnp.inf), full_row(0.0), step_scales(0))
+      if tuning.schedule_barrier:
+        pl.when(wg == 1)(schedule_barrier)
+      if causal:  # the last step holds the diagonal
+        carry = lax.fori_loop(0, cta_steps - 1, functools.partial(kv_step, masked=False), carry)
+        carry = kv_step(jnp.asarray(cta_steps - 1, jnp.int32), carry, masked=True)
       else:
-        carry = lax.fori_loop(0, kv_steps - 1, functools.partial(kv_step, masked=False),
-                              carry)
-        carry = kv_step(last, carry, masked=masked_last)
-
-      if causal:
-        # Release the slots of the blocks only the other warpgroup needs.
-        @pl.loop(kv_steps, cta_kv_steps)
-        def _flush(j):
-          slot = lax.rem(j, jnp.array(steps, j.dtype))
-          plgpu.barrier_wait(k_bars.at[slot])
-          plgpu.barrier_wait(v_bars.at[slot])
-          plgpu.barrier_arrive(k_consumed.at[slot])
-          plgpu.barrier_arrive(v_consumed.at[slot])
-          schedule_barrier()
-          schedule_barrier()
-      acc, m, l, _ = carry
-      if launch.use_schedule_barrier:
+        carry = lax.fori_loop(0, num_steps, functools.partial(kv_step, masked=False), carry)
+      if tuning.schedule_barrier:
         pl.when(wg == 0)(schedule_barrier)
+      acc, _, e, l, _ = carry
 
-      # finalize_rows: every row saw its own key, so l > 0
+      # numerics.finalize_folded_rows, with a reciprocal per row.
       empty = l == 0
       l_safe = jnp.where(empty, 1.0, l)
-      lse = jnp.where(empty, jnp.inf, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log2(l_safe))
-      o = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-      o_smem[...] = o.astype(out_dtype)
-      lse_smem[...] = lse
+      lse = jnp.where(empty, jnp.inf, e + jnp.log2(l_safe) - _LOG2_P_LEVELS)
+      o = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+      o_smem.at[wg][...] = o.astype(out_dtype)
+      lse_smem.at[wg][...] = lse
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, pl.ds(q_base, BLOCK), h])
-      plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_base, BLOCK)])
+      plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[b, pl.ds(q_base, BLOCK), h])
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q_base, BLOCK)])
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == COMPUTE_WGS)
+    @pl.when(wg == wgs)
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
 
-      def load_k(j, slot):
-        kv = pl.ds(j * BLOCK, BLOCK)
-        plgpu.copy_gmem_to_smem(k_ref.at[b, kvh, kv], k_smem.at[slot], k_bars.at[slot])
+      def load(j, slot):
+        blocks = pl.ds(j * halves, halves)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, kvh, blocks], k_smem.at[slot], k_bars.at[slot])
+        plgpu.copy_gmem_to_smem(vt_ref.at[b, kvh, blocks], vt_smem.at[slot], v_bars.at[slot])
 
-      def load_v(j, slot):
-        kv = pl.ds(j * BLOCK, BLOCK)
-        plgpu.copy_gmem_to_smem(vt_ref.at[b, kvh, :, kv], vt_smem.at[slot], v_bars.at[slot])
+      for i in range(ring):
+        pl.when(i < cta_steps)(functools.partial(load, i, i))
 
-      for i in range(steps):
-        @pl.when(i < cta_kv_steps)
-        def _():
-          load_k(i, i)
-          load_v(i, i)
-
-      # K of block j may not wait for V of block j - steps to be consumed: with
-      # overlap_qk a warpgroup issues Q.K^T of block j + 1 before P.V of block j.
-      @pl.loop(steps, cta_kv_steps)
+      @pl.loop(ring, cta_steps)
       def _ring(j):
-        slot = lax.rem(j, jnp.array(steps, j.dtype))
+        slot = lax.rem(j, jnp.array(ring, j.dtype))
         plgpu.barrier_wait(k_consumed.at[slot])
-        load_k(j, slot)
         plgpu.barrier_wait(v_consumed.at[slot])
-        load_v(j, slot)
+        load(j, slot)
 
-      # Observe the last consumptions too (every barrier phase gets waited on:
-      # GPU interpret mode checks it; harmless on the GPU).
-      @pl.loop(jnp.maximum(cta_kv_steps - steps, 0), cta_kv_steps)
+      # Observe the last consumptions too, so every barrier phase is waited on.
+      @pl.loop(jnp.maximum(cta_steps - ring, 0), cta_steps)
       def _drain(j):
-        slot = lax.rem(j, jnp.array(steps, j.dtype))
+        slot = lax.rem(j, jnp.array(ring, j.dtype))
         plgpu.barrier_wait(k_consumed.at[slot])
         plgpu.barrier_wait(v_consumed.at[slot])
 
   i8 = jnp.int8
   scratch = (
-      plgpu.SMEM((COMPUTE_WGS, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),
-      plgpu.SMEM((steps, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),
-      plgpu.SMEM((steps, head_dim, BLOCK), i8, transforms=smem_transforms(BLOCK, i8)),
-      plgpu.SMEM((COMPUTE_WGS, BLOCK, BLOCK), i8, transforms=smem_transforms(BLOCK, i8)),
-      plgpu.SMEM((COMPUTE_WGS, BLOCK, head_dim), out_dtype,
+      plgpu.SMEM((wgs, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),
+      plgpu.SMEM((ring, halves, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),
+      plgpu.SMEM((ring, halves, head_dim, BLOCK), i8, transforms=vt_transforms),
+      plgpu.SMEM((wgs, BLOCK, head_dim), out_dtype,
                  transforms=smem_transforms(head_dim, out_dtype)),
-      plgpu.SMEM((COMPUTE_WGS, BLOCK), jnp.float32),
+      plgpu.SMEM((wgs, BLOCK), jnp.float32),
   )
   barriers = (
-      (plgpu.Barrier(num_barriers=steps), plgpu.Barrier(num_barriers=steps),
-       plgpu.Barrier(num_barriers=COMPUTE_WGS)),
-      (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=steps),) * 2,
-      plgpu.Barrier(num_arrivals=COMPUTE_WGS),
+      (plgpu.Barrier(num_barriers=ring), plgpu.Barrier(num_barriers=ring),
+       plgpu.Barrier(num_barriers=wgs)),
+      (plgpu.Barrier(num_arrivals=wgs, num_barriers=ring),) * 2,
+      plgpu.Barrier(num_arrivals=wgs),
   )
   out_type = (jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), out_dtype),
               jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32))
   return warp_specialized_kernel(
       kernel, scratch=scratch, barriers=barriers, out_type=out_type,
       grid=(heads, num_q_tiles, batch), grid_names=("heads", "q_seq", "batch"),
-      approx_math=launch.approx_math, name="sagebwd_forward_mosaic",
-  )(q8, q_scale, k8, k_scale, v8_t, v_scale)
+      approx_math=True, name="sagebwd_forward_mosaic", compute_wgs=wgs,
+  )(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale)
 
 
 def forward_mosaic(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
-                   launch: MosaicLaunch = MosaicLaunch()):
+                   tuning: ForwardTuning = ForwardTuning()):
   """O (B, Tq, H, D) in `out_dtype` and the base-2 log-sum-exp (B, H, Tq).
 
-  Same contract as `pallas_kernels.triton.forward.forward` for the cases `supports`
-  accepts. Tq is padded to a multiple of 128 (two query blocks per CTA) when
-  needed; padded rows are dropped.
+  For the cases `takes` accepts; P is quantized as `ReferenceBackend(p_block=128,
+  unsigned_p=True)` does. Tq is padded to whole CTA tiles (dropped after).
   """
-  check_supported(qkv, masks, config, "forward_mosaic")
-  out_dtype = jnp.dtype(out_dtype)
+  batch, heads, q_len, head_dim = qkv.q8.shape
+  kv_heads, kv_len = qkv.k8.shape[1], qkv.k8.shape[2]
+  if not takes(masks, config, q_len, kv_len, head_dim, out_dtype):
+    raise NotImplementedError(
+        "forward_mosaic takes no masks but causality, smooth_q=False, 64 x 64 blocks, "
+        f"D in (64, 128), Tq % 64 == 0, Tk % {KV_STEP} == 0, Tq == Tk when causal, 16-bit "
+        f"output; got D={head_dim}, Tq={q_len}, Tk={kv_len}, config={config}, "
+        f"masks={masks.q_ids is not None}, dtype={jnp.dtype(out_dtype)}")
   q8, q_scale = qkv.q8, qkv.q_scale
-  q_len, kv_len = q8.shape[2], qkv.k8.shape[2]
-  if config.causal and q_len != kv_len:
-    raise NotImplementedError("forward_mosaic: causal needs Tq == Tk")
-  pad = -q_len % (COMPUTE_WGS * BLOCK)
-  if pad:
+  pad = -q_len % (tuning.compute_wgs * BLOCK)
+  if pad:  # only without causality (Tq == Tk is a multiple of 128 with it)
     q8 = jnp.pad(q8, ((0, 0), (0, 0), (0, pad), (0, 0)))
     q_scale = jnp.pad(q_scale, ((0, 0), (0, 0), (0, pad)))
-  o, lse = _forward_call(q8, q_scale, qkv.k8, qkv.k_scale, qkv.v8_t, qkv.v_scale,
-                         causal=config.causal, out_dtype=out_dtype, launch=launch,
-                         padded=bool(pad))
+  blocks = kv_len // BLOCK
+  k8 = qkv.k8.reshape(batch, kv_heads, blocks, BLOCK, head_dim)
+  vt8 = registers.permute_keys(qkv.v8_t).reshape(batch, kv_heads, head_dim, blocks, BLOCK)
+  vt8 = jnp.swapaxes(vt8, 2, 3)
+  log2_v_scale, inv_v_scale = nm.folded_v_scales(_block_scales(qkv.v_scale), KV_STEP // BLOCK)
+  o, lse = _forward_call(q8, q_scale, k8, _block_scales(qkv.k_scale), vt8, log2_v_scale,
+                         inv_v_scale, causal=config.causal, out_dtype=jnp.dtype(out_dtype),
+                         tuning=tuning)
   if pad:
     o, lse = o[:, :q_len], lse[:, :, :q_len]
   return o, lse

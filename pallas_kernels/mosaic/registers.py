@@ -1,0 +1,131 @@
+"""Quantized tiles fed to wgmma straight from registers.
+
+A tile of P computed in the accumulator layout of a previous wgmma (WGMMA:
+each thread holds, per 16 columns, columns {2c, 2c+1, 2c+8, 2c+9}) becomes the
+8-bit register A operand of the next one (WGMMA_8BIT: per 16 columns, four
+consecutive ones {4c..4c+3}) without moving data between threads: the four
+values a thread holds are packed into one 32-bit register as they are, so A's
+column 4c+i holds P's column sigma16(4c+i). The B operand's rows (keys) are
+stored in that same order (`permute_keys`), so the product is unchanged.
+
+The values arrive as the int32 bits of `p + 1.5 * 2**23` (the rounding add of
+`numerics`), whose low byte is round(p) for 0 <= p <= 255: three byte permutes
+pack four of them. jax 0.11.2's wgmma has no unsigned A operand; `p_dot_v`
+issues its instructions as `.u8.s8` (see `_unsigned_a`), so P may use all 256
+levels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import fragmented_array as fa
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+import jax.numpy as jnp
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import llvm
+from jaxlib.mlir.dialects import vector
+import numpy as np
+
+# The module, not the function of the same name that `mosaic.gpu` exports.
+mgpu_wgmma = importlib.import_module("jax.experimental.mosaic.gpu.wgmma")
+
+ROWS = 64  # rows of a wgmma M tile: one warpgroup's query block
+
+
+def permute_keys(x: jax.Array, axis: int = -1) -> jax.Array:
+  """Reorders `axis` (a multiple of 16) within each 16 as sigma16:
+  position 4c + 2h + e holds element 8h + 2c + e (c < 4; h, e < 2)."""
+  axis = axis % x.ndim
+  n = x.shape[axis]
+  split = x.reshape(*x.shape[:axis], n // 16, 2, 4, 2, *x.shape[axis + 1:])
+  perm = list(range(split.ndim))
+  perm[axis + 1], perm[axis + 2] = axis + 2, axis + 1
+  return jnp.transpose(split, perm).reshape(x.shape)
+
+
+def _pack_low_bytes(x: fa.FragmentedArray) -> fa.FragmentedArray:
+  """int32 WGMMA-layout tile -> int8 WGMMA_8BIT tile of each value's low byte."""
+  i32 = ir.IntegerType.get_signless(32)
+  i8 = ir.IntegerType.get_signless(8)
+  shape = fa.WGMMA_LAYOUT_8BIT.registers_shape(x.shape)
+  packed = np.empty(shape, dtype=object)
+
+  def element(vec, i):
+    return llvm.extractelement(vec, llvm.ConstantOp(i32, ir.IntegerAttr.get(i32, i)).result)
+
+  for idx in np.ndindex(shape):
+    lo = x.registers[(idx[0], 2 * idx[1], *idx[2:])]
+    hi = x.registers[(idx[0], 2 * idx[1] + 1, *idx[2:])]
+    word = llvm.inline_asm(
+        i32, [element(lo, 0), element(lo, 1), element(hi, 0), element(hi, 1)],
+        "{ .reg .b32 t0, t1; prmt.b32 t0, $1, $2, 0x0040; prmt.b32 t1, $3, $4, 0x0040;"
+        " prmt.b32 $0, t0, t1, 0x5410; }",
+        "=r,r,r,r,r", has_side_effects=False)
+    packed[idx] = vector.bitcast(ir.VectorType.get((4,), i8),
+                                 vector.broadcast(ir.VectorType.get((1,), i32), word))
+  return fa.FragmentedArray(_registers=packed, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=True)
+
+
+class _UnsignedA:
+  """Stands in for the `llvm` module of jax's wgmma lowering and rewrites the
+  register-A int8 instruction `.s32.s8.s8` into `.s32.u8.s8`."""
+
+  def __init__(self, real):
+    self._real = real
+
+  def __getattr__(self, name):
+    return getattr(self._real, name)
+
+  def inline_asm(self, result, operands, asm, constraints, *args, **kwargs):
+    asm = asm.replace(".s32.s8.s8", ".s32.u8.s8")
+    return self._real.inline_asm(result, operands, asm, constraints, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _unsigned_a():
+  """While lowering the wgmmas of `p_dot_v` (and nothing else), their A operand
+  is unsigned. Remove when jax's wgmma takes unsigned int8 A operands."""
+  real = mgpu_wgmma.llvm
+  mgpu_wgmma.llvm = _UnsignedA(real)
+  try:
+    yield
+  finally:
+    mgpu_wgmma.llvm = real
+
+
+def p_dot_v(p_bits: tuple[jax.Array, ...], vt_tiles: tuple, transforms: tuple,
+            head_dim: int) -> jax.Array:
+  """int32 sum over i of P_i.V_i, P_i unsigned 8-bit from registers.
+
+  `p_bits[i]`: (64, 64) int32, WGMMA layout, the bits of p + 1.5 * 2**23 for
+  0 <= p <= 255. `vt_tiles[i]`: a shared-memory (D, 64) int8 tile of V^T with
+  its keys in `permute_keys` order, stored with `transforms` (64-byte swizzle).
+  Issues every product, then waits for them; returns (64, D) int32, WGMMA layout.
+  """
+  swizzle = transforms[-1].swizzle
+  count = len(p_bits)
+
+  @plgpu.inline_mgpu(
+      arg_types=((plgpu.Layout.WGMMA,) * count, (plgpu.RefType(transforms),) * count),
+      return_type=plgpu.ShapeDtypeStruct((ROWS, head_dim), jnp.int32,
+                                         layout=plgpu.Layout.WGMMA))
+  def product(ctx, bits, tiles):
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    acc = mgpu.WGMMAAccumulator.zero(ROWS, head_dim, i32, is_signed=True)
+    packed = [_pack_low_bytes(x) for x in bits]
+    with _unsigned_a():
+      for a, tile in zip(packed, tiles):
+        acc = mgpu.wgmma(acc, a, mgpu_utils.memref_transpose(tile, (1, 0, 3, 2)),
+                         swizzle=swizzle)
+    void = ir.Type.parse("!llvm.void")
+    llvm.inline_asm(void, [], "wgmma.commit_group.sync.aligned;", "", has_side_effects=True)
+    llvm.inline_asm(void, [], "wgmma.wait_group.sync.aligned 0;", "", has_side_effects=True)
+    return acc.value
+
+  return product(tuple(p_bits), tuple(vt_tiles))
