@@ -1,11 +1,16 @@
 """Pre-training (train/): resume is exact, data is deterministic and checked,
-the NaN guard stops a diverging run, the plot command draws a PNG."""
+the NaN guard stops a diverging run, flags are validated and explained, the
+plot command draws a PNG and explains what it cannot read.
+
+Run folders, metrics and checkpoints under crashes: test_train_runs.py; kill -9
+of real processes: test_train_kill.py."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 
 import jax
 import numpy as np
@@ -14,11 +19,13 @@ import pytest
 from train import data, optim
 from train.__main__ import main
 from train.checkpoint import Checkpoints
-from train.config import PRESETS, Config, check, from_args, preset
+from train.config import (PRESETS, RANGES, Config, check, field_docs, from_args,
+                          params_besides_embeddings, preset)
 from train.loop import NonFiniteError, train
 from train.metrics import read
+from train.plot import figure
 from train.plot import main as plot_main
-from train.step import build_model, make_steps
+from train.step import build_model, count_params, make_steps
 
 # A one-layer, one-head model on a few stdlib folders: seconds per run on a CPU.
 SMALL = dict(dim=64, n_layers=1, n_heads=1, n_kv_heads=1, ffn_dim=128, seq_len=32,
@@ -58,12 +65,12 @@ def test_resume_is_exact(tmp_path, corpus, monkeypatch):
   cfg = _cfg(tmp_path, "resumed", corpus, **kw)
   with pytest.raises(KeyboardInterrupt):
     train(cfg)
-  assert Checkpoints(cfg.run_dir, 2).latest_step() == 3
-  assert max(_train_rows(cfg.run_dir)) == 4
+  assert Checkpoints(cfg.out, 2).latest_step() == 3
+  assert max(_train_rows(cfg.out)) == 4
   monkeypatch.setattr(data, "train_batch", real_batch)
   resumed = train(_cfg(tmp_path, "resumed", corpus, resume=True, **kw))
 
-  a, b = _train_rows(tmp_path / "straight"), _train_rows(cfg.run_dir)
+  a, b = _train_rows(tmp_path / "straight"), _train_rows(cfg.out)
   assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]  # step 4 logged once, not twice
   for step in a:
     for key in ("loss", "grad_norm", "param_norm", "lr"):
@@ -79,9 +86,9 @@ def test_nan_guard_stops_and_keeps_last_good_checkpoint(tmp_path, corpus, capsys
   assert "tokens per step: 64 = batch 2 x seq 32 x grad_accum 1" in capsys.readouterr().out
   assert open(os.path.join(run, "loss.png"), "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
-  # An infinite learning rate: step 3's update makes the parameters non-finite.
+  # A learning rate of 1e30: step 3's update makes the parameter norm overflow.
   with pytest.raises(SystemExit, match="non-finite values at step 3"):
-    main(flags + ["--steps", "4", "--resume", "--lr", "inf"])
+    main(flags + ["--steps", "4", "--resume", "--lr", "1e30"])
   ckpts = Checkpoints(run, 2)
   assert ckpts.latest_step() == 2
   cfg = Config(**{**SMALL, "attention": "full"})
@@ -94,8 +101,8 @@ def test_nan_guard_stops_and_keeps_last_good_checkpoint(tmp_path, corpus, capsys
 
 
 def test_nan_guard_in_the_loop(tmp_path, corpus):
-  with pytest.raises(NonFiniteError, match="at step 1"):
-    train(_cfg(tmp_path, "inf", corpus, steps=3, lr=math.inf, ckpt_every=1))
+  with pytest.raises(NonFiniteError, match="at step 1.*No checkpoint was saved"):
+    train(_cfg(tmp_path, "inf", corpus, steps=3, lr=1e30, warmup=0, ckpt_every=1))
   assert Checkpoints(str(tmp_path / "inf"), 2).latest_step() is None  # nothing saved
 
 
@@ -163,29 +170,181 @@ def test_bin_tokens(tmp_path):
 def test_presets_and_flags():
   for name in PRESETS:
     check(preset(name))
-  cfg = from_args(["--preset", "gpu", "--attention", "full", "--no-qk-norm", "--no-smooth-k",
-                   "--smooth-q", "--grad-accum", "2", "--lr", "1e-4", "--out", "x"])
+  cfg, print_config = from_args(["--preset", "gpu", "--attention", "full", "--no-qk-norm",
+                                 "--no-smooth-k", "--smooth-q", "--grad-accum", "2", "--lr",
+                                 "1e-4", "--out", "x", "--name", "mine"])
   assert (cfg.attention, cfg.qk_norm, cfg.smooth_k, cfg.smooth_q) == ("full", False, False, True)
-  assert cfg.tokens_per_step == 8 * 4096 * 2 and cfg.lr == 1e-4 and cfg.run_dir == "x"
-  assert from_args([]).run_dir == "runs/tiny"
+  assert cfg.tokens_per_step == 8 * 4096 * 2 and cfg.lr == 1e-4 and cfg.out == "x"
+  assert (cfg.name, cfg.dim, print_config) == ("mine", 1024, False)
+  assert from_args([])[0] == preset("tiny")
   with pytest.raises(ValueError, match="head_dim"):
     check(preset("tiny", dim=96))
 
 
-def test_plot_writes_png(tmp_path):
+# Every flag the issue found accepted or crashing, and what the error must name.
+BAD_FLAGS = [
+    (["--lr", "-3e-3"], "--lr must be > 0, got -0.003"),
+    (["--lr=-3e-3"], "--lr must be > 0"),
+    (["--lr", "inf"], "--lr must be a finite number"),
+    (["--grad-clip", "-1"], "--grad-clip must be > 0"),
+    (["--grad-clip", "0"], "--grad-clip must be > 0"),
+    (["--beta1", "2"], r"--beta1 must be in \[0, 1\), got 2.0"),
+    (["--beta2", "1"], r"--beta2 must be in \[0, 1\)"),
+    (["--weight-decay", "-1"], "--weight-decay must be >= 0"),
+    (["--warmup", "500", "--steps", "1"], r"--warmup must be in \[0, --steps\] = \[0, 1\]"),
+    (["--vocab-size", "0"], "--vocab-size must be >= 1, got 0"),
+    (["--ffn-dim", "0"], "--ffn-dim must be >= 1"),
+    (["--min-lr-ratio", "1.5"], r"--min-lr-ratio must be in \[0, 1\]"),
+    (["--val-fraction", "1"], r"--val-fraction must be in \(0, 1\)"),
+    (["--seed", "-1"], "--seed must be in"),
+    (["--keep", "0"], "--keep must be >= 1"),
+    (["--name", "../x"], "--name must be"),
+    (["--resume", "--overwrite"], "--resume and --overwrite"),
+    (["--n-kv-heads", "3"], "--n-kv-heads must divide --n-heads"),
+    (["--mesh", "data"], "--mesh 'data'"),
+]
+
+
+@pytest.mark.parametrize("flags,message", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+def test_bad_flags_get_one_line_naming_the_flag(flags, message, capsys):
+  with pytest.raises(SystemExit) as e:
+    main(flags)
+  assert str(e.value).startswith("error: ") and "\n" not in str(e.value)
+  assert re.search(message, str(e.value)), e.value
+  assert "Traceback" not in capsys.readouterr().err
+
+
+def test_help_is_grouped_with_defaults_and_presets(capsys):
+  with pytest.raises(SystemExit):
+    main(["--help"])
+  out = capsys.readouterr().out
+  titles = ["run:", "model:", "data:", "optimisation:", "evaluation and checkpoints:",
+            "devices:", "presets:"]
+  positions = [out.index("\n" + t) for t in titles]
+  assert positions == sorted(positions), "groups missing or out of order"
+  group_of = lambda option: titles[sum(p < out.index("\n  " + option) for p in positions) - 1]
+  assert group_of("--lr LR") == "optimisation:" and group_of("--dim DIM") == "model:"
+  assert group_of("--keep KEEP") == "evaluation and checkpoints:"
+  assert group_of("--mesh MESH") == "devices:" and group_of("--seq-len") == "data:"
+  flat = " ".join(out.split())  # argparse wraps to the terminal's width
+  assert "--lr LR Peak learning rate (> 0; default 0.003, small 0.0006, gpu 0.0003)" in flat
+  assert "--beta1 BETA1 Adam's first-moment decay (in [0, 1); default 0.9)" in flat
+  helps, groups = field_docs()
+  for f in Config.__dataclass_fields__:
+    assert helps.get(f) and groups.get(f), f"{f} has no help line or group"
+    assert "--" + f.replace("_", "-") in out
+  for name in PRESETS:
+    c = preset(name)
+    assert re.search(rf"{name}: dim {c.dim}, {c.n_layers} layers.*"
+                     rf"{params_besides_embeddings(c) / 1e6:.1f}M parameters.*"
+                     rf"{c.tokens_per_step:,} tokens/step", flat), name
+
+
+def test_parameter_count_in_help_matches_the_model():
+  for kw in ({}, dict(n_kv_heads=1, qk_norm=False), dict(tie_embeddings=True)):
+    cfg = Config(**{**SMALL, **kw})
+    state, _, _ = make_steps(build_model(cfg, 256), optim.optimizer(cfg))
+    embeddings = 256 * cfg.dim * (1 if cfg.tie_embeddings else 2)
+    assert count_params(state["params"]) == params_besides_embeddings(cfg) + embeddings, kw
+
+
+def test_every_range_is_enforced_on_the_config_too():
+  """`check` guards Config built in code as well as from flags."""
+  for name, allowed in RANGES.items():
+    bad = (allowed.lo - 1) if not allowed.lo_open else allowed.lo
+    with pytest.raises(ValueError, match=f"--{name.replace('_', '-')} must be"):
+      check(Config(**{name: bad}))
+  with pytest.raises(ValueError, match="--dim must be an integer"):
+    check(Config(dim=128.0))
+  with pytest.raises(ValueError, match="--attention must be one of sage, full, reference"):
+    check(Config(attention="flash"))
+
+
+def test_print_config(tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)
+  main(["--preset", "small", "--lr", "1e-4", "--print-config"])
+  shown = json.loads(capsys.readouterr().out)
+  assert shown["lr"] == 1e-4 and shown["dim"] == 768 and shown["out"] == "runs/small"
+  assert set(shown) == set(Config.__dataclass_fields__)
+  assert not (tmp_path / "runs").exists()  # it only prints
+
+
+def _write_metrics(run, lines, config=None):
+  run.mkdir(parents=True, exist_ok=True)
+  (run / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+  if config is not None:
+    (run / "config.json").write_text(json.dumps(config))
+
+
+def _rows(n, offset=0.0):
+  out = []
+  for s in range(1, n + 1):
+    out.append(json.dumps(dict(step=s, tokens=64 * s, loss=5.0 - 0.1 * s - offset,
+                               lr=1e-3 * min(1, s / 5))))
+    if s % 5 == 0:
+      out.append(json.dumps(dict(step=s, tokens=64 * s, val_loss=5.1 - 0.1 * s - offset)))
+  return out
+
+
+def test_plot_writes_png(tmp_path, capsys):
   for i, name in enumerate(["a", "b"]):
-    run = tmp_path / name
-    run.mkdir()
-    with open(run / "metrics.jsonl", "w") as f:
-      for s in range(1, 21):
-        f.write(json.dumps(dict(step=s, tokens=64 * s, loss=5.0 - 0.1 * s - i)) + "\n")
-        if s % 5 == 0:
-          f.write(json.dumps(dict(step=s, tokens=64 * s, val_loss=5.1 - 0.1 * s - i)) + "\n")
+    _write_metrics(tmp_path / name, _rows(20, i))
   out = tmp_path / "plots" / "loss.png"
   plot_main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out), "--x", "tokens"])
   assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+  assert capsys.readouterr().out.strip() == str(out)
+  # Without an extension the file written is FILE.png, and that is what is printed.
+  plot_main([str(tmp_path / "a"), "--out", str(tmp_path / "x")])
+  assert capsys.readouterr().out.strip() == str(tmp_path / "x.png")
+  assert (tmp_path / "x.png").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "x").exists()
+
+
+def test_plot_has_title_lr_panel_and_uniform_line(tmp_path):
+  config = dict(attention="sage", batch_size=2, seq_len=32, grad_accum=2, vocab_size=256)
+  _write_metrics(tmp_path / "mine", _rows(10), config)
+  fig = figure([str(tmp_path / "mine")])
+  loss_ax, lr_ax = fig.axes
+  assert loss_ax.get_title() == "mine (sage, 128 tokens/step)"
+  assert lr_ax.get_ylabel() == "learning rate"
+  np.testing.assert_allclose(lr_ax.lines[0].get_ydata(), [1e-3 * min(1, s / 5)
+                                                          for s in range(1, 11)])
+  uniform = [ln for ln in loss_ax.lines if "uniform" in str(ln.get_label())]
+  assert len(uniform) == 1 and "ln 256 = 5.545" in uniform[0].get_label()
+  np.testing.assert_allclose(uniform[0].get_ydata(), math.log(256))
+  assert loss_ax.get_ylim()[1] > math.log(256)  # visible, not on the frame
+
+
+@pytest.mark.parametrize("lines,message", [
+    ([], "metrics.jsonl has no rows"),
+    (['{"step": 1, "tokens": 64, "loss": 5.0, "lr": 0.1}', '{"step": 2, "tok',
+      '{"step": 3, "tokens": 192, "loss": 4.0, "lr": 0.1}'], r"metrics.jsonl line 2: not JSON"),
+    (['{"tokens": 64, "loss": 5.0, "lr": 0.1}'], "metrics.jsonl line 1: a row without step"),
+    (['{"step": 1, "tokens": 64, "loss": 5.0}'], "metrics.jsonl line 1: a row without lr"),
+    (['{"step": 1, "tokens": 64}'], "line 1: a row without loss or val_loss"),
+    (['[1, 2]'], "metrics.jsonl line 1: not a JSON object"),
+], ids=["empty", "malformed", "no-step", "no-lr", "no-loss", "not-object"])
+def test_plot_errors_name_file_and_line(tmp_path, lines, message, capsys):
+  _write_metrics(tmp_path / "run", lines)
+  with pytest.raises(SystemExit, match=message) as e:
+    plot_main([str(tmp_path / "run"), "--out", str(tmp_path / "p.png")])
+  assert str(tmp_path / "run" / "metrics.jsonl") in str(e.value)
+  assert not (tmp_path / "p.png").exists()
+
+
+def test_plot_other_errors(tmp_path, capsys):
   with pytest.raises(SystemExit, match="no metrics.jsonl"):
-    plot_main([str(tmp_path), "--out", str(out)])
+    plot_main([str(tmp_path), "--out", str(tmp_path / "p.png")])
+  (tmp_path / "dir" / "metrics.jsonl").mkdir(parents=True)
+  with pytest.raises(SystemExit, match="metrics.jsonl is a folder"):
+    plot_main([str(tmp_path / "dir"), "--out", str(tmp_path / "p.png")])
+  _write_metrics(tmp_path / "ok", _rows(3))
+  with pytest.raises(SystemExit, match="--out .*p.xyz.*not supported"):
+    plot_main([str(tmp_path / "ok"), "--out", str(tmp_path / "p.xyz")])
+  # A torn last line (a run being written) is dropped with a warning, not an error.
+  with open(tmp_path / "ok" / "metrics.jsonl", "a") as f:
+    f.write('{"step": 4, "tok')
+  plot_main([str(tmp_path / "ok"), "--out", str(tmp_path / "p.png")])
+  assert "metrics.jsonl line 4: dropped a torn last line" in capsys.readouterr().err
 
 
 def test_weight_decay_mask():

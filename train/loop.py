@@ -80,6 +80,7 @@ def train(cfg: Config) -> dict:
 
 
 def _train(cfg: Config, mesh, main: bool, log) -> dict:
+  """`train` once the run folder (`cfg.out`) is settled and locked."""
   run_dir = cfg.out
   log(f"run folder: {run_dir}")
   log(f"devices: mesh data={mesh.shape['data']} x model={mesh.shape['model']} over "
@@ -103,7 +104,6 @@ def _train(cfg: Config, mesh, main: bool, log) -> dict:
   # Model, optimizer, compiled steps.
   model = build_model(cfg, vocab, mesh)
   tx = optim.optimizer(cfg)
-  lr_at = optim.schedule(cfg)
   state, train_step, eval_step = make_steps(model, tx, mesh)
   del model
   log(f"model: {count_params(state['params']) / 1e6:.2f}M parameters, "
@@ -118,27 +118,39 @@ def _train(cfg: Config, mesh, main: bool, log) -> dict:
 
   # Checkpoints: with --resume, the newest that restores intact.
   ckpts = Checkpoints(run_dir, cfg.keep, primary=main)
-  start = 0
-  if cfg.resume:
-    restored = ckpts.restore_newest(state, log)
-    if restored is None:
-      log(f"no checkpoint in {ckpts.dir} yet: starting from step 0")
-    else:
-      state, start = restored
-      log(f"resumed from step {start}")
-  metrics = MetricsLog(run_dir, start, enabled=main, warn=lambda m: log(f"warning: {m}"))
-  summary = dict(run_dir=run_dir, tokens_per_s=None, compile_s=0.0)
+  try:
+    start = 0
+    if cfg.resume:
+      restored = ckpts.restore_newest(state, log)
+      if restored is None:
+        log(f"no checkpoint in {ckpts.dir} yet: starting from step 0")
+      else:
+        state, start = restored
+        log(f"resumed from step {start}")
+    metrics = MetricsLog(run_dir, start, enabled=main, warn=lambda m: log(f"warning: {m}"))
+    try:
+      return {**_loop(cfg, state, start, train_step, eval_step, batches, ckpts, metrics, log),
+              "run_dir": run_dir}
+    finally:
+      metrics.close()
+  finally:
+    ckpts.close()
+
+
+def _loop(cfg: Config, state, start: int, train_step, eval_step, batches: Batches,
+          ckpts: Checkpoints, metrics: MetricsLog, log) -> dict:
+  """Steps `start` to `cfg.steps`; the summary: the last logged step, loss and
+  val_loss, this session's tokens/s (None if it trained no step) and compile_s."""
   if start >= cfg.steps:
     log(f"nothing to train: the run is at step {start} and --steps is {cfg.steps}")
-    ckpts.close()
-    metrics.close()
-    return {**metrics.summary(), **summary}
+    return {**metrics.summary(), "tokens_per_s": None, "compile_s": 0.0}
+  lr_at = optim.schedule(cfg)
 
   # Compiled before the clock starts: tokens/s counts training alone.
   t0 = time.perf_counter()
   train_step = train_step.lower(state, batches.train(start)).compile()
-  summary["compile_s"] = time.perf_counter() - t0
-  log(f"compiled the train step in {summary['compile_s']:.1f}s")
+  compile_s = time.perf_counter() - t0
+  log(f"compiled the train step in {compile_s:.1f}s")
 
   def eval_and_log(step: int) -> None:
     val_loss = evaluate(eval_step, state["params"], batches, cfg)
@@ -148,9 +160,9 @@ def _train(cfg: Config, mesh, main: bool, log) -> dict:
   if start == 0:
     eval_and_log(0)
   train_time = 0.0
-  bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps,
-             disable=not (cfg.progress and main), mininterval=1.0, dynamic_ncols=True)
-  try:
+  with tqdm(range(start, cfg.steps), initial=start, total=cfg.steps,
+            disable=not (cfg.progress and metrics.enabled), mininterval=1.0,
+            dynamic_ncols=True) as bar:
     for step in bar:  # `step` steps are done; this one makes it step + 1
       t0 = time.perf_counter()
       batch = batches.train(step)
@@ -173,11 +185,7 @@ def _train(cfg: Config, mesh, main: bool, log) -> dict:
       if done % cfg.eval_every == 0 or done == cfg.steps:
         eval_and_log(done)
       if done % cfg.ckpt_every == 0 or done == cfg.steps:
-        metrics.sync()  # the rows a checkpoint implies are on disk before it is
+        metrics.sync()  # the rows a checkpoint implies reach the disk before it does
         ckpts.save(done, state)
-  finally:
-    bar.close()
-    ckpts.close()
-    metrics.close()
-  summary["tokens_per_s"] = (cfg.steps - start) * cfg.tokens_per_step / train_time
-  return {**metrics.summary(), **summary}
+  return {**metrics.summary(), "compile_s": compile_s,
+          "tokens_per_s": (cfg.steps - start) * cfg.tokens_per_step / train_time}

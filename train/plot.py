@@ -62,11 +62,9 @@ def _vocab(config: dict) -> int | None:
   return None
 
 
-def plot(runs: list[str], out: str, x: str = "step") -> str:
-  """Draws `runs` into `out` (".png" added when it has no extension); returns
-  the path written. ValueError naming the file for anything unreadable."""
-  if not os.path.splitext(out)[1]:
-    out += ".png"
+def figure(runs: list[str], x: str = "step") -> plt.Figure:
+  """The runs' loss (top) and learning-rate (bottom) panels. ValueError naming
+  the file for anything unreadable."""
   loaded = [load_run(run) for run in runs]
   fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True,
                                   gridspec_kw=dict(height_ratios=[3, 1]))
@@ -106,6 +104,15 @@ def plot(runs: list[str], out: str, x: str = "step") -> str:
   ax_lr.set_xlabel("tokens" if x == "tokens" else "step")
   ax_lr.grid(alpha=0.3)
   fig.tight_layout()
+  return fig
+
+
+def plot(runs: list[str], out: str, x: str = "step") -> str:
+  """Draws `runs` into `out` (".png" added when it has no extension); returns
+  the path written."""
+  if not os.path.splitext(out)[1]:
+    out += ".png"
+  fig = figure(runs, x)
   try:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=120)
