@@ -215,7 +215,7 @@ def _sage(name: str, query, key, value, case: _Case, return_residual: bool):
   lse = None
   if return_residual:
     lse = _forward_lse(query, key, value, masks, config, backend, case.smooth_k)
-    lse = _residual(lse[:, :q_len], out.dtype)
+    lse = _residual(lse[:, :q_len], out.dtype, (query, key, value))
   return out, lse
 
 
@@ -240,20 +240,23 @@ def _forward_lse(query, key, value, masks: Masks, config: Config, backend: Backe
   return lse
 
 
-def _residual(lse: jax.Array, dtype) -> jax.Array:
+def _residual(lse: jax.Array, dtype, inputs: tuple[jax.Array, ...]) -> jax.Array:
   """The lse (+inf where a row saw no key) as jax.nn's residual (-inf
-  there), guarded against differentiation."""
+  there); differentiating it with respect to `inputs` raises."""
   lse = jnp.where(lse == jnp.inf, -jnp.inf, lse)
-  return _no_gradient(lse.astype(dtype))
+  return _no_gradient(lse.astype(dtype), inputs)
 
 
 @jax.custom_vjp
-def _no_gradient(x: jax.Array) -> jax.Array:
-  """Identity whose backward refuses any cotangent but a symbolic zero."""
+def _no_gradient(x: jax.Array, inputs: tuple[jax.Array, ...]) -> jax.Array:
+  """x, which depends on `inputs` without a gradient: the backward refuses
+  any cotangent but a symbolic zero (the residual unused by the loss)."""
+  del inputs
   return x
 
 
-def _no_gradient_fwd(x):
+def _no_gradient_fwd(x, inputs):
+  del inputs
   return x.value, None
 
 
@@ -263,7 +266,7 @@ def _no_gradient_bwd(_, cotangent):
         "SageBwd's residual (return_residual=True) has no gradient: its backward "
         "does not take a log-sum-exp cotangent. Stop the gradient through it "
         "(jax.lax.stop_gradient) or use implementation='xla' for this computation.")
-  return (None,)
+  return None, None
 
 
 _no_gradient.defvjp(_no_gradient_fwd, _no_gradient_bwd, symbolic_zeros=True)
