@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import CPU, assert_lowers_to_mosaic_gpu, gaussian_qkv, mosaic_config, rel_l2
+from conftest import (CPU, assert_lowers_to_mosaic_gpu, backend_tolerance, gaussian_qkv,
+                      mosaic_config, rel_l2)
 from pallas_kernels.mosaic import registers
 from pallas_kernels.mosaic.forward import ForwardTuning, forward_mosaic, takes
 from pallas_kernels.types import Masks
@@ -26,7 +27,8 @@ from sagebwd_jax.sagebwd import key_mean
 HOPPER_NUMERICS = ReferenceBackend(p_block=128, unsigned_p=True)
 TUNINGS = {"default": ForwardTuning(),
            "one_warpgroup": ForwardTuning(compute_wgs=1, schedule_barrier=False),
-           "three_stages": ForwardTuning(max_concurrent_steps=3)}
+           "three_stages": ForwardTuning(max_concurrent_steps=3),
+           "overlap_qk": ForwardTuning(overlap_qk=True)}
 
 
 def _case(batch, q_len, kv_len, heads, kv_heads, head_dim, causal, *, seed=0, sigma=2.0,
@@ -102,7 +104,7 @@ def test_tuning_is_checked(kwargs):
     ForwardTuning(**kwargs)
 
 
-def _check(o, lse, o_ref, lse_ref, tolerance=1e-3):
+def _check(o, lse, o_ref, lse_ref, tolerance=backend_tolerance(jnp.zeros((), jnp.bfloat16))):
   o, lse = np.asarray(o), np.asarray(lse)
   assert o.shape == o_ref.shape and o.dtype == o_ref.dtype
   assert lse.shape == lse_ref.shape and lse.dtype == np.float32
@@ -152,7 +154,7 @@ def test_gpu_large_logits_keep_p_in_range(sigma):
   """Large Q.K scales make the fp32 rounding of the exp2 offset large; the
   clip keeps every P in 0..255 (a 256 would wrap to 0 in the packed byte)."""
   qkv, config, o_ref, lse_ref = _case(1, 256, 256, 2, 1, 128, False, sigma=sigma)
-  _check(*_run(qkv, config), o_ref, lse_ref, tolerance=5e-3)
+  _check(*_run(qkv, config), o_ref, lse_ref, tolerance=1e-2)
 
 
 @pytest.mark.gpu

@@ -63,6 +63,7 @@ class ForwardTuning:
   compute_wgs: int = 2  # warpgroups of 64 query rows per CTA
   max_concurrent_steps: int = 2  # K/V ring depth (128 keys a slot)
   schedule_barrier: bool = True  # compute warpgroups take turns on the tensor cores
+  overlap_qk: bool = False  # issue step j + 1's S before step j's softmax
 
   def __post_init__(self):
     # One or two 64-row blocks fit a 128-key step, so with causal masking every
@@ -143,20 +144,25 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
           out.append((c, lsv_ref[b, kvh, blk] - _MAGIC_F * c, isv_ref[b, kvh, blk]))
         return tuple(out)
 
-      def scores(slot):
-        """Both halves' S, issued together; bits of 1.5 * 2**23 + S as fp32."""
-        plgpu.barrier_wait(k_bars.at[slot])
-        magic = plgpu.layout_cast(jnp.full((BLOCK, BLOCK), _MAGIC_I, jnp.int32),
-                                  plgpu.Layout.WGMMA)
+      magic = plgpu.layout_cast(jnp.full((BLOCK, BLOCK), _MAGIC_I, jnp.int32),
+                                plgpu.Layout.WGMMA)
 
-        def issue(accs):
-          for half, acc in enumerate(accs):
-            plgpu.wgmma(acc, q_smem.at[wg], k_smem.at[slot, half].T)
-          schedule_barrier()  # the other warpgroup's softmax runs meanwhile
+      # `pl.run_state` bodies below cannot close over constants: j is always
+      # traced there (a loop index, or derived from the grid position).
+      slot_of = lambda j: lax.rem(j, ring)
 
-        s = pl.run_state(issue)(tuple(plgpu.ACC.init(magic) for _ in range(halves)))
-        plgpu.barrier_arrive(k_consumed.at[slot])
-        return [lax.bitcast_convert_type(x, jnp.float32) for x in s]
+      def issue_scores(j, accs):
+        """Both halves' S of step j into accumulators that start at 0x4B400000."""
+        plgpu.barrier_wait(k_bars.at[slot_of(j)])
+        for half, acc in enumerate(accs):
+          plgpu.wgmma(acc, q_smem.at[wg], k_smem.at[slot_of(j), half].T)
+        schedule_barrier()  # the other warpgroup's softmax runs meanwhile
+
+      def scores(j):
+        s = pl.run_state(functools.partial(issue_scores, j))(
+            tuple(plgpu.ACC.init(magic) for _ in range(halves)))
+        plgpu.barrier_arrive(k_consumed.at[slot_of(j)])
+        return s
 
       def causal_mask(f, j, half):
         q_pos = plgpu.broadcasted_iota(jnp.int32, f.shape, 0, layout=plgpu.Layout.WGMMA)
@@ -178,11 +184,11 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
           bits.append(lax.bitcast_convert_type(p + _MAGIC_F, jnp.int32))
         return bits, alpha, m_new, e_new, l_new
 
-      def kv_step(j, carry, *, masked: bool):
-        acc, m, e, l, scales = carry
-        slot = lax.rem(j, jnp.array(ring, j.dtype))
-        next_scales = step_scales(jnp.minimum(j + 1, num_steps - 1))
-        f = scores(slot)
+      def finish_step(j, s, state, scales, *, masked: bool):
+        """Softmax and P.V of step j from its S; returns the new (acc, m, e, l)."""
+        acc, m, e, l = state
+        slot = slot_of(j)
+        f = [lax.bitcast_convert_type(x, jnp.float32) for x in s]
         if masked:
           f = [causal_mask(x, j, half) for half, x in enumerate(f)]
         bits, alpha, m, e, l = softmax(f, scales, m, e, l)
@@ -195,22 +201,54 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
                                vt_transforms, head_dim)
         plgpu.barrier_arrive(v_consumed.at[slot])
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv.astype(jnp.float32)
-        return acc, m, e, l, next_scales
+        return acc, m, e, l
+
+      def kv_step(j, carry, *, masked: bool):
+        """S, softmax and P.V of step j, one after the other."""
+        state, scales = carry
+        next_scales = step_scales(jnp.minimum(j + 1, num_steps - 1))
+        return finish_step(j, scores(j), state, scales, masked=masked), next_scales
+
+      def overlapped_step(j, carry, *, masked: bool):
+        """Softmax and P.V of step j (its S in the carry) while S of step j + 1
+        runs on the tensor cores."""
+        state, scales, s = carry
+        next_scales = step_scales(j + 1)
+
+        def body(refs):
+          accs, state_refs = refs[:halves], refs[halves:]
+          issue_scores(j + 1, accs)
+          new = finish_step(j, s, tuple(r[...] for r in state_refs), scales, masked=masked)
+          for ref, value in zip(state_refs, new):
+            ref[...] = value
+
+        out = pl.run_state(body)((*(plgpu.ACC.init(magic) for _ in range(halves)), *state))
+        plgpu.barrier_arrive(k_consumed.at[slot_of(j + 1)])
+        return tuple(out[halves:]), next_scales, tuple(out[:halves])
 
       full_row = lambda value: plgpu.layout_cast(jnp.full((BLOCK,), value, jnp.float32), row)
-      carry = (plgpu.layout_cast(jnp.full((BLOCK, head_dim), 0.0, jnp.float32),
+      state = (plgpu.layout_cast(jnp.full((BLOCK, head_dim), 0.0, jnp.float32),
                                  plgpu.Layout.WGMMA),
-               full_row(nm.NOTHING_SEEN), full_row(-jnp.inf), full_row(0.0), step_scales(0))
+               full_row(nm.NOTHING_SEEN), full_row(-jnp.inf), full_row(0.0))
+      carry = (state, step_scales(0))
       if tuning.schedule_barrier:
         pl.when(wg == 1)(schedule_barrier)
-      if causal:  # the last step holds the diagonal
-        carry = lax.fori_loop(0, cta_steps - 1, functools.partial(kv_step, masked=False), carry)
-        carry = kv_step(jnp.asarray(cta_steps - 1, jnp.int32), carry, masked=True)
+      # With causality the last step holds the diagonal.
+      steps = cta_steps if causal else num_steps
+      if tuning.overlap_qk:
+        first = wg * 0  # a traced 0
+        carry = lax.fori_loop(0, steps - 1, functools.partial(overlapped_step, masked=False),
+                              (*carry, scores(first)))
+        state, scales, s = carry
+        state = finish_step(first + steps - 1, s, state, scales, masked=causal)
+      elif causal:
+        carry = lax.fori_loop(0, steps - 1, functools.partial(kv_step, masked=False), carry)
+        state, _ = kv_step(steps - 1, carry, masked=True)
       else:
-        carry = lax.fori_loop(0, num_steps, functools.partial(kv_step, masked=False), carry)
+        state, _ = lax.fori_loop(0, steps, functools.partial(kv_step, masked=False), carry)
       if tuning.schedule_barrier:
         pl.when(wg == 0)(schedule_barrier)
-      acc, _, e, l, _ = carry
+      acc, _, e, l = state
 
       # numerics.finalize_folded_rows, with a reciprocal per row.
       empty = l == 0
