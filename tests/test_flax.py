@@ -141,10 +141,11 @@ def _qkv(shape=(B, T, HEADS, HEAD_DIM)):
     (dict(dropout_rate=0.1, deterministic=False, dropout_rng=jax.random.key(0)),
      "dropout_rate=0.1"),
     (dict(mask=jax.random.bernoulli(jax.random.key(2), 0.5, (B, HEADS, T, T))),
-     "mask: .*neither"),
+     "mask: .*none of these"),
     (dict(mask=jnp.ones((B, HEADS, T, T - 1), bool)), "mask of shape"),
     (dict(module=object()), "sow_weights"),
     (dict(qk_attn_weights_einsum=jnp.einsum), "qk_attn_weights_einsum"),
+    (dict(einsum_dot_general=jax.lax.dot_general), "einsum_dot_general"),
 ])
 def test_attention_fn_refuses_what_it_cannot_honour(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -158,10 +159,79 @@ def test_attention_fn_refuses_traced_mask():
     jax.jit(lambda q, k, v, m: attention_fn(q, k, v, mask=m))(q, k, v, mask)
 
 
-def test_attention_fn_refuses_extra_batch_dims():
+def test_attention_fn_takes_any_batch_rank():
   q, k, v = _qkv((2, B, T, HEADS, HEAD_DIM))
-  with pytest.raises(ValueError, match="query must have rank 4"):
-    attention_fn(q, k, v)
+  flat = lambda x: x.reshape(2 * B, T, HEADS, HEAD_DIM)
+  want = attention_fn(flat(q), flat(k), flat(v), is_causal=True)
+  np.testing.assert_array_equal(attention_fn(q, k, v, is_causal=True),
+                                want.reshape(q.shape))
+  np.testing.assert_array_equal(attention_fn(q[0, 0], k[0, 0], v[0, 0], is_causal=True),
+                                want[0])
+  with pytest.raises(ValueError, match="share their batch dimensions"):
+    attention_fn(q, k[0], v[0])
+
+
+def test_attention_fn_key_mask_is_exact_even_traced():
+  """A mask over keys only (decode's cache mask, a padding mask) is honoured
+  under jit, and masked keys cannot move the rest whatever they hold."""
+  q, k, v = _qkv((B, 1, HEADS, HEAD_DIM))[0], *_qkv()[1:]
+  keys = jnp.arange(T)[None, :] < jnp.array([[20], [T]])  # (B, T)
+  mask = keys[:, None, None, :]
+  attend = jax.jit(lambda q, k, v, m: attention_fn(q, k, v, mask=m))
+  got = attend(q, k.at[0, 20:].set(1e3), v.at[0, 20:].set(jnp.nan), mask)
+  want = nnx.dot_product_attention(q, k, v, mask=mask)
+  assert bool(jnp.all(jnp.isfinite(got)))
+  assert float(relative_l2(got, want)) < 0.03
+  # The masked keys' contents do not matter at all.
+  clean = attend(q, k.at[0, 20:].set(0.0), v.at[0, 20:].set(0.0), mask)
+  np.testing.assert_array_equal(got, clean)
+
+
+def test_attention_fn_accepts_nnx_keywords_and_refuses_sowing():
+  module = nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, decode=False,
+                                  attention_fn=attention_fn, rngs=nnx.Rngs(0))
+  x = _x()
+  positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+  np.testing.assert_array_equal(module(x, input_positions=positions), module(x))
+  with pytest.raises(ValueError, match="sow_weights=True is not supported"):
+    module(x, sow_weights=True)
+
+
+def test_nnx_decode_generates_what_flax_default_attention_generates():
+  """A seeded one-layer LM, greedy decoding of 8 tokens one at a time through
+  nnx.MultiHeadAttention(decode=True): SageBwd attention over the cache picks
+  the same tokens as Flax's default attention, with close logits."""
+  vocab, features, prompt = 32, 64, 4
+
+  class TinyLM(nnx.Module):
+    def __init__(self, attention, rngs):
+      self.embed = nnx.Embed(vocab, features, rngs=rngs)
+      self.attn = nnx.MultiHeadAttention(num_heads=4, in_features=features, decode=True,
+                                         attention_fn=attention, rngs=rngs)
+      self.head = nnx.Linear(features, vocab, rngs=rngs)
+
+    def __call__(self, tokens):
+      x = self.embed(tokens)
+      return self.head(x + self.attn(x))
+
+  def generate(attention):
+    model = TinyLM(attention, nnx.Rngs(0))
+    model.attn.init_cache((B, prompt + 8, features))
+    step = nnx.jit(lambda model, token: model(token)[:, -1])
+    tokens = jax.random.randint(jax.random.key(5), (B, prompt), 0, vocab)
+    for i in range(prompt - 1):  # fill the cache with the prompt
+      step(model, tokens[:, i:i + 1])
+    logits, out = [], tokens[:, -1:]
+    for _ in range(8):
+      logits.append(step(model, out[:, -1:]))
+      out = jnp.concatenate([out, jnp.argmax(logits[-1], -1)[:, None]], axis=1)
+    return out[:, 1:], jnp.stack(logits)
+
+  tokens, logits = generate(attention_fn)
+  want_tokens, want_logits = generate(nnx.dot_product_attention)
+  np.testing.assert_array_equal(tokens, want_tokens)
+  assert float(cosine_similarity(logits, want_logits)) > 0.999
+  assert float(relative_l2(logits, want_logits)) > 0  # the int8 path really ran
 
 
 def test_nnx_dropout_refused_in_training_accepted_when_deterministic():
@@ -216,7 +286,7 @@ def test_attention_module_is_causal_by_default():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(implementation="flash"), "implementation must be one of"),
     (dict(num_kv_heads=3), "num_heads \\(4\\) must be a positive multiple of num_kv_heads"),
-    (dict(head_dim=32), "head_dim=32 is not supported"),
+    (dict(head_dim=512), "head_dim=512 is not supported"),
 ])
 def test_attention_module_refuses_bad_arguments(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -228,7 +298,7 @@ TINY = dict(vocab_size=64, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(n_heads=4), "head_dim = dim // n_heads = 32"),
+    (dict(dim=1024), "head_dim = dim // n_heads = 512"),
     (dict(n_kv_heads=3), "n_heads \\(2\\) must be a multiple of n_kv_heads \\(3\\)"),
     (dict(attention="flash"), "LlamaConfig.attention must be one of"),
     (dict(n_heads=3), "dim \\(128\\) must be divisible by n_heads \\(3\\)"),
