@@ -229,3 +229,51 @@ def test_distributed_initialize_only_when_asked(monkeypatch):
   with pytest.raises(ValueError, match=r"--process-id must be in \[0, 2\)"):
     sharding.initialize_distributed("h:1", 2, 2, environ={})
   assert len(calls) == 3
+
+
+def test_shard_attention_takes_tuple_batch_axes_and_a_partition_spec():
+  ks = jax.random.split(jax.random.key(1), 3)
+  q, k, v = (jax.random.normal(key, (2, 32, 2, 64)) for key in ks)
+  devices = np.asarray(jax.devices()[:1]).reshape(1, 1, 1)
+  mesh = jax.sharding.Mesh(devices, ("data", "fsdp", "tensor"))
+  want = dot_product_attention(q, k, v, is_causal=True)
+  spec = jax.sharding.PartitionSpec(("data", "fsdp"), None, "tensor", None)
+  for attend in (shard_attention(mesh=mesh, batch_axis=("data", "fsdp"), head_axis="tensor"),
+                 shard_attention(mesh=mesh, spec=spec)):
+    np.testing.assert_allclose(np.asarray(attend(q, k, v, is_causal=True)), np.asarray(want),
+                               atol=1e-6)
+  with pytest.raises(ValueError, match="mesh has no axis 'fsdpp'"):
+    shard_attention(mesh=mesh, batch_axis=("data", "fsdpp"))
+  with pytest.raises(ValueError, match=r"splits only B and H"):
+    shard_attention(mesh=mesh, spec=jax.sharding.PartitionSpec("data", "tensor"))
+  with pytest.raises(TypeError, match="batch_axis must be a mesh axis name"):
+    shard_attention(mesh=mesh, batch_axis=3)
+
+
+_SHARDED_INPUTS = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from sagebwd_jax import dot_product_attention
+mesh = jax.make_mesh((2,), ("data",))
+q = jax.device_put(jnp.ones((2, 32, 2, 64)), NamedSharding(mesh, P("data")))
+attend = lambda q: dot_product_attention(q, q, q, implementation="pallas")
+def explicit():
+  with jax.set_mesh(mesh):
+    return jax.jit(attend)(q)
+for name, run in (("eager", lambda: attend(q)), ("explicit", explicit)):
+  try:
+    run()
+    print(name, "ran")
+  except ValueError as e:
+    print(name, e)
+print("reference", dot_product_attention(q, q, q, implementation="reference").shape)
+"""
+
+
+def test_pallas_on_sharded_inputs_outside_shard_map_says_what_to_do():
+  out = _finish(_spawn(["-c", _SHARDED_INPUTS], "--xla_force_host_platform_device_count=2"))
+  assert "eager implementation='pallas' runs Pallas kernels" in out, out
+  assert "the inputs are spread over several devices" in out, out
+  assert "explicit implementation='pallas'" in out and "mesh axes ('data',)" in out, out
+  assert out.count("sharded_attention(mesh, q, k, v, ...)") == 2, out
+  assert "reference (2, 32, 2, 64)" in out  # the reference partitions automatically
