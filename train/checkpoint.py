@@ -82,7 +82,15 @@ def _quiet():
   printed = io.StringIO()
   try:
     with contextlib.redirect_stderr(printed):
-      yield
+      try:
+        yield
+      except BaseException:
+        # Those callbacks run after the error is raised: wait for them to stop.
+        size, deadline = -1, time.monotonic() + 5.0
+        while printed.tell() != size and time.monotonic() < deadline:
+          size = printed.tell()
+          time.sleep(0.5)
+        raise
   finally:
     logger.setLevel(level)
   sys.stderr.write(printed.getvalue())
