@@ -240,3 +240,78 @@ def test_safe_row_max():
   # exp2(S - m) for a fully masked row gives 0, not NaN.
   s = jnp.full((3,), -jnp.inf)
   assert np.all(np.asarray(jnp.exp2(s - nm.safe_row_max(m)[0])) == 0)
+
+
+def _folded_steps(s, v_block_scale, block, blocks_per_step, levels):
+  """Runs numerics.folded_softmax_step over the keys of `s` (rows, keys);
+  returns per step (P, alpha, e) and the final l, as numpy."""
+  log2_sv, inv_sv = nm.folded_v_scales(jnp.asarray(v_block_scale), blocks_per_step)
+  per_key = lambda x: np.repeat(np.asarray(x), block)
+  log2_sv, inv_sv = per_key(log2_sv), per_key(inv_sv)
+  rows, step = s.shape[0], block * blocks_per_step
+  m = jnp.full((rows,), nm.NOTHING_SEEN, jnp.float32)
+  e = jnp.full((rows,), -jnp.inf, jnp.float32)
+  l = jnp.zeros((rows,), jnp.float32)
+  steps = []
+  for j in range(0, s.shape[1], step):
+    keys = slice(j, j + step)
+    p, alpha, m, e, l = nm.folded_softmax_step(jnp.asarray(s[:, keys]), jnp.asarray(
+        log2_sv[keys]), jnp.asarray(inv_sv[keys]), m, e, l, levels=levels)
+    steps.append(tuple(np.asarray(x, np.float64) for x in (p, alpha, e)))
+  return steps, np.asarray(l, np.float64)
+
+
+@pytest.mark.parametrize("levels", [127.0, 255.0])
+def test_folded_softmax_step_is_softmax(levels):
+  """Each P is round(levels * exp2(s + log2 sV - E)) with E the step's largest
+  folded score; l is the unquantized softmax denominator in units of
+  exp2(E) / levels; and acc * alpha + P.V8 gives softmax(S).V up to P's
+  rounding (at most half a step of P per key)."""
+  rng = np.random.default_rng(0)
+  block, per_step, rows, keys = 16, 2, 8, 128
+  s = rng.normal(0, 3, (rows, keys)).astype(np.float32)
+  s[:, 40:50] = -np.inf  # masked keys
+  s[3] = -np.inf  # a row that sees nothing
+  v_scale = rng.uniform(0.5, 2.0, keys // block).astype(np.float32)
+  v_scale[5] = 0.0  # an all-zero V block: folded as its step partner's scale
+  v8 = rng.integers(-127, 128, (keys, 4)).astype(np.float64)
+  v8[5 * block:6 * block] = 0
+  steps, l = _folded_steps(s, v_scale, block, per_step, levels)
+
+  sv = np.repeat(np.where(v_scale > 0, v_scale, v_scale[4]), block).astype(np.float64)
+  seen = np.isfinite(np.max(s, axis=1))
+  acc, bound = np.zeros((rows, 4)), np.zeros(rows)
+  for (p, alpha, e), j in zip(steps, range(0, keys, block * per_step)):
+    keys_j = slice(j, j + block * per_step)
+    folded = s[seen, keys_j].astype(np.float64) + np.log2(sv[keys_j])
+    top = np.max(folded, axis=1)
+    np.testing.assert_allclose(e[seen], top, rtol=0, atol=1e-5)
+    want = np.round(levels * np.exp2(folded - top[:, None]))
+    assert np.all(p <= levels) and np.all(p[~seen] == 0)
+    # fp32 rounding of the exponent may move a P by one step at a .5 tie.
+    assert np.max(np.abs(p[seen] - want)) <= 1
+    assert np.mean(p[seen] != want) < 0.01
+    acc = acc * alpha[:, None] + p @ v8[keys_j]
+    unit = np.exp2(np.where(seen, e, 0)) / levels  # of P, in exp2 of the scores
+    bound += 0.5 * unit * np.abs(v8[keys_j] * sv[keys_j, None]).sum(0).max()
+  e_final = steps[-1][2]
+
+  exact_p = np.exp2(s[seen].astype(np.float64))
+  denominator = exact_p.sum(1)
+  np.testing.assert_allclose(l[seen] * np.exp2(e_final[seen]) / levels, denominator, rtol=1e-5)
+  assert l[3] == 0
+  o = acc[seen] / l[seen, None]
+  exact = exact_p @ (v8 * sv[:, None]) / denominator[:, None]
+  # P.V in the true scale: acc carries V8 units and P units of exp2(E) / levels.
+  assert np.all(np.abs(o - exact) <= bound[seen, None] / denominator[:, None] * 1.001 + 1e-9)
+
+
+def test_folded_softmax_step_floors_e_below_the_running_max():
+  """A step far below the running max is quantized against max - 60, so the
+  factor that rescales the accumulators stays finite (here 2**60)."""
+  s = np.array([[0.0] * 16 + [-200.0] * 16], np.float32)  # step 2 is 200 below
+  steps, _ = _folded_steps(s, np.ones(2, np.float32), 16, 1, 255.0)
+  (_, _, e1), (p2, alpha2, e2) = steps
+  assert e1[0] == 0 and e2[0] == -nm.E_FLOOR_BELOW_MAX
+  assert np.isclose(alpha2[0], 2.0**nm.E_FLOOR_BELOW_MAX, rtol=1e-5)
+  assert np.all(p2 == 0)
