@@ -182,7 +182,7 @@ def _first_that_takes(names: tuple[str, ...], query, key, value, case: _Case,
 def _sage(name: str, query, key, value, case: _Case, return_residual: bool):
   batch, q_len, _, head_dim = query.shape
   kv_len = key.shape[1]
-  backend = _backend(name, case.causal, head_dim=head_dim)
+  backend = _backend(name, case.causal)
   default_q, default_kv = _default_blocks(head_dim, case.causal)
   block_q = _block("block_q", case.block_q, default_q, q_len)
   block_kv = _block("block_kv", case.block_kv, default_kv, kv_len)
@@ -389,7 +389,7 @@ def _platform() -> str:
   return device if isinstance(device, str) else device.platform
 
 
-def _backend(implementation: str | None, causal: bool, *, head_dim: int = 64) -> Backend:
+def _backend(implementation: str | None, causal: bool) -> Backend:
   """The SageBwd backend of one name (None: the default's first that takes
   it); NotImplementedError where that backend cannot run here."""
   on_gpu = _platform() in _GPU_PLATFORMS
