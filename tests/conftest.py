@@ -1,8 +1,8 @@
 """Shared fixtures and helpers for the SageBwd test suite.
 
-`BACKENDS` lists every implementation the shared accuracy / mask / transform
-tests run against (one suite, every backend). Extend it when a backend lands,
-e.g. `BACKENDS = ["reference", "pallas"]`.
+The op's behaviour suite is `attention_suite.AttentionTestBase`, subclassed
+once per backend in `test_attention_*.py`. `BACKENDS` lists the backends that
+the property tests of test_api.py run on (those fast enough on the CPU).
 """
 
 from __future__ import annotations
@@ -29,12 +29,6 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip_gpu)
-
-
-@pytest.fixture(params=BACKENDS)
-def implementation(request) -> str:
-  """Each shared test runs once per backend in `BACKENDS`."""
-  return request.param
 
 
 @pytest.fixture
