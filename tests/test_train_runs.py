@@ -274,7 +274,7 @@ def test_a_full_disk_is_one_line(tmp_path, corpus):
   disk): one line naming the checkpoint and the reason, no traceback."""
   code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
           "resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000)); "
-          "from train.__main__ import main; main(sys.argv[1:])")
+          "import runpy; runpy.run_module('train', run_name='__main__')")
   env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
   proc = subprocess.run([sys.executable, "-c", code, *FLAGS, "--data", *corpus, "--out",
                          str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True,

@@ -62,4 +62,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  try:
+    main()
+  except SystemExit as e:
+    if not isinstance(e.code, str):
+      raise
+    # An error message: print it and skip the interpreter's teardown, where
+    # TensorStore callbacks left pending by a failed write print tracebacks.
+    print(e.code, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)

@@ -21,6 +21,7 @@ buffers.
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import logging
 import os
@@ -85,11 +86,13 @@ def _quiet():
       try:
         yield
       except BaseException:
-        # Those callbacks run after the error is raised: wait for them to stop.
+        # Those callbacks run after the error is raised: wait for them to stop,
+        # and finalize orbax's abandoned coroutines while their noise is caught.
         size, deadline = -1, time.monotonic() + 5.0
         while printed.tell() != size and time.monotonic() < deadline:
           size = printed.tell()
           time.sleep(0.5)
+          gc.collect()
         raise
   finally:
     logger.setLevel(level)

@@ -124,7 +124,7 @@ class KillTest:
     else:
       cmd = [sys.executable, "-c", "import sys; from train.killtest import die_mid_write; "
              "die_mid_write(int(sys.argv[1]), sys.argv[2:])", str(torn_row), *args]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     self.launches += 1
     log = open(self.out / "logs" / f"{self.launches:02d}-{run_dir.name}.log", "w+")
