@@ -34,7 +34,6 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 VARIANTS = {
     "mosaic": ForwardTuning(),
     "mosaic_3st": ForwardTuning(max_concurrent_steps=3),
-    "mosaic_overlap": ForwardTuning(overlap_qk=True),
     "mosaic_nosched": ForwardTuning(schedule_barrier=False),
     "mosaic_1wg": ForwardTuning(compute_wgs=1, schedule_barrier=False),
 }

@@ -209,23 +209,32 @@ def folded_softmax_step(s: jax.Array, log2_v_scale: jax.Array, inv_v_scale: jax.
                         m: jax.Array, e: jax.Array, l: jax.Array, *, levels: float):
   """One step of the online softmax with P = round(levels * exp2(S + log2 sV - E)).
 
-  `s`: (..., rows, keys) base-2 scores of the step, -inf where masked;
-  `log2_v_scale`, `inv_v_scale`: (..., keys), each key's V block scale
-  (`folded_v_scales`). `m` starts at NOTHING_SEEN, `e` at -inf, `l` at 0.
-  Returns (P, alpha, m, e, l): P integer-valued fp32 in [0, levels], alpha the
-  factor for the old accumulators, l the row sums of unfolded P in units of
-  exp2(e) / levels. P.V (int8 V) in these units is accumulated as
-  acc * alpha + P.V.
+  `s`: (..., rows, keys) base-2 scores of the step, -inf where masked, its keys
+  in whole V blocks; `log2_v_scale`, `inv_v_scale`: (..., blocks), each V
+  block's scale (`folded_v_scales`). `m` starts at NOTHING_SEEN, `e` at -inf,
+  `l` at 0. Returns (P, alpha, m, e, l): P integer-valued fp32 in
+  [0, levels], alpha the factor for the old accumulators, l the row sums of
+  unfolded P in units of exp2(e) / levels. P.V (int8 V) in these units is
+  accumulated as acc * alpha + P.V.
   """
-  folded = s + log2_v_scale[..., None, :]
-  top = jnp.max(folded, axis=-1)
+  blocks = log2_v_scale.shape[-1]
+  s = s.reshape(*s.shape[:-1], blocks, s.shape[-1] // blocks)
+  block_top = jnp.max(s, axis=-1)
+  folded_top = block_top + log2_v_scale[..., None, :]
+  top = jnp.max(folded_top, axis=-1)
   m_new = jnp.maximum(m, top)
   e_new = jnp.maximum(top, m_new - E_FLOOR_BELOW_MAX)
   alpha = jnp.exp2(e - e_new)
+  # The exponent as (S - the block's max) + (the block's folded max - E): with
+  # one block per step the second term is exactly 0, so P does not depend on
+  # how log2 sV rounds (compiled and eager runs agree).
   log2_levels = math.log2(levels)
-  p = jnp.exp2(jnp.minimum(folded - e_new[..., None] + log2_levels, log2_levels))
-  l_new = alpha * l + jnp.sum(p * inv_v_scale[..., None, :], axis=-1)
-  return jnp.round(p), alpha, m_new, e_new, l_new
+  offset = folded_top - e_new[..., None] + log2_levels
+  from_top = s - jnp.where(block_top == -jnp.inf, 0.0, block_top)[..., None]
+  p = jnp.exp2(jnp.minimum(from_top + offset[..., None], log2_levels))
+  # Unfolded row sums block by block (as the kernels sum a tile's row).
+  l_new = alpha * l + jnp.sum(jnp.sum(p, axis=-1) * inv_v_scale[..., None, :], axis=-1)
+  return jnp.round(p).reshape(*p.shape[:-2], -1), alpha, m_new, e_new, l_new
 
 
 def finalize_folded_rows(acc: jax.Array, e: jax.Array, l: jax.Array, *, levels: float):

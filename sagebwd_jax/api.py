@@ -1,36 +1,31 @@
 """`dot_product_attention`: SageBwd behind the signature of jax.nn's.
 
-This module checks arguments, pads sequences to whole blocks and head dims to
-a kernel's, builds the masks and picks a backend; `sagebwd.py` holds the
-algorithm.
+This module pads sequences to whole blocks and head dims to a kernel's, builds
+the masks and picks the implementation; `arguments.py` checks the arguments,
+`sagebwd.py` holds the algorithm and `residual.py` the optional log-sum-exp.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Callable, Literal
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_derivatives import SymbolicZero
 
 from pallas_kernels import numerics as nm
 from pallas_kernels.triton.backend import PallasBackend
 from pallas_kernels.mosaic.backend import MosaicBackend
 from pallas_kernels.types import Backend, Config, Masks
+from sagebwd_jax import arguments, residual
 from sagebwd_jax.reference import ReferenceBackend
-from sagebwd_jax.sagebwd import key_mean, sagebwd_attention
+from sagebwd_jax.sagebwd import sagebwd_attention
 
 Implementation = Literal["pallas", "mosaic", "reference", "cudnn", "xla"]
 SAGE_IMPLEMENTATIONS = ("pallas", "mosaic", "reference")
 FULL_PRECISION_IMPLEMENTATIONS = ("cudnn", "xla")
-# Head dims the kernels run as they are; smaller ones are zero-padded up to
-# the next of these inside the op.
-KERNEL_HEAD_DIMS = (64, 128, 256)
-MAX_HEAD_DIM = KERNEL_HEAD_DIMS[-1]
-SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 SegmentIds = jax.Array | tuple[jax.Array, jax.Array]
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
@@ -85,8 +80,8 @@ def dot_product_attention(
     segment_ids: (B, T) int when Tq == Tk, or a pair (q_ids (B, Tq),
       kv_ids (B, Tk)); a query sees only keys with its own id. A query row
       that sees no key at all outputs 0, never NaN.
-    smooth_k: subtract the per-channel mean of K before quantizing (SPEC
-      forward step 1); exact for softmax, essential for accuracy.
+    smooth_k: subtract the per-channel mean of K before quantizing
+      (docs/algorithm.md); exact for softmax, essential for accuracy.
     smooth_q: per-block Q-smoothing with its fp32 bias (off by default).
     block_q, block_kv: tile sizes (powers of two >= 16); they fix the
       quantization blocks, so results depend on them. Default: the Pallas
@@ -94,10 +89,11 @@ def dot_product_attention(
     implementation: a name or a sequence of names tried in order: a backend
       that cannot take the case raises NotImplementedError (with the reason)
       and the next one is tried. "pallas" (the portable GPU kernels; Pallas
-      interpret mode on a machine without a GPU), "mosaic" (the backward in
-      Mosaic GPU where its kernels take the case, the portable kernels for
-      the rest, forward included, which measured at least as fast; needs an
-      sm_90 GPU), "reference" (pure JAX, same int8 arithmetic); and, as last
+      interpret mode on a machine without a GPU), "mosaic" (the Hopper
+      kernels in Mosaic GPU where they take the case, the portable kernels
+      for the rest; needs an sm_90 GPU; its forward quantizes P per 128-key
+      row to 0..255, docs/algorithm.md), "reference" (pure JAX, the portable
+      kernels' arithmetic); and, as last
       resorts, "cudnn" and "xla": these are NOT SageBwd but full-precision
       attention by `jax.nn.dot_product_attention` ("cudnn" takes only bf16
       and fp16 on a GPU, and no segment_ids or smoothing options apply).
@@ -116,10 +112,10 @@ def dot_product_attention(
     raise NotImplementedError(
         f"local_window_size={local_window_size!r}: sliding-window attention is not "
         "implemented in SageBwd's kernels yet; pass local_window_size=None.")
-  unbatched = _check_qkv(query, key, value)
-  _check_trivial("bias", bias, lambda x: not np.any(x), "all zeros",
+  unbatched = arguments.check_qkv(query, key, value)
+  arguments.check_trivial("bias", bias, lambda x: not np.any(x), "all zeros",
                  "an additive bias cannot enter int8 scores")
-  _check_trivial("mask", mask, np.all, "all True",
+  arguments.check_trivial("mask", mask, np.all, "all True",
                  "a dense boolean mask cannot be honoured tile by tile; express it with "
                  "is_causal, query_seq_lengths/key_value_seq_lengths or segment_ids")
   if unbatched:
@@ -128,26 +124,28 @@ def dot_product_attention(
   kv_len = key.shape[1]
   names = _implementations(implementation)
   _check_no_auto_sharding(names, query, key, value)
-  q_lengths = _lengths("query_seq_lengths", query_seq_lengths, batch, q_len)
-  kv_lengths = _lengths("key_value_seq_lengths", key_value_seq_lengths, batch, kv_len)
-  q_seg, kv_seg = _segments(segment_ids, batch, q_len, kv_len)
-  scale = _scale(scale)
+  q_lengths = arguments.lengths("query_seq_lengths", query_seq_lengths, batch, q_len)
+  kv_lengths = arguments.lengths("key_value_seq_lengths", key_value_seq_lengths, batch,
+                                 kv_len)
+  q_seg, kv_seg = arguments.segments(segment_ids, batch, q_len, kv_len)
+  scale = arguments.scale(scale)
   case = _Case(bool(is_causal), q_lengths, kv_lengths, q_seg, kv_seg, scale, bool(smooth_k),
                bool(smooth_q), block_q, block_kv)
 
   # Tokens past a length are zeroed before anything reads them, so they
   # cannot set an int8 block's scale or carry a NaN into valid rows; the
   # output's select drops their cotangent, so dO's blocks never see it.
-  q_valid = _valid(q_lengths, q_len)
-  kv_valid = _valid(kv_lengths, kv_len)
-  query = _zero_invalid(query, q_valid)
-  key, value = _zero_invalid(key, kv_valid), _zero_invalid(value, kv_valid)
+  q_valid = arguments.valid(q_lengths, q_len)
+  kv_valid = arguments.valid(kv_lengths, kv_len)
+  query = arguments.zero_invalid(query, q_valid)
+  key = arguments.zero_invalid(key, kv_valid)
+  value = arguments.zero_invalid(value, kv_valid)
 
   if batch == 0:
     out, lse = jnp.zeros(query.shape, query.dtype), jnp.zeros((0, q_len, num_heads), query.dtype)
   else:
     out, lse = _first_that_takes(names, query, key, value, case, return_residual)
-  out = _zero_invalid(out, q_valid)
+  out = arguments.zero_invalid(out, q_valid)
   if not return_residual:
     return out[0] if unbatched else out
   return (out[0], lse[0]) if unbatched else (out, lse)
@@ -184,8 +182,14 @@ def _sage(name: str, query, key, value, case: _Case, return_residual: bool):
   kv_len = key.shape[1]
   backend = _backend(name, case.causal)
   default_q, default_kv = _default_blocks(head_dim, case.causal)
-  block_q = _block("block_q", case.block_q, default_q, q_len)
-  block_kv = _block("block_kv", case.block_kv, default_kv, kv_len)
+  block_q = arguments.block("block_q", case.block_q, default_q, q_len)
+  block_kv = arguments.block("block_kv", case.block_kv, default_kv, kv_len)
+  if (name != "reference" and _platform() in _GPU_PLATFORMS
+      and min(block_q, block_kv) < arguments.MIN_DEFAULT_BLOCK):
+    raise NotImplementedError(
+        f"block_q={block_q}, block_kv={block_kv}: the compiled kernels give a wrong dQ with "
+        f"tiles below {arguments.MIN_DEFAULT_BLOCK} (a known bug); use "
+        f"block_q, block_kv >= {arguments.MIN_DEFAULT_BLOCK}")
 
   scale = 1.0 / math.sqrt(head_dim) if case.scale is None else case.scale
   if isinstance(scale, jax.Array):
@@ -197,7 +201,7 @@ def _sage(name: str, query, key, value, case: _Case, return_residual: bool):
   config = Config(scale=scale, causal=case.causal, smooth_q=case.smooth_q,
                   block_q=block_q, block_kv=block_kv)
 
-  padded_dim = next(d for d in KERNEL_HEAD_DIMS if d >= head_dim)
+  padded_dim = next(d for d in arguments.KERNEL_HEAD_DIMS if d >= head_dim)
   pad = lambda x, n, d: jnp.pad(x, [(0, 0), (0, n), (0, 0), (0, d)])
   q_pad, kv_pad, d_pad = -q_len % block_q, -kv_len % block_kv, padded_dim - head_dim
   query = pad(query, q_pad, d_pad)
@@ -206,70 +210,18 @@ def _sage(name: str, query, key, value, case: _Case, return_residual: bool):
   if (case.q_lengths is not None or case.kv_lengths is not None or case.q_seg is not None
       or kv_pad):
     masks = Masks(
-        _token_ids(case.q_seg, case.q_lengths, batch, q_len, q_len + q_pad, nm.Q_INVALID_ID),
-        _token_ids(case.kv_seg, case.kv_lengths, batch, kv_len, kv_len + kv_pad,
+        arguments.token_ids(case.q_seg, case.q_lengths, batch, q_len, q_len + q_pad,
+                            nm.Q_INVALID_ID),
+        arguments.token_ids(case.kv_seg, case.kv_lengths, batch, kv_len, kv_len + kv_pad,
                    nm.KV_INVALID_ID))
 
   out = sagebwd_attention(query, key, value, masks, config, backend, case.smooth_k)
   out = out[:, :q_len, :, :head_dim]
   lse = None
   if return_residual:
-    lse = _forward_lse(query, key, value, masks, config, backend, case.smooth_k)
-    lse = _residual(lse[:, :q_len], out.dtype, (query, key, value))
+    lse = residual.forward_lse(query, key, value, masks, config, backend, case.smooth_k)
+    lse = residual.residual(lse[:, :q_len], out.dtype, (query, key, value))
   return out, lse
-
-
-def _forward_lse(query, key, value, masks: Masks, config: Config, backend: Backend,
-                 smooth_k: bool) -> jax.Array:
-  """The forward's natural-log log-sum-exp (B, Tq, H), +inf where a row saw
-  no key, without a gradient.
-
-  `sagebwd_attention` returns only O, so this runs the forward once more
-  (under jit XLA merges the two where it can prove them equal).
-  """
-  query, key, value = jax.lax.stop_gradient((query, key, value))
-  k_mean = key_mean(key, masks.kv_ids) if smooth_k else None
-  qkv = backend.quantize(query, key, value, k_mean, config)
-  lse = jnp.swapaxes(backend.forward(qkv, masks, config, query.dtype)[1], 1, 2) * nm.LN_2
-  if k_mean is not None:
-    # The kernels' scores are of K - mean(K): each row is shifted by q . mean.
-    group = query.shape[2] // key.shape[2]
-    shift = jnp.einsum("bthd,bhd->bth", query.astype(jnp.float32),
-                       jnp.repeat(k_mean, group, axis=1))
-    lse = lse + config.scale * shift
-  return lse
-
-
-def _residual(lse: jax.Array, dtype, inputs: tuple[jax.Array, ...]) -> jax.Array:
-  """The lse (+inf where a row saw no key) as jax.nn's residual (-inf
-  there); differentiating it with respect to `inputs` raises."""
-  lse = jnp.where(lse == jnp.inf, -jnp.inf, lse)
-  return _no_gradient(lse.astype(dtype), inputs)
-
-
-@jax.custom_vjp
-def _no_gradient(x: jax.Array, inputs: tuple[jax.Array, ...]) -> jax.Array:
-  """x, which depends on `inputs` without a gradient: the backward refuses
-  any cotangent but a symbolic zero (the residual unused by the loss)."""
-  del inputs
-  return x
-
-
-def _no_gradient_fwd(x, inputs):
-  del inputs
-  return x.value, None
-
-
-def _no_gradient_bwd(_, cotangent):
-  if not isinstance(cotangent, SymbolicZero):
-    raise NotImplementedError(
-        "SageBwd's residual (return_residual=True) has no gradient: its backward "
-        "does not take a log-sum-exp cotangent. Stop the gradient through it "
-        "(jax.lax.stop_gradient) or use implementation='xla' for this computation.")
-  return None, None
-
-
-_no_gradient.defvjp(_no_gradient_fwd, _no_gradient_bwd, symbolic_zeros=True)
 
 
 def _full_precision(name: str, query, key, value, case: _Case, return_residual: bool):
@@ -290,61 +242,6 @@ def _full_precision(name: str, query, key, value, case: _Case, return_residual: 
       query_seq_lengths=case.q_lengths, key_value_seq_lengths=case.kv_lengths,
       implementation=name, return_residual=return_residual)
   return result if return_residual else (result, None)
-
-
-def _check_qkv(query, key, value) -> bool:
-  """Validates shapes and dtypes; returns True for unbatched (rank-3) input."""
-  for name, x in (("query", query), ("key", key), ("value", value)):
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-      raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-    if x.ndim not in (3, 4):
-      raise ValueError(f"{name} must have rank 4 (B, T, H, D) or 3 (T, H, D); "
-                       f"got shape {x.shape}")
-    if not any(x.dtype == d for d in SUPPORTED_DTYPES):
-      raise TypeError(f"{name} must be bfloat16, float16 or float32; got {x.dtype}")
-  if not query.ndim == key.ndim == value.ndim:
-    raise ValueError(f"query, key and value must have the same rank; got shapes "
-                     f"{query.shape}, {key.shape}, {value.shape}")
-  if not query.dtype == key.dtype == value.dtype:
-    raise TypeError(f"query, key and value must share one dtype; got {query.dtype}, "
-                    f"{key.dtype}, {value.dtype}")
-  if key.shape != value.shape:
-    raise ValueError(f"key and value must have the same shape; got {key.shape} and "
-                     f"{value.shape}")
-  if query.shape[:-3] != key.shape[:-3]:
-    raise ValueError(f"query and key must have the same batch size; got shapes "
-                     f"{query.shape} and {key.shape}")
-  if query.shape[-1] != key.shape[-1]:
-    raise ValueError(f"query and key must have the same head dim; got "
-                     f"{query.shape[-1]} and {key.shape[-1]}")
-  head_dim = query.shape[-1]
-  if not 0 < head_dim <= MAX_HEAD_DIM:
-    raise ValueError(f"head dim D={head_dim} is not supported; SageBwd takes 1 <= D <= "
-                     f"{MAX_HEAD_DIM} (D in {KERNEL_HEAD_DIMS} natively, smaller D "
-                     "zero-padded to the next of these)")
-  num_heads, num_kv_heads = query.shape[-2], key.shape[-2]
-  if num_kv_heads == 0 or num_heads % num_kv_heads:
-    raise ValueError(f"query heads ({num_heads}) must be a multiple of key/value heads "
-                     f"({num_kv_heads}) for grouped-query attention")
-  if query.shape[-3] == 0 or key.shape[-3] == 0:
-    raise ValueError("query and key must have at least one token")
-  return query.ndim == 3
-
-
-def _check_trivial(name: str, x, is_trivial: Callable[[np.ndarray], bool], trivial: str,
-                   why: str) -> None:
-  """Accepts None or a concrete `x` that changes nothing (jax.nn accepts such
-  arrays too); refuses anything else with a ValueError saying why."""
-  if x is None:
-    return
-  try:
-    concrete = np.asarray(x)
-  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError) as e:
-    raise ValueError(f"{name}: SageBwd attention accepts a {name} only when it is "
-                     f"{trivial}, and a traced {name} cannot be checked: {why}.") from e
-  if not is_trivial(concrete):
-    raise ValueError(f"{name} is not supported by SageBwd attention unless it is "
-                     f"{trivial}: {why}.")
 
 
 def _implementations(implementation) -> tuple[str, ...]:
@@ -430,94 +327,3 @@ def _default_blocks(head_dim: int, causal: bool) -> tuple[int, int]:
   return 64, 64
 
 
-def _block(name: str, value: int | None, default: int, seq_len: int) -> int:
-  if value is None:
-    # Short sequences: the smallest power-of-two tile (>= 16) that covers them.
-    return min(default, max(16, 1 << (seq_len - 1).bit_length()))
-  if (not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 16
-      or value & (value - 1)):
-    raise ValueError(f"{name} must be a power of two >= 16; got {value!r}")
-  return int(value)
-
-
-def _scale(scale) -> float | jax.Array | None:
-  """A concrete scale as a Python float, a traced one as an fp32 scalar."""
-  if scale is None:
-    return None
-  if isinstance(scale, jax.core.Tracer):
-    if scale.shape != () or not jnp.issubdtype(scale.dtype, jnp.floating):
-      raise TypeError(f"scale must be a float scalar; got a traced {scale.dtype} array of "
-                      f"shape {scale.shape}")
-    return scale.astype(jnp.float32)
-  try:
-    scale = float(scale)
-  except (TypeError, ValueError) as e:
-    raise TypeError(f"scale must be a float scalar; got {scale!r}") from e
-  if not math.isfinite(scale):
-    raise ValueError(f"scale must be finite; got {scale}")
-  return scale
-
-
-def _lengths(name: str, lengths, batch: int, seq_len: int) -> jax.Array | None:
-  """(B,) int32 lengths clipped to [0, seq_len] (in their own dtype first,
-  so a uint32 2**32 - 1 means 'all', not -1)."""
-  if lengths is None:
-    return None
-  lengths = jnp.asarray(lengths)
-  if lengths.shape != (batch,):
-    raise ValueError(f"{name} must have shape (batch,) = ({batch},); got {lengths.shape}")
-  if not jnp.issubdtype(lengths.dtype, jnp.integer):
-    raise TypeError(f"{name} must be an integer array; got {lengths.dtype}")
-  if jnp.issubdtype(lengths.dtype, jnp.signedinteger):
-    lengths = jnp.maximum(lengths, 0)
-  return jnp.minimum(lengths, seq_len).astype(jnp.int32)
-
-
-def _valid(lengths: jax.Array | None, seq_len: int) -> jax.Array | None:
-  """(B, T) bool: True for tokens before the length; None without lengths."""
-  if lengths is None:
-    return None
-  return jnp.arange(seq_len)[None, :] < lengths[:, None]
-
-
-def _zero_invalid(x: jax.Array, valid: jax.Array | None) -> jax.Array:
-  """x (B, T, H, D) with tokens past the length set to 0 (a select, so NaN
-  there does not survive and their cotangent is dropped)."""
-  return x if valid is None else jnp.where(valid[:, :, None, None], x, jnp.zeros((), x.dtype))
-
-
-def _token_ids(segment_ids, lengths, batch: int, seq_len: int, padded_len: int,
-               invalid: int) -> jax.Array:
-  """Segment ids (0 without them), `invalid` past the length and in padding."""
-  ids = jnp.zeros((batch, padded_len), jnp.int32)
-  if segment_ids is not None:
-    # A pad, not a scatter: XLA:CPU crashed on the scatter under shard_map.
-    ids = jnp.pad(segment_ids, ((0, 0), (0, padded_len - seq_len)))
-  length = (jnp.full((batch, 1), seq_len, jnp.int32) if lengths is None
-            else lengths[:, None])
-  return jnp.where(jnp.arange(padded_len)[None, :] < length, ids, jnp.int32(invalid))
-
-
-def _segments(segment_ids, batch: int, q_len: int, kv_len: int):
-  if segment_ids is None:
-    return None, None
-  if isinstance(segment_ids, (tuple, list)):
-    if len(segment_ids) != 2:
-      raise ValueError("segment_ids must be an array or a pair (q_segment_ids, "
-                       "kv_segment_ids)")
-    q_ids, kv_ids = segment_ids
-  else:
-    if q_len != kv_len:
-      raise ValueError(f"one segment_ids array needs Tq == Tk (got {q_len} and {kv_len}); "
-                       "pass a pair (q_segment_ids, kv_segment_ids)")
-    q_ids = kv_ids = segment_ids
-  checked = []
-  for name, ids, length in (("query", q_ids, q_len), ("key/value", kv_ids, kv_len)):
-    ids = jnp.asarray(ids)
-    if ids.shape != (batch, length):
-      raise ValueError(f"{name} segment_ids must have shape ({batch}, {length}); "
-                       f"got {ids.shape}")
-    if not jnp.issubdtype(ids.dtype, jnp.integer):
-      raise TypeError(f"segment_ids must be integer arrays; got {ids.dtype}")
-    checked.append(ids.astype(jnp.int32))
-  return tuple(checked)

@@ -118,18 +118,19 @@ class ReferenceBackend:
     tiles = _Tiles(qkv, masks, config)
     shape = (batch, num_kv_heads, num_heads // num_kv_heads, q_len // config.block_q,
              config.block_q)
-    log2_v_scale, inv_v_scale = (
-        _per_token(x, config.block_kv)[:, :, None, None, :] for x in nm.folded_v_scales(
-            qkv.v_scale[..., ::config.block_kv], blocks_per_step))
+    log2_v_scale, inv_v_scale = (x[:, :, None, None, :] for x in nm.folded_v_scales(
+        qkv.v_scale[..., ::config.block_kv], blocks_per_step))
 
     def kv_step(carry, j):
       acc, m, e, l = carry
       blocks = [j * blocks_per_step + i for i in range(blocks_per_step)]
       s = jnp.concatenate([tiles.scores(i) for i in blocks], axis=-1)
-      keys = lambda x: jax.lax.dynamic_slice_in_dim(x, j * p_block, p_block, axis=-1)
-      p, alpha, m, e, l = nm.folded_softmax_step(s, keys(log2_v_scale), keys(inv_v_scale),
+      step = lambda x: jax.lax.dynamic_slice_in_dim(x, j * blocks_per_step, blocks_per_step,
+                                                    axis=-1)
+      p, alpha, m, e, l = nm.folded_softmax_step(s, step(log2_v_scale), step(inv_v_scale),
                                                  m, e, l, levels=levels)
-      pv = _int8_einsum("bhgiqk,bhdk->bhgiqd", p, keys(qkv.v8_t))
+      keys = jax.lax.dynamic_slice_in_dim(qkv.v8_t, j * p_block, p_block, axis=-1)
+      pv = _int8_einsum("bhgiqk,bhdk->bhgiqd", p, keys)
       return (acc * alpha[..., None] + pv.astype(_f32), m, e, l), None
 
     init = (jnp.zeros((*shape, head_dim), _f32), jnp.full(shape, nm.NOTHING_SEEN, _f32),
@@ -209,8 +210,10 @@ class _Tiles:
     self.q_mean = None if qkv.q_mean is None else group(qkv.q_mean)
     self.num_kv_blocks = qkv.k8.shape[2] // config.block_kv
     num_q_blocks = qkv.q8.shape[2] // config.block_q
+    # (1, 1, 1, nq, bq, 1): the tiles' rank, so masks broadcast without rank
+    # promotion (jax_numpy_rank_promotion="raise" passes).
     self.q_pos = (jnp.arange(num_q_blocks)[:, None] * config.block_q
-                  + jnp.arange(config.block_q))[:, :, None]
+                  + jnp.arange(config.block_q)[None, :])[None, None, None, :, :, None]
 
   def kv_block(self, x: jax.Array, j, *, axis: int) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(x, j * self.config.block_kv, self.config.block_kv,
@@ -231,7 +234,7 @@ class _Tiles:
       bias = nm.q_smoothing_bias(k8[:, :, None, None], k_scale, self.q_mean)
       s = s + bias[..., None, :]
 
-    kv_pos = j * config.block_kv + jnp.arange(config.block_kv)
+    kv_pos = (j * config.block_kv + jnp.arange(config.block_kv))[None, None, None, None, None]
     q_ids = kv_ids = None
     if masks.q_ids is not None:
       q_ids = _blocks(masks.q_ids[..., None], config.block_q)[:, None, None]

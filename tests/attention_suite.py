@@ -316,9 +316,16 @@ class AttentionTestBase:
 
   def test_block_sizes_all_accurate(self, block_q, block_kv):
     q, k, v, do = gaussian_qkv(jax.random.key(34), 1, 200, 200, 2, 2, 128)
-    got = sage(q, k, v, do, is_causal=True, block_q=block_q, block_kv=block_kv,
-               implementation=self.implementation)
-    assert_close_to_oracle(got, oracle(q, k, v, do, is_causal=True))
+    run = lambda: sage(q, k, v, do, is_causal=True, block_q=block_q, block_kv=block_kv,
+                       implementation=self.implementation)
+    if (self.implementation != "reference" and jax.default_backend() == "gpu"
+        and min(block_q, block_kv) < 32):
+      # Compiled, the portable kernels' dQ is wrong with 16-row tiles (a known
+      # bug): the op refuses them rather than return it.
+      with pytest.raises(NotImplementedError, match="wrong dQ"):
+        run()
+      return
+    assert_close_to_oracle(run(), oracle(q, k, v, do, is_causal=True))
 
   def test_explicit_scale(self):
     q, k, v, do = gaussian_qkv(jax.random.key(35), 1, 128, 128, 2, 2, 64)

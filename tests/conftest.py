@@ -173,6 +173,20 @@ def backend_tolerance(x) -> float:
   return 1e-3 + 4e-3 * (x.dtype == jnp.bfloat16)
 
 
+# The KERNEL_CASES the Hopper kernels take (at run_case's sizes); the others
+# have masks or Q-smoothing, which run on the portable kernels.
+HOPPER_CASES = frozenset({"plain", "causal", "gqa_causal", "mqa", "no_smooth_k", "d128"})
+
+
+def use_hopper_numerics(monkeypatch):
+  """The op's "reference" quantizes P as the Hopper forward does (per 128-key
+  row, unsigned), for comparisons with cases the Mosaic forward takes."""
+  from sagebwd_jax import api
+  from sagebwd_jax.reference import ReferenceBackend
+  monkeypatch.setattr(api, "ReferenceBackend",
+                      lambda: ReferenceBackend(p_block=128, unsigned_p=True))
+
+
 def check_against_reference(case: str, implementation: str | None):
   ours = run_case(case, implementation)
   with jax.default_device(CPU):  # the exact oracle is the CPU reference

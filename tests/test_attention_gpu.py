@@ -8,6 +8,7 @@ import jax
 import pytest
 
 from attention_suite import AttentionTestBase
+from conftest import HOPPER_CASES, check_against_reference, use_hopper_numerics
 
 pytestmark = pytest.mark.gpu
 
@@ -23,3 +24,9 @@ def _hopper() -> bool:
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic backend needs a Hopper GPU")
 class TestMosaicGpu(AttentionTestBase):
   implementation = "mosaic"
+
+  def test_matches_reference_backend(self, case, monkeypatch):
+    """Where the Mosaic forward takes the case, the reference quantizes P as it does."""
+    if case in HOPPER_CASES:
+      use_hopper_numerics(monkeypatch)
+    check_against_reference(case, self.implementation)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 import benchmarks
-from benchmarks import attention, breakdown, mosaic_ablation, variants
+from benchmarks import attention, breakdown, variants
 from conftest import gaussian_qkv, mosaic_config
 from pallas_kernels.types import Masks
 from sagebwd_jax.reference import ReferenceBackend
@@ -93,26 +93,6 @@ def test_kernel_times_sum_stream_kernels_per_call():
   assert report[0] == "x: 2.200 ms of kernels per call"
   assert report[1].split()[:2] == ["2.000", "ms"] and report[1].endswith("fwd")
   assert breakdown.report("x", {}) == ["x: no GPU kernels in the trace"]
-
-
-@pytest.mark.parametrize("names", mosaic_ablation.VARIANTS, ids=lambda n: "+".join(n) or "whole")
-def test_mosaic_ablations_still_apply_and_lower(names):
-  """Each ablation still matches the kernel's source (`ablated_module` raises
-  otherwise, so the benchmark cannot silently time the whole kernel) and
-  leaves a kernel that lowers."""
-  module = mosaic_ablation.ablated_module(names)
-  config = mosaic_config(128, False)
-  q, k, v, _ = gaussian_qkv(jax.random.key(0), 1, 128, 128, 2, 2, 128)
-  qkv = ReferenceBackend().quantize(q, k, v, None, config)
-  launch = module.MosaicLaunch(bit_tricks=True, overlap_qk=True)
-  jax.jit(lambda qkv: module.forward_mosaic(qkv, Masks(), config, jnp.bfloat16, launch)).trace(
-      qkv).lower(lowering_platforms=("cuda",))
-
-
-def test_a_stale_mosaic_ablation_is_an_error(monkeypatch):
-  monkeypatch.setitem(mosaic_ablation.ABLATIONS, "gone", [("no such line", "")])
-  with pytest.raises(ValueError, match="no longer matches"):
-    mosaic_ablation.ablated_module(("gone",))
 
 
 def test_variant_flags_pick_known_variants(monkeypatch):

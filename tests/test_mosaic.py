@@ -27,8 +27,7 @@ from sagebwd_jax.sagebwd import key_mean
 HOPPER_NUMERICS = ReferenceBackend(p_block=128, unsigned_p=True)
 TUNINGS = {"default": ForwardTuning(),
            "one_warpgroup": ForwardTuning(compute_wgs=1, schedule_barrier=False),
-           "three_stages": ForwardTuning(max_concurrent_steps=3),
-           "overlap_qk": ForwardTuning(overlap_qk=True)}
+           "three_stages": ForwardTuning(max_concurrent_steps=3)}
 
 
 def _case(batch, q_len, kv_len, heads, kv_heads, head_dim, causal, *, seed=0, sigma=2.0,

@@ -5,8 +5,8 @@ CI checks the wiring: the op on every kernel case with the three Mosaic entry
 points swapped for their portable twins (same contract; Pallas interpret mode),
 against the CPU reference, recording which entry points ran. The Mosaic kernels
 themselves are checked one by one (tests/test_mosaic.py, tests/test_mosaic_backward.py).
-GPU (`@pytest.mark.gpu`): the op compiled through its default implementation,
-"mosaic" on a Hopper GPU, against the reference with the same P quantization.
+The op compiled on a Hopper GPU is checked by the behaviour suite
+(tests/test_attention_gpu.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from conftest import KERNEL_CASES, check_against_reference, gaussian_qkv, mosaic_config
+from conftest import (HOPPER_CASES, KERNEL_CASES, check_against_reference, gaussian_qkv,
+                      mosaic_config)
 from pallas_kernels.mosaic import backend as mosaic_backend
 from pallas_kernels.triton.backend import PallasBackend
 from pallas_kernels.triton.backward_dkdv import backward_dkdv
@@ -31,8 +32,6 @@ from sagebwd_jax import api, dot_product_attention
 from sagebwd_jax.reference import ReferenceBackend
 
 INTERPRET = LaunchConfig(interpret=True)
-# The cases `takes` accepts (the others: masks or Q-smoothing).
-MOSAIC_CASES = {"plain", "causal", "gqa_causal", "mqa", "no_smooth_k", "d128"}
 
 
 def _tuned(causal: bool, interpret: bool) -> MosaicBackend:
@@ -68,7 +67,7 @@ def test_op_wiring(case, make_backend, monkeypatch):
   monkeypatch.setattr(api, "_backend", lambda implementation, causal: backend)
   check_against_reference(case, "mosaic")
   expected = set()
-  if case in MOSAIC_CASES:
+  if case in HOPPER_CASES:
     expected = {"backward_dkdv_mosaic", "backward_dq_mosaic"} | (
         set() if backend.forward_mosaic is None else {"forward_mosaic"})
   assert calls == expected
@@ -76,7 +75,7 @@ def test_op_wiring(case, make_backend, monkeypatch):
 
 def test_mosaic_without_hopper_is_refused():
   q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
-  with pytest.raises(ValueError, match="Hopper"):
+  with pytest.raises(NotImplementedError, match="Hopper"):
     dot_product_attention(q, q, q, implementation="mosaic")
 
 
@@ -117,15 +116,5 @@ def test_gpu_default_is_mosaic_on_hopper():
   backend = api._backend(None, causal=True)
   assert isinstance(backend, MosaicBackend) == hopper
   if not hopper:
-    with pytest.raises(ValueError, match="Hopper"):
+    with pytest.raises(NotImplementedError, match="Hopper"):
       api._backend("mosaic", causal=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", sorted(KERNEL_CASES))
-def test_gpu_op_matches_reference(case, monkeypatch):
-  """Where the Mosaic forward takes the case, the reference quantizes P as it does."""
-  if case in MOSAIC_CASES:
-    monkeypatch.setattr(api, "ReferenceBackend",
-                        lambda: ReferenceBackend(p_block=128, unsigned_p=True))
-  check_against_reference(case, None)

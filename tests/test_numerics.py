@@ -246,8 +246,7 @@ def _folded_steps(s, v_block_scale, block, blocks_per_step, levels):
   """Runs numerics.folded_softmax_step over the keys of `s` (rows, keys);
   returns per step (P, alpha, e) and the final l, as numpy."""
   log2_sv, inv_sv = nm.folded_v_scales(jnp.asarray(v_block_scale), blocks_per_step)
-  per_key = lambda x: np.repeat(np.asarray(x), block)
-  log2_sv, inv_sv = per_key(log2_sv), per_key(inv_sv)
+  log2_sv, inv_sv = np.asarray(log2_sv), np.asarray(inv_sv)
   rows, step = s.shape[0], block * blocks_per_step
   m = jnp.full((rows,), nm.NOTHING_SEEN, jnp.float32)
   e = jnp.full((rows,), -jnp.inf, jnp.float32)
@@ -255,8 +254,9 @@ def _folded_steps(s, v_block_scale, block, blocks_per_step, levels):
   steps = []
   for j in range(0, s.shape[1], step):
     keys = slice(j, j + step)
+    step_blocks = slice(j // block, j // block + blocks_per_step)
     p, alpha, m, e, l = nm.folded_softmax_step(jnp.asarray(s[:, keys]), jnp.asarray(
-        log2_sv[keys]), jnp.asarray(inv_sv[keys]), m, e, l, levels=levels)
+        log2_sv[step_blocks]), jnp.asarray(inv_sv[step_blocks]), m, e, l, levels=levels)
     steps.append(tuple(np.asarray(x, np.float64) for x in (p, alpha, e)))
   return steps, np.asarray(l, np.float64)
 

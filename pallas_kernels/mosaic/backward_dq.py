@@ -22,7 +22,6 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import causal_blocks
-from pallas_kernels import numerics as nm
 from pallas_kernels.mosaic import backward_common as bc
 from pallas_kernels.mosaic.backward_common import SLOTS, MosaicBackwardLaunch
 from pallas_kernels.mosaic.common import (BLOCK, COMPUTE_WGS, check_supported, smem_transforms,

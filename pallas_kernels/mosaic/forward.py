@@ -63,7 +63,6 @@ class ForwardTuning:
   compute_wgs: int = 2  # warpgroups of 64 query rows per CTA
   max_concurrent_steps: int = 2  # K/V ring depth (128 keys a slot)
   schedule_barrier: bool = True  # compute warpgroups take turns on the tensor cores
-  overlap_qk: bool = False  # issue step j + 1's S before step j's softmax
 
   def __post_init__(self):
     # One or two 64-row blocks fit a 128-key step, so with causal masking every
@@ -147,8 +146,8 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
       magic = plgpu.layout_cast(jnp.full((BLOCK, BLOCK), _MAGIC_I, jnp.int32),
                                 plgpu.Layout.WGMMA)
 
-      # `pl.run_state` bodies below cannot close over constants: j is always
-      # traced there (a loop index, or derived from the grid position).
+      # `pl.run_state` bodies cannot close over constants: j is always traced
+      # there (a loop index, or derived from the grid position).
       slot_of = lambda j: lax.rem(j, ring)
 
       def issue_scores(j, accs):
@@ -209,23 +208,6 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
         next_scales = step_scales(jnp.minimum(j + 1, num_steps - 1))
         return finish_step(j, scores(j), state, scales, masked=masked), next_scales
 
-      def overlapped_step(j, carry, *, masked: bool):
-        """Softmax and P.V of step j (its S in the carry) while S of step j + 1
-        runs on the tensor cores."""
-        state, scales, s = carry
-        next_scales = step_scales(j + 1)
-
-        def body(refs):
-          accs, state_refs = refs[:halves], refs[halves:]
-          issue_scores(j + 1, accs)
-          new = finish_step(j, s, tuple(r[...] for r in state_refs), scales, masked=masked)
-          for ref, value in zip(state_refs, new):
-            ref[...] = value
-
-        out = pl.run_state(body)((*(plgpu.ACC.init(magic) for _ in range(halves)), *state))
-        plgpu.barrier_arrive(k_consumed.at[slot_of(j + 1)])
-        return tuple(out[halves:]), next_scales, tuple(out[:halves])
-
       full_row = lambda value: plgpu.layout_cast(jnp.full((BLOCK,), value, jnp.float32), row)
       state = (plgpu.layout_cast(jnp.full((BLOCK, head_dim), 0.0, jnp.float32),
                                  plgpu.Layout.WGMMA),
@@ -235,13 +217,7 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
         pl.when(wg == 1)(schedule_barrier)
       # With causality the last step holds the diagonal.
       steps = cta_steps if causal else num_steps
-      if tuning.overlap_qk:
-        first = wg * 0  # a traced 0
-        carry = lax.fori_loop(0, steps - 1, functools.partial(overlapped_step, masked=False),
-                              (*carry, scores(first)))
-        state, scales, s = carry
-        state = finish_step(first + steps - 1, s, state, scales, masked=causal)
-      elif causal:
+      if causal:
         carry = lax.fori_loop(0, steps - 1, functools.partial(kv_step, masked=False), carry)
         state, _ = kv_step(steps - 1, carry, masked=True)
       else:

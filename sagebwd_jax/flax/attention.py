@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sagebwd_jax.api import MAX_HEAD_DIM, dot_product_attention
+from sagebwd_jax.api import dot_product_attention
+from sagebwd_jax.arguments import MAX_HEAD_DIM
 from sagebwd_jax.sharding import check_split, shard_attention
 
 AttentionImpl = Literal["sage", "full", "reference"]

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sagebwd_jax.api import MAX_HEAD_DIM
+from sagebwd_jax.arguments import MAX_HEAD_DIM
 from sagebwd_jax.flax.attention import IMPLEMENTATIONS, Attention, AttentionImpl, RMSNorm
 
 # GPT-2's initialization: N(0, 0.02), with the projections that write into the
