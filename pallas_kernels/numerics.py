@@ -20,14 +20,15 @@ import jax.numpy as jnp
 from jax import lax
 
 INT8_MAX = 127.0
+UINT8_MAX = 255.0  # P's levels where it is quantized unsigned
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 # 1.5 * 2**23: adding it to an fp32 |x| < 2**22 leaves round-half-even(x) in
 # the low mantissa bits. Triton has no round instruction in Pallas' lowering,
 # and this is one fp32 add instead of a quarter-rate conversion.
-_ROUND_MAGIC_F32 = 12582912.0
-_ROUND_MAGIC_I32 = 0x4B400000  # its bits as an int32
+ROUND_MAGIC_F32 = 12582912.0
+ROUND_MAGIC_I32 = 0x4B400000  # its bits as an int32
 
 
 def round_to_int8(x: jax.Array, *, nonnegative: bool = False,
@@ -44,7 +45,7 @@ def round_to_int8(x: jax.Array, *, nonnegative: bool = False,
   x = jnp.minimum(x, INT8_MAX) if nonnegative else jnp.clip(x, -INT8_MAX, INT8_MAX)
   if not bit_tricks:  # via int32: Mosaic GPU has no direct fp32 -> int8 conversion
     return jnp.round(x).astype(jnp.int32).astype(jnp.int8)
-  return lax.bitcast_convert_type(x + _ROUND_MAGIC_F32, jnp.int32).astype(jnp.int8)
+  return lax.bitcast_convert_type(x + ROUND_MAGIC_F32, jnp.int32).astype(jnp.int8)
 
 
 def int32_to_float(x: jax.Array, *, bit_tricks: bool = False) -> jax.Array:
@@ -58,8 +59,8 @@ def int32_to_float(x: jax.Array, *, bit_tricks: bool = False) -> jax.Array:
   """
   if not bit_tricks:
     return x.astype(jnp.float32)
-  biased = lax.bitcast_convert_type(x + _ROUND_MAGIC_I32, jnp.float32)
-  return biased - _ROUND_MAGIC_F32
+  biased = lax.bitcast_convert_type(x + ROUND_MAGIC_I32, jnp.float32)
+  return biased - ROUND_MAGIC_F32
 
 
 def inverse_scale(amax: jax.Array) -> jax.Array:

@@ -114,7 +114,7 @@ class ReferenceBackend:
       raise ValueError(f"p_block={p_block} must be a multiple of block_kv={config.block_kv} "
                        f"that divides the padded key length {kv_len}")
     blocks_per_step = p_block // config.block_kv
-    levels = 255.0 if self.unsigned_p else nm.INT8_MAX
+    levels = nm.UINT8_MAX if self.unsigned_p else nm.INT8_MAX
     tiles = _Tiles(qkv, masks, config)
     shape = (batch, num_kv_heads, num_heads // num_kv_heads, q_len // config.block_q,
              config.block_q)
@@ -265,7 +265,9 @@ def full_precision_attention(
   k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
   scale = q.shape[-1] ** -0.5 if scale is None else scale
   logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
-  q_pos, kv_pos = jnp.arange(q.shape[1])[:, None], jnp.arange(k.shape[1])[None, :]
+  # (1, 1, Tq, 1) and (1, 1, 1, Tk): the logits' rank, for strict rank promotion.
+  q_pos = jnp.arange(q.shape[1])[None, None, :, None]
+  kv_pos = jnp.arange(k.shape[1])[None, None, None, :]
   mask = jnp.ones((q.shape[0], 1, q.shape[1], k.shape[1]), bool)
   if is_causal:
     mask &= q_pos >= kv_pos

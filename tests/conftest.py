@@ -8,14 +8,22 @@ the property tests of test_api.py run on (those fast enough on the CPU).
 from __future__ import annotations
 
 import functools
+import os
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import pytest
+# The suite runs under strict rank promotion (jax's own suite does; a common
+# user setting): no implicit broadcasting of arrays of different rank. The
+# variable reaches the training runs started as subprocesses too.
+os.environ.setdefault("JAX_NUMPY_RANK_PROMOTION", "raise")
 
-from pallas_kernels.types import Config
-from sagebwd_jax import dot_product_attention, full_precision_attention, metrics
+import jax  # noqa: E402  (after the variable, which jax reads at import)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from pallas_kernels.types import Config  # noqa: E402
+from sagebwd_jax import dot_product_attention, full_precision_attention, metrics  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", os.environ["JAX_NUMPY_RANK_PROMOTION"])
 
 BACKENDS = ["reference"]
 

@@ -50,10 +50,7 @@ from pallas_kernels.mosaic.common import BLOCK, smem_transforms, warp_specialize
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 KV_STEP = 2 * BLOCK  # keys per step: two quantization blocks
-P_LEVELS = 255.0  # P is unsigned 8-bit
-_LOG2_P_LEVELS = math.log2(P_LEVELS)
-_MAGIC_F = 12582912.0  # 1.5 * 2**23: numerics' rounding add
-_MAGIC_I = 0x4B400000  # its bits
+_LOG2_P_LEVELS = math.log2(nm.UINT8_MAX)  # P is unsigned 8-bit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,10 +137,10 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
           # c > 0 keeps masked scores at -inf (-inf * 0 is NaN); a floor this
           # small moves unmasked scores of an all-zero block by < 2**-75.
           c = jnp.maximum(q_scale * ks_ref[b, kvh, blk], 2.0**-100)
-          out.append((c, lsv_ref[b, kvh, blk] - _MAGIC_F * c, isv_ref[b, kvh, blk]))
+          out.append((c, lsv_ref[b, kvh, blk] - nm.ROUND_MAGIC_F32 * c, isv_ref[b, kvh, blk]))
         return tuple(out)
 
-      magic = plgpu.layout_cast(jnp.full((BLOCK, BLOCK), _MAGIC_I, jnp.int32),
+      magic = plgpu.layout_cast(jnp.full((BLOCK, BLOCK), nm.ROUND_MAGIC_I32, jnp.int32),
                                 plgpu.Layout.WGMMA)
 
       # `pl.run_state` bodies cannot close over constants: j is always traced
@@ -180,7 +177,7 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
           offset = base + _LOG2_P_LEVELS - e_new
           p = jnp.exp2(jnp.minimum(x * c + bcast(offset), _LOG2_P_LEVELS))
           l_new = l_new + jnp.sum(p, axis=1) * inv_v_scale
-          bits.append(lax.bitcast_convert_type(p + _MAGIC_F, jnp.int32))
+          bits.append(lax.bitcast_convert_type(p + nm.ROUND_MAGIC_F32, jnp.int32))
         return bits, alpha, m_new, e_new, l_new
 
       def finish_step(j, s, state, scales, *, masked: bool):

@@ -32,7 +32,9 @@ class RMSNorm(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (x32 * self.weight[...].astype(jnp.float32)).astype(self.dtype)
+    # The gain at x's rank: explicit broadcasting passes strict rank promotion.
+    gain = self.weight[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
+    return (x32 * gain).astype(self.dtype)
 
 
 def apply_rope(x: jax.Array, theta: float) -> jax.Array:
@@ -45,7 +47,7 @@ def apply_rope(x: jax.Array, theta: float) -> jax.Array:
   seq_len, head_dim = x.shape[1], x.shape[-1]
   inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
   angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-  cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+  cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return rotated.astype(x.dtype)
