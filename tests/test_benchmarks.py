@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 import benchmarks
-from benchmarks import attention, breakdown, variants
+from benchmarks import accuracy, attention, breakdown, variants
 from conftest import gaussian_qkv, mosaic_config
 from pallas_kernels.types import Masks
 from sagebwd_jax.reference import ReferenceBackend
@@ -105,6 +105,14 @@ def test_variant_flags_pick_known_variants(monkeypatch):
   monkeypatch.setattr(sys, "argv", ["x", "--variants", "a,c"])
   with pytest.raises(SystemExit):  # argparse's error: names the unknown variant
     variants.parse_args("doc", known)
+
+
+@pytest.mark.parametrize("sigmas", ["2", "1,x", ""])
+def test_accuracy_refuses_sigmas_outside_table_1(monkeypatch, capsys, sigmas):
+  monkeypatch.setattr(sys, "argv", ["x", "--sigmas", sigmas])
+  with pytest.raises(SystemExit):
+    accuracy.main()
+  assert "--sigmas" in capsys.readouterr().err
 
 
 def test_variant_rows_carry_tops_and_the_ratio_to_cudnn():
