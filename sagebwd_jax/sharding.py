@@ -7,7 +7,8 @@ K-smoothing mean and softmax statistics never mix batch rows or key/value
 heads, so each shard computes exactly what the single device computes for it.
 
 ```python
-mesh = jax.make_mesh((4, 2), ("data", "model"))
+# Auto axes: shard_map then splits the (unsharded) inputs itself.
+mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 out = sharded_attention(mesh, q, k, v, is_causal=True)  # q (B, T, H, D)
 attend = shard_attention(jax.nn.dot_product_attention, mesh)  # any such op
 # MaxText-style: the batch over several axes, or q's whole PartitionSpec.
