@@ -1,8 +1,8 @@
 """The arithmetic rules every SageBwd implementation shares.
 
 The Pallas kernels and the pure-JAX reference call these same functions on
-tiles of the same shape, so the int8 values they form agree bit for bit (SPEC:
-"the rounding rule is one rule"). Each rule has two exact instruction
+tiles of the same shape, so the int8 values they form agree bit for bit (one
+rounding rule, docs/algorithm.md). Each rule has two exact instruction
 selections: plain XLA ops (`jnp.round`, conversions), and, with
 `bit_tricks=True`, fp32 bit manipulations that Pallas' Triton lowering
 accepts (it has no round) and that are often cheaper on the GPU. The kernels
@@ -35,8 +35,8 @@ def round_to_int8(x: jax.Array, *, nonnegative: bool = False,
                   bit_tricks: bool = False) -> jax.Array:
   """Clip fp32 values to [-127, 127], round half-to-even, return int8.
 
-  The clip is SPEC's, and it also matters for exactness: it stands between
-  the scaling multiply and the rounding add, so no compiler can contract the
+  The clip is the algorithm's (docs/algorithm.md), and it also matters for
+  exactness: it stands between the scaling multiply and the rounding add, so no compiler can contract the
   two into one FMA that rounds differently on one backend than on another.
   With `bit_tricks` the rounded integer is read off the low byte of
   x + 1.5 * 2**23 (whose own low byte is 0). `nonnegative` (P) skips the

@@ -25,7 +25,7 @@ from pallas_kernels.triton.backward_dkdv import backward_dkdv
 from pallas_kernels.triton.backward_dq import backward_dq
 from pallas_kernels.triton.common import LaunchConfig
 from pallas_kernels.triton.forward import forward
-from pallas_kernels.mosaic.backend import MosaicBackend, takes
+from pallas_kernels.mosaic.backend import MosaicBackend, backward_takes
 from pallas_kernels.mosaic import forward as mosaic_forward
 from pallas_kernels.types import Masks
 from sagebwd_jax import api, dot_product_attention
@@ -85,17 +85,17 @@ def _qkv(seq, head_dim, causal, **overrides):
   return ReferenceBackend().quantize(q, k, v, None, config), config
 
 
-def test_takes():
+def test_backward_takes():
   qkv, config = _qkv(128, 64, True)
   ids = jnp.zeros((1, 128), jnp.int32)
-  assert takes(qkv, Masks(), config, jnp.bfloat16)
-  assert takes(qkv, Masks(), config, jnp.float16)
-  assert not takes(qkv, Masks(), config, jnp.float32)  # dO.V^T wgmma takes 16-bit V
-  assert not takes(qkv, Masks(ids, ids), config, jnp.bfloat16)
+  assert backward_takes(qkv, Masks(), config, jnp.bfloat16)
+  assert backward_takes(qkv, Masks(), config, jnp.float16)
+  assert not backward_takes(qkv, Masks(), config, jnp.float32)  # dO.V^T wgmma takes 16-bit V
+  assert not backward_takes(qkv, Masks(ids, ids), config, jnp.bfloat16)
   qkv_q, config_q = _qkv(128, 64, True, smooth_q=True)
-  assert not takes(qkv_q, Masks(), config_q, jnp.bfloat16)
+  assert not backward_takes(qkv_q, Masks(), config_q, jnp.bfloat16)
   qkv_32, config_32 = _qkv(128, 64, False, block_q=32, block_kv=32)
-  assert not takes(qkv_32, Masks(), config_32, jnp.bfloat16)
+  assert not backward_takes(qkv_32, Masks(), config_32, jnp.bfloat16)
 
 
 def test_tuned_launches():

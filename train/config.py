@@ -129,7 +129,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                   keep=3),
     # The SageBwd paper's setting: ~325M-parameter Llama, context 4096, 262K
     # tokens per step (the regime where INT8 attention matches full precision;
-    # see SPEC.md). Scale --grad-accum to the GPUs you have.
+    # see docs/algorithm.md). Scale --grad-accum to the GPUs you have.
     "gpu": dict(dim=1024, n_layers=24, n_heads=8, n_kv_heads=8, ffn_dim=2816,
                 seq_len=4096, batch_size=8, grad_accum=8, steps=20000, lr=3e-4,
                 warmup=1000, eval_every=500, eval_batches=20, ckpt_every=1000,

@@ -6,7 +6,7 @@ int8 tensors feed both paths). The forward runs in Mosaic GPU when
 `forward.takes` accepts the case (no masks but causality, no Q-smoothing, D in
 {64, 128}, 64 x 64 blocks, whole 128-key steps, Tq == Tk when causal, 16-bit
 output), quantizing P as `ReferenceBackend(p_block=128, unsigned_p=True)`
-does; the dK/dV and dQ kernels when `takes` accepts it (the same, with keys in
+does; the dK/dV and dQ kernels when `backward_takes` accepts it (the same, with keys in
 whole 64-token blocks). Anything else runs in the fallback, call by call. The
 Mosaic kernels compile for an sm_90 GPU only.
 """
@@ -25,8 +25,8 @@ from pallas_kernels.mosaic import forward
 from pallas_kernels.types import Config, Masks, PrepassBackend, QuantizedQKV
 
 
-def takes(qkv: QuantizedQKV, masks: Masks, config: Config, dtype) -> bool:
-  """Whether the Mosaic kernels run this case (`dtype`: V's, which the
+def backward_takes(qkv: QuantizedQKV, masks: Masks, config: Config, dtype) -> bool:
+  """Whether the Mosaic backward kernels run this case (`dtype`: V's, which the
   backward's dO.V^T wgmma takes as is)."""
   q_len, kv_len = qkv.q8.shape[2], qkv.k8.shape[2]
   block = common.BLOCK
@@ -41,8 +41,8 @@ class MosaicBackend:
   """SageBwd on Hopper (sm_90): Mosaic GPU kernels, each where it is faster.
 
   `fallback` runs the quantization pass, the backward pre-pass and every case
-  `takes` refuses (the op passes the portable backend). `forward_mosaic=None`
-  keeps the fallback's forward; the backward runs in Mosaic GPU when `takes`.
+  `forward.takes` or `backward_takes` refuses (the op passes the portable
+  backend). `forward_mosaic=None` keeps the fallback's forward.
   """
 
   fallback: PrepassBackend
@@ -69,7 +69,7 @@ class MosaicBackend:
     return forward.forward_mosaic(qkv, masks, config, out_dtype, self.forward_mosaic)
 
   def backward(self, qkv: QuantizedQKV, v, o, lse, do, masks: Masks, config: Config):
-    if not takes(qkv, masks, config, v.dtype):
+    if not backward_takes(qkv, masks, config, v.dtype):
       return self.fallback.backward(qkv, v, o, lse, do, masks, config)
     delta, do8_t, do_scale = self.fallback.prepass(o, do, config)
     dk, dv = backward_dkdv_mosaic(qkv, v, lse, delta, do, do8_t, do_scale, masks, config,
