@@ -36,8 +36,9 @@ def round_to_int8(x: jax.Array, *, nonnegative: bool = False,
   """Clip fp32 values to [-127, 127], round half-to-even, return int8.
 
   The clip is the algorithm's (docs/algorithm.md), and it also matters for
-  exactness: it stands between the scaling multiply and the rounding add, so no compiler can contract the
-  two into one FMA that rounds differently on one backend than on another.
+  exactness: it stands between the scaling multiply and the rounding add, so
+  no compiler can contract the two into one FMA that rounds differently on
+  one backend than on another.
   With `bit_tricks` the rounded integer is read off the low byte of
   x + 1.5 * 2**23 (whose own low byte is 0). `nonnegative` (P) skips the
   lower clip.
