@@ -13,7 +13,9 @@ H200, right op by op).
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -65,34 +67,57 @@ def int32_to_float(x: jax.Array, *, bit_tricks: bool = False) -> jax.Array:
 
 
 def inverse_scale(amax: jax.Array) -> jax.Array:
-  """127 / amax, and 0 for all-zero tiles so they quantize to zeros."""
+  """127 / amax, and 0 for all-zero tiles so they quantize to zeros (and for
+  NaN ones, whose NaN scale carries them)."""
   safe = jnp.where(amax > 0, amax, 1.0)
   return jnp.where(amax > 0, INT8_MAX / safe, 0.0)
 
 
+def abs_max(x: jax.Array, axis: int | None = None) -> jax.Array:
+  """max |x| of fp32 `x` over `axis`; NaN where any element is NaN or infinite.
+
+  int8 has no NaN, so a non-finite input survives quantization only through
+  its group's scale. The maximum is taken on the bits: with the sign bit
+  cleared, fp32 bit patterns order as their values, +inf above every finite
+  value and NaN above +inf. A float maximum would not do: XLA:CPU's
+  vectorized reductions and Triton's `maxnumf` skip NaN.
+  """
+  bits = lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(0x7FFFFFFF)
+  amax = lax.bitcast_convert_type(jnp.max(bits, axis=axis), jnp.float32)
+  return jnp.where(amax < jnp.inf, amax, jnp.nan)
+
+
 def quantize_tile(x: jax.Array, *, bit_tricks: bool = False) -> tuple[jax.Array, jax.Array]:
-  """psi(X) on one tile: symmetric int8 with one fp32 scale for the tile."""
-  amax = jnp.max(jnp.abs(x))
+  """psi(X) on one tile: symmetric int8 with one fp32 scale for the tile (NaN
+  when the tile holds a NaN or an infinity; its int8 values are then
+  meaningless, and every product with them is multiplied by the NaN)."""
+  amax = abs_max(x)
   return round_to_int8(x * inverse_scale(amax), bit_tricks=bit_tricks), amax / INT8_MAX
 
 
-def quantize_rows(x: jax.Array, row_amax: jax.Array | None = None, *,
-                  nonnegative: bool = False, bit_tricks: bool = False
+def quantize_rows(x: jax.Array, *, nonnegative: bool = False, bit_tricks: bool = False
                   ) -> tuple[jax.Array, jax.Array]:
-  """Per-token int8: one fp32 scale per row of the tile.
+  """Per-token int8: one fp32 scale per row of the tile (NaN for a row that
+  holds a NaN or an infinity, as `quantize_tile`).
 
   Used for the first operand of every int8 dot whose rows are tokens of the
-  output (P and dS), because a row scale factors out of the product. The
-  forward passes `row_amax` = exp2(rowmax(S) - m_new), the largest P of the
-  row, so it needs no extra reduction (the clip in `round_to_int8` keeps an
-  exp2 that is not perfectly monotone from producing 128). `nonnegative`
-  (P) spares the absolute value and the lower clip.
+  output (P and dS), because a row scale factors out of the product.
+  `nonnegative` (P) spares the lower clip.
   """
-  if row_amax is None:
-    row_amax = jnp.max(x if nonnegative else jnp.abs(x), axis=-1)
+  row_amax = abs_max(x, axis=-1)
   x8 = round_to_int8(x * inverse_scale(row_amax)[..., None], nonnegative=nonnegative,
                      bit_tricks=bit_tricks)
   return x8, row_amax / INT8_MAX
+
+
+def spread_nan(x: jax.Array, axis: int = -1) -> jax.Array:
+  """x with every element along `axis` NaN where any of them is.
+
+  Used on per-token scales and lse, (B, H, T): where block skipping means no
+  kernel program pairs a NaN block with some other block, the NaN reaches
+  the other blocks' results through this instead (`sagebwd.py`).
+  """
+  return jnp.where(jnp.any(jnp.isnan(x), axis=axis, keepdims=True), jnp.nan, x)
 
 
 def int8_dot(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -147,45 +172,47 @@ def q_smoothing_bias(k8: jax.Array, k_scale: jax.Array, q_mean: jax.Array) -> ja
 
 
 def safe_row_max(m: jax.Array) -> jax.Array:
-  """The running max with -inf (nothing seen yet) replaced by 0.
-
-  exp2(S - m) then gives 0 for masked (-inf) scores instead of NaN.
-  """
+  """A row maximum with -inf (nothing seen) replaced by 0, so that
+  subtracting it from masked (-inf) scores gives -inf, not NaN."""
   return jnp.where(m == -jnp.inf, 0.0, m)
 
 
-def online_softmax_step(s: jax.Array, m: jax.Array, l: jax.Array, *,
-                        bit_tricks: bool = False):
-  """One key tile of the forward's online softmax over base-2 scores `s`.
+def block_scores(product: jax.Array, scale: jax.Array, *, mask: jax.Array | None = None,
+                 bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """One key block's base-2 scores S = product * scale (+ bias), -inf where
+  `mask` is False, as the row maxima `top` (..., rows) and `S - top`
+  (..., rows, keys), the forms `folded_softmax_step` takes.
 
-  Returns (P8, P scale per row, correction alpha for the old accumulator,
-  new running max, new running sum). P is quantized per token with the row
-  maximum exp2(rowmax(S) - m_new), known without another pass over P.
+  `product` is the int32 Q8.K8^T tile, `scale` its dequantization factor
+  (broadcastable to (..., rows, 1)), `bias` Q-smoothing's (..., 1, keys).
+  Without a bias, S - top is the exact int32 difference times `scale`: one
+  rounding, so the row's largest score gives exactly 0, however a compiler
+  fuses or contracts the arithmetic. (Formed as S - max(S), the two uses of S
+  can round differently: XLA:CPU contracts S's multiply into the subtraction
+  in one fusion and not in the other, which moved P by 2^4 at logits near
+  1e8.) With a bias S ends in an addition, which nothing contracts.
+  The conversions are instructions: the difference may exceed the 2**22 of
+  `int32_to_float`'s bit trick.
   """
-  m_tile = jnp.max(s, axis=-1)
-  m_new = jnp.maximum(m, m_tile)
-  m_safe = safe_row_max(m_new)
-  alpha = jnp.exp2(m - m_safe)
-  p = jnp.exp2(s - m_safe[..., None])
-  l = alpha * l + jnp.sum(p, axis=-1)
-  p8, p_scale = quantize_rows(p, jnp.exp2(m_tile - m_safe), nonnegative=True,
-                              bit_tricks=bit_tricks)
-  return p8, p_scale, alpha, m_new, l
+  if bias is not None:
+    s = product.astype(jnp.float32) * scale + bias
+    s = s if mask is None else jnp.where(mask, s, -jnp.inf)
+    top = jnp.max(s, axis=-1)
+    return top, s - safe_row_max(top)[..., None]
+  lowest = jnp.iinfo(jnp.int32).min
+  top_int = jnp.max(product if mask is None else jnp.where(mask, product, lowest), axis=-1)
+  top = top_int.astype(jnp.float32) * (scale if jnp.ndim(scale) == 0 else scale[..., 0])
+  from_top = (product - top_int[..., None]).astype(jnp.float32) * scale
+  if mask is None:
+    return top, from_top
+  return jnp.where(top_int == lowest, -jnp.inf, top), jnp.where(mask, from_top, -jnp.inf)
 
 
-def finalize_rows(acc: jax.Array, m: jax.Array, l: jax.Array):
-  """O = acc / l and the base-2 log-sum-exp; rows that saw no key give O = 0
-  and lse = +inf, so the backward's exp2(S - lse) is 0 there, not NaN."""
-  empty = l == 0
-  l_safe = jnp.where(empty, 1.0, l)
-  lse = jnp.where(empty, jnp.inf, safe_row_max(m) + jnp.log2(l_safe))
-  return acc / l_safe[..., None], lse
-
-
-# The forward with V's block scale folded into P (the Hopper forward; the
-# reference with `unsigned_p` or `p_block`): P is quantized per row of each
-# step's tile of keys against E, the row's largest folded score, and the
-# accumulators are kept in units of exp2(E) / levels.
+# The forward with V's block scale folded into P (every forward: one key block
+# per step and 0..127 in the portable kernels, two and 0..255 in the Hopper
+# one): P is quantized per row of each step's tile of keys against E, the
+# row's largest folded score, and the accumulators are kept in units of
+# exp2(E) / levels.
 # E never falls below the running maximum minus this, so the factor that moves
 # the accumulators to a new E, exp2(E_old - E_new), stays far inside fp32.
 E_FLOOR_BELOW_MAX = 60.0
@@ -199,48 +226,55 @@ def folded_v_scales(v_block_scale: jax.Array, blocks_per_step: int
   """log2 and reciprocal of each V block's scale (..., num_blocks) as folded
   into P. An all-zero block (scale 0) takes the largest scale of its step (or
   1): its int8 values are 0, so P.V does not depend on it, while the row sum of
-  P must still count its keys."""
+  P must still count its keys. A NaN scale stays NaN."""
   steps = v_block_scale.reshape(*v_block_scale.shape[:-1], -1, blocks_per_step)
   partner = jnp.max(steps, axis=-1, keepdims=True)
-  safe = jnp.where(steps > 0, steps, jnp.where(partner > 0, partner, 1.0))
+  safe = jnp.where(steps == 0, jnp.where(partner > 0, partner, 1.0), steps)
   safe = safe.reshape(v_block_scale.shape)
   return jnp.log2(safe), 1.0 / safe
 
 
-def folded_softmax_step(s: jax.Array, log2_v_scale: jax.Array, inv_v_scale: jax.Array,
+def folded_softmax_step(blocks: Sequence[tuple[jax.Array, jax.Array]],
+                        log2_v_scales: Sequence[jax.Array],
+                        inv_v_scales: Sequence[jax.Array],
                         m: jax.Array, e: jax.Array, l: jax.Array, *, levels: float):
-  """One step of the online softmax with P = round(levels * exp2(S + log2 sV - E)).
+  """One step of the online softmax with P = levels * exp2(S + log2 sV - E).
 
-  `s`: (..., rows, keys) base-2 scores of the step, -inf where masked, its keys
-  in whole V blocks; `log2_v_scale`, `inv_v_scale`: (..., blocks), each V
-  block's scale (`folded_v_scales`). `m` starts at NOTHING_SEEN, `e` at -inf,
-  `l` at 0. Returns (P, alpha, m, e, l): P integer-valued fp32 in
-  [0, levels], alpha the factor for the old accumulators, l the row sums of
-  unfolded P in units of exp2(e) / levels. P.V (int8 V) in these units is
-  accumulated as acc * alpha + P.V.
+  `blocks`: the step's key blocks, each `block_scores`' (top, S - top), base-2
+  scores; `log2_v_scales`, `inv_v_scales`: each block's V scale
+  (`folded_v_scales`), broadcastable to its `top`. `m` starts at
+  NOTHING_SEEN, `e` at -inf, `l` at 0. Returns (P, alpha, m, e, l): P fp32,
+  the blocks' keys concatenated, before its clip to `levels` and rounding
+  (the caller's); alpha the factor for the old accumulators; l the row sums
+  of unfolded P in units of exp2(e) / levels. P.V (int8 V) in these units is
+  accumulated as acc * alpha + round(min(P, levels)).V.
+
+  The exponent is (S - the block's max) + (the block's folded max - E): with
+  one block per step the second term is exactly 0, so the row's largest P is
+  exactly `levels` whatever the rounding of log2 sV or of S. The row sums are
+  taken before the clip, so a NaN score reaches them on every platform (min
+  and max skip NaN in Triton).
   """
-  blocks = log2_v_scale.shape[-1]
-  s = s.reshape(*s.shape[:-1], blocks, s.shape[-1] // blocks)
-  block_top = jnp.max(s, axis=-1)
-  folded_top = block_top + log2_v_scale[..., None, :]
-  top = jnp.max(folded_top, axis=-1)
+  folded_tops = [top + lsv for (top, _), lsv in zip(blocks, log2_v_scales)]
+  top = functools.reduce(jnp.maximum, folded_tops)
   m_new = jnp.maximum(m, top)
   e_new = jnp.maximum(top, m_new - E_FLOOR_BELOW_MAX)
   alpha = jnp.exp2(e - e_new)
-  # The exponent as (S - the block's max) + (the block's folded max - E): with
-  # one block per step the second term is exactly 0, so P does not depend on
-  # how log2 sV rounds (compiled and eager runs agree).
   log2_levels = math.log2(levels)
-  offset = folded_top - e_new[..., None] + log2_levels
-  from_top = s - jnp.where(block_top == -jnp.inf, 0.0, block_top)[..., None]
-  p = jnp.exp2(jnp.minimum(from_top + offset[..., None], log2_levels))
-  # Unfolded row sums block by block (as the kernels sum a tile's row).
-  l_new = alpha * l + jnp.sum(jnp.sum(p, axis=-1) * inv_v_scale[..., None, :], axis=-1)
-  return jnp.round(p).reshape(*p.shape[:-2], -1), alpha, m_new, e_new, l_new
+  ps, row_sums = [], []
+  for (_, from_top), folded_top, inv in zip(blocks, folded_tops, inv_v_scales):
+    p = jnp.exp2(from_top + (folded_top - e_new + log2_levels)[..., None])
+    ps.append(p)
+    row_sums.append(jnp.sum(p, axis=-1) * inv)
+  l_new = alpha * l + functools.reduce(jnp.add, row_sums)
+  p = ps[0] if len(ps) == 1 else jnp.concatenate(ps, axis=-1)
+  return p, alpha, m_new, e_new, l_new
 
 
 def finalize_folded_rows(acc: jax.Array, e: jax.Array, l: jax.Array, *, levels: float):
-  """`finalize_rows` for `folded_softmax_step`'s units: O and the base-2 lse."""
+  """O = acc / l and the base-2 log-sum-exp from `folded_softmax_step`'s
+  units; rows that saw no key give O = 0 and lse = +inf, so the backward's
+  exp2(S - lse) is 0 there, not NaN."""
   empty = l == 0
   l_safe = jnp.where(empty, 1.0, l)
   lse = jnp.where(empty, jnp.inf, e + jnp.log2(l_safe) - math.log2(levels))

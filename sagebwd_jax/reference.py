@@ -118,17 +118,18 @@ class ReferenceBackend:
     tiles = _Tiles(qkv, masks, config)
     shape = (batch, num_kv_heads, num_heads // num_kv_heads, q_len // config.block_q,
              config.block_q)
-    log2_v_scale, inv_v_scale = (x[:, :, None, None, :] for x in nm.folded_v_scales(
+    # (B, Hkv, 1, 1, 1, blocks): each block's factor broadcasts to its tiles' rows.
+    log2_v_scale, inv_v_scale = (x[:, :, None, None, None, :] for x in nm.folded_v_scales(
         qkv.v_scale[..., ::config.block_kv], blocks_per_step))
 
     def kv_step(carry, j):
       acc, m, e, l = carry
       blocks = [j * blocks_per_step + i for i in range(blocks_per_step)]
-      s = jnp.concatenate([tiles.scores(i) for i in blocks], axis=-1)
-      step = lambda x: jax.lax.dynamic_slice_in_dim(x, j * blocks_per_step, blocks_per_step,
-                                                    axis=-1)
-      p, alpha, m, e, l = nm.folded_softmax_step(s, step(log2_v_scale), step(inv_v_scale),
-                                                 m, e, l, levels=levels)
+      block = lambda x, i: jax.lax.dynamic_index_in_dim(x, i, axis=-1, keepdims=False)
+      p, alpha, m, e, l = nm.folded_softmax_step(
+          [tiles.block_scores(i) for i in blocks], [block(log2_v_scale, i) for i in blocks],
+          [block(inv_v_scale, i) for i in blocks], m, e, l, levels=levels)
+      p = jnp.round(jnp.minimum(p, levels))
       keys = jax.lax.dynamic_slice_in_dim(qkv.v8_t, j * p_block, p_block, axis=-1)
       pv = _int8_einsum("bhgiqk,bhdk->bhgiqd", p, keys)
       return (acc * alpha[..., None] + pv.astype(_f32), m, e, l), None
@@ -223,16 +224,18 @@ class _Tiles:
     """The scale of key block j, from per-token scales, broadcast to tiles."""
     return scale[:, :, j * self.config.block_kv][:, :, None, None, None, None]
 
-  def scores(self, j) -> jax.Array:
-    """Base-2 logits of tiles (i, j), masked with -inf: (B, Hkv, G, nq, bq, bk)."""
+  def _product(self, j):
+    """The int32 products Q8.K8^T of tiles (i, j) (B, Hkv, G, nq, bq, bk), their
+    dequantization factor (..., bq, 1), Q-smoothing's bias (..., 1, bk) or
+    None, and the mask (True where a query sees a key) or None."""
     config, qkv, masks = self.config, self.qkv, self.masks
     k8 = self.kv_block(qkv.k8, j, axis=-2)
-    k_scale = self.kv_block(qkv.k_scale, j, axis=-1)[:, :, None, None]
-    s = nm.dequantize(_int8_einsum("bhgiqd,bhkd->bhgiqk", self.q8, k8),
-                      self.q_scale[..., None], k_scale[..., None, :])
+    product = _int8_einsum("bhgiqd,bhkd->bhgiqk", self.q8, k8)
+    k_scale = self.block_scale(qkv.k_scale, j)
+    bias = None
     if self.q_mean is not None:
-      bias = nm.q_smoothing_bias(k8[:, :, None, None], k_scale, self.q_mean)
-      s = s + bias[..., None, :]
+      bias = nm.q_smoothing_bias(k8[:, :, None, None], k_scale[..., 0], self.q_mean)
+      bias = bias[..., None, :]
 
     kv_pos = (j * config.block_kv + jnp.arange(config.block_kv))[None, None, None, None, None]
     q_ids = kv_ids = None
@@ -240,7 +243,19 @@ class _Tiles:
       q_ids = _blocks(masks.q_ids[..., None], config.block_q)[:, None, None]
       kv_ids = self.kv_block(masks.kv_ids, j, axis=-1)[:, None, None, None, None, :]
     mask = nm.tile_mask(self.q_pos, kv_pos, causal=config.causal, q_ids=q_ids, kv_ids=kv_ids)
+    return product, self.q_scale[..., None] * k_scale, bias, mask
+
+  def scores(self, j) -> jax.Array:
+    """Base-2 logits of tiles (i, j), masked with -inf: (B, Hkv, G, nq, bq, bk)."""
+    product, scale, bias, mask = self._product(j)
+    s = nm.dequantize(product, scale, 1.0)
+    s = s if bias is None else s + bias
     return s if mask is None else jnp.where(mask, s, -jnp.inf)
+
+  def block_scores(self, j) -> tuple[jax.Array, jax.Array]:
+    """`numerics.block_scores` of tiles (i, j): the forward's form of them."""
+    product, scale, bias, mask = self._product(j)
+    return nm.block_scores(product, scale, mask=mask, bias=bias)
 
 
 def full_precision_attention(

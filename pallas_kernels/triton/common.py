@@ -43,15 +43,29 @@ def score_tile(q8, q_scale, k8, k_scale, q_mean, *, q_start, kv_start, q_ids, kv
   """
   s = nm.dequantize(nm.int8_dot(k8, q8) if transposed else nm.int8_dot(q8, k8),
                     q_scale, k_scale, bit_tricks=bit_tricks)
-  column, row = (lambda x: x[:, None]), (lambda x: x[None, :])
-  along_q, along_kv = (row, column) if transposed else (column, row)
+  along_q, along_kv = _axes(transposed)
   if q_mean is not None:
     s = s + along_kv(nm.q_smoothing_bias(k8, k_scale, q_mean))
-  mask = nm.tile_mask(
-      along_q(q_start + jnp.arange(q8.shape[0])), along_kv(kv_start + jnp.arange(k8.shape[0])),
+  mask = tile_mask(q8.shape[0], k8.shape[0], q_start=q_start, kv_start=kv_start,
+                   q_ids=q_ids, kv_ids=kv_ids, causal=causal, transposed=transposed)
+  return s if mask is None else jnp.where(mask, s, -jnp.inf)
+
+
+def tile_mask(block_q: int, block_kv: int, *, q_start, kv_start, q_ids, kv_ids,
+              causal: bool, transposed: bool = False):
+  """`numerics.tile_mask` of one (block_q, block_kv) tile, or (block_kv,
+  block_q) with `transposed`; None when nothing is masked."""
+  along_q, along_kv = _axes(transposed)
+  return nm.tile_mask(
+      along_q(q_start + jnp.arange(block_q)), along_kv(kv_start + jnp.arange(block_kv)),
       causal=causal, q_ids=None if q_ids is None else along_q(q_ids),
       kv_ids=None if kv_ids is None else along_kv(kv_ids))
-  return s if mask is None else jnp.where(mask, s, -jnp.inf)
+
+
+def _axes(transposed: bool):
+  """Functions that lay a per-query and a per-key vector along the tile."""
+  column, row = (lambda x: x[:, None]), (lambda x: x[None, :])
+  return (row, column) if transposed else (column, row)
 
 
 def block_scale(scale_ref, start=0):

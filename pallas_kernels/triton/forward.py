@@ -1,8 +1,11 @@
-"""The forward kernel: INT8 Q.K^T, online softmax, per-token INT8 P, INT8 P.V.
+"""The forward kernel: INT8 Q.K^T, online softmax, INT8 P.V.
 
 One program per (query block, batch, query head); it loops over the key
 blocks its queries can see (causal block skipping), applying the causal mask
-only on the diagonal blocks.
+only on the diagonal blocks. P follows `numerics.folded_softmax_step` with one
+key block per step: P = round(127 * exp2(S - the row's max in the block)),
+with the row's accumulators rescaled to each block's max and V's block scale,
+so the largest P of every row of every tile is exactly 127.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from pallas_kernels.triton.common import LaunchConfig
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 
-# int32 -> fp32 of S and of P.V by the conversion instruction, not the bit
-# trick (numerics.int32_to_float, which says why the faster one depends on the
+# int32 -> fp32 of P.V by the conversion instruction, not the bit trick
+# (numerics.int32_to_float, which says why the faster one depends on the
 # kernel): here the instruction measured faster. Decided by kernel time in
 # `python -m benchmarks.breakdown --impls sage` (figures: docs/performance.md).
+# (S's conversions are `numerics.block_scores`', always instructions.)
 CONVERT_BIT_TRICKS = False
 
 
@@ -35,26 +39,30 @@ def _kernel(q8_ref, q_scale_ref, q_mean_ref, k8_ref, k_scale_ref, v8_t_ref, v_sc
   q_ids = None if q_ids_ref is None else q_ids_ref[...]
 
   def kv_step(j, carry, *, causal):
-    acc, m, l = carry
+    acc, m, e, l = carry
     kv = pl.ds(pl.multiple_of(j * block_kv, block_kv), block_kv)
-    s = common.score_tile(
-        q8, q_scale, k8_ref[kv, :], common.block_scale(k_scale_ref, j * block_kv), q_mean,
-        q_start=i * block_q, kv_start=j * block_kv, q_ids=q_ids,
-        kv_ids=None if kv_ids_ref is None else kv_ids_ref[kv], causal=causal,
-        bit_tricks=CONVERT_BIT_TRICKS)
-    p8, p_scale, alpha, m, l = nm.online_softmax_step(s, m, l, bit_tricks=True)
-    pv = nm.int8_dot(p8, v8_t_ref[:, kv])
-    acc = acc * alpha[:, None] + nm.dequantize(
-        pv, p_scale[:, None], common.block_scale(v_scale_ref, j * block_kv),
-        bit_tricks=CONVERT_BIT_TRICKS)
-    return acc, m, l
+    k8, k_scale = k8_ref[kv, :], common.block_scale(k_scale_ref, j * block_kv)
+    mask = common.tile_mask(
+        block_q, block_kv, q_start=i * block_q, kv_start=j * block_kv, q_ids=q_ids,
+        kv_ids=None if kv_ids_ref is None else kv_ids_ref[kv], causal=causal)
+    bias = None if q_mean is None else nm.q_smoothing_bias(k8, k_scale, q_mean)[None, :]
+    scores = nm.block_scores(nm.int8_dot(q8, k8), q_scale * k_scale, mask=mask, bias=bias)
+    v_scale = common.block_scale(v_scale_ref, j * block_kv)
+    # An all-zero V block (scale 0) quantizes to zeros: any factor will do.
+    v_scale = jnp.where(v_scale == 0, 1.0, v_scale)
+    p, alpha, m, e, l = nm.folded_softmax_step([scores], [jnp.log2(v_scale)],
+                                               [1.0 / v_scale], m, e, l, levels=nm.INT8_MAX)
+    p8 = nm.round_to_int8(p, nonnegative=True, bit_tricks=True)
+    pv = nm.int32_to_float(nm.int8_dot(p8, v8_t_ref[:, kv]), bit_tricks=CONVERT_BIT_TRICKS)
+    return acc * alpha[:, None] + pv, m, e, l
 
   head_dim = q8.shape[-1]
-  carry = (jnp.zeros((block_q, head_dim), jnp.float32),
-           jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32))
-  carry = common.loop_over_kv_blocks(i, kv_step, carry, config=config,
-                                     num_kv_blocks=num_kv_blocks)
-  o, lse = nm.finalize_rows(*carry)
+  row = lambda x: jnp.full((block_q,), x, jnp.float32)
+  carry = (jnp.zeros((block_q, head_dim), jnp.float32), row(nm.NOTHING_SEEN), row(-jnp.inf),
+           row(0.0))
+  acc, _, e, l = common.loop_over_kv_blocks(i, kv_step, carry, config=config,
+                                            num_kv_blocks=num_kv_blocks)
+  o, lse = nm.finalize_folded_rows(acc, e, l, levels=nm.INT8_MAX)
   o_ref[...] = o.astype(o_ref.dtype)
   lse_ref[...] = lse
 
