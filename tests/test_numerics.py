@@ -314,3 +314,57 @@ def test_folded_softmax_step_floors_e_below_the_running_max():
   assert e1[0] == 0 and e2[0] == -nm.E_FLOOR_BELOW_MAX
   assert np.isclose(alpha2[0], 2.0**nm.E_FLOOR_BELOW_MAX, rtol=1e-5)
   assert np.all(p2 == 0)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_block_scores_largest_score_gives_exactly_zero(masked):
+  """At logits near 1e8 (sigma 1e4) S - max(S) must still be exactly 0 at each
+  row's largest score under jit, where XLA:CPU may contract S's multiply into
+  the subtraction; the other entries are S - max(S) to one rounding."""
+  rng = np.random.default_rng(5)
+  product = rng.integers(-4_000_000, 4_000_000, (64, 64)).astype(np.int32)
+  scale = np.float32(37.25)
+  mask = np.tril(np.ones((64, 64), bool)) if masked else None
+  top, from_top = jax.jit(lambda p: nm.block_scores(
+      p, jnp.float32(scale), mask=None if mask is None else jnp.asarray(mask)))(
+          jnp.asarray(product))
+  top, from_top = np.asarray(top), np.asarray(from_top)
+  visible = np.ones((64, 64), bool) if mask is None else mask
+  s = np.where(visible, product.astype(np.float64) * scale, -np.inf)
+  np.testing.assert_array_equal(np.max(from_top, axis=1), 0.0)
+  np.testing.assert_allclose(top, np.max(s, axis=1), rtol=1e-7)
+  want = s - np.max(s, axis=1, keepdims=True)
+  np.testing.assert_array_equal(np.isinf(from_top), ~visible)
+  np.testing.assert_allclose(from_top[visible], want[visible], rtol=1e-7)
+
+
+def test_block_scores_with_a_bias_and_a_row_that_sees_nothing():
+  product = jnp.asarray([[3, -1, 2], [5, 0, 1]], jnp.int32)
+  bias = jnp.asarray([[0.5, 4.0, -1.0]], jnp.float32)
+  mask = jnp.asarray([[True, True, False], [False, False, False]])
+  top, from_top = nm.block_scores(product, jnp.float32(2.0), mask=mask, bias=bias)
+  np.testing.assert_array_equal(np.asarray(top), [6.5, -np.inf])
+  np.testing.assert_array_equal(np.asarray(from_top), [[0.0, -4.5, -np.inf], [-np.inf] * 3])
+
+
+@pytest.mark.parametrize("x", [
+    np.float32(np.nan), np.float32(np.inf), np.float32(-np.inf), -np.float32(np.nan)])
+def test_non_finite_group_gets_a_nan_scale(x):
+  """A NaN or an infinity anywhere in a group makes its scale NaN, whatever
+  the position (XLA:CPU's vectorized max skips NaN) and the NaN's sign."""
+  tile = np.random.default_rng(6).standard_normal((64, 64)).astype(np.float32)
+  tile[37, 11] = x
+  _, scale = jax.jit(nm.quantize_tile)(jnp.asarray(tile))
+  assert np.isnan(scale)
+  _, row_scales = jax.jit(nm.quantize_rows)(jnp.asarray(tile))
+  assert np.isnan(row_scales[37]) and np.all(np.isfinite(np.delete(row_scales, 37)))
+  _, row_scales = nm.quantize_rows(jnp.abs(jnp.asarray(tile)), nonnegative=True,
+                                   bit_tricks=True)
+  assert np.isnan(row_scales[37]) and np.all(np.isfinite(np.delete(row_scales, 37)))
+
+
+def test_spread_nan():
+  x = jnp.asarray([[1.0, np.nan, 2.0], [1.0, np.inf, 3.0]], jnp.float32)
+  got = np.asarray(nm.spread_nan(x))
+  assert np.all(np.isnan(got[0]))
+  np.testing.assert_array_equal(got[1], [1.0, np.inf, 3.0])  # +inf is a lse's "no key"
