@@ -150,20 +150,22 @@ KV_INVALID_ID = -(2**31) + 1
 
 
 def tile_mask(q_pos: jax.Array, kv_pos: jax.Array, *, causal: bool,
-              q_ids: jax.Array | None = None,
+              window: tuple[int, int] | None = None, q_ids: jax.Array | None = None,
               kv_ids: jax.Array | None = None) -> jax.Array | None:
   """Which (query, key) pairs of a tile may attend: True where allowed.
 
-  Positions and ids of queries are columns (bq, 1) and of keys rows (1, bk).
-  Returns None when nothing is masked, so callers skip the select.
+  Positions and ids of queries are columns (bq, 1) and of keys rows (1, bk);
+  `window` (left, right) allows keys q - left .. q + right. Returns None when
+  nothing is masked, so callers skip the select.
   """
-  mask = None
+  rules = []
   if q_ids is not None:
-    mask = q_ids == kv_ids
+    rules.append(q_ids == kv_ids)
   if causal:
-    after = q_pos >= kv_pos
-    mask = after if mask is None else jnp.logical_and(mask, after)
-  return mask
+    rules.append(q_pos >= kv_pos)
+  if window is not None:
+    rules += [kv_pos >= q_pos - window[0], kv_pos <= q_pos + window[1]]
+  return functools.reduce(jnp.logical_and, rules) if rules else None
 
 
 def q_smoothing_bias(k8: jax.Array, k_scale: jax.Array, q_mean: jax.Array) -> jax.Array:

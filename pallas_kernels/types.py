@@ -19,6 +19,8 @@ class Config:
 
   `scale` multiplies Q.K^T. Sequences are already padded to multiples of
   `block_q` (queries) and `block_kv` (keys) when a backend sees them.
+  `window` (left, right): query i sees only keys i - left .. i + right
+  (jax.nn's `local_window_size`), besides causality.
   """
 
   scale: float
@@ -26,6 +28,13 @@ class Config:
   smooth_q: bool
   block_q: int
   block_kv: int
+  window: tuple[int, int] | None = None
+
+  @property
+  def banded(self) -> bool:
+    """Whether causality or a window limits the keys a query sees, so that
+    the kernels skip blocks (`causal_blocks`)."""
+    return self.causal or self.window is not None
 
 
 class Masks(NamedTuple):

@@ -75,8 +75,10 @@ def dot_product_attention(
       dropped), whatever they hold, NaN included.
     key_value_seq_lengths: (B,) int; keys past the length are masked and
       zeroed before quantization, and get zero gradients.
-    local_window_size: sliding-window attention; not implemented yet (must
-      be None: a NotImplementedError says so).
+    local_window_size: sliding-window attention, as jax.nn: (left, right)
+      lets query i see keys i - left .. i + right (an int w means (w, w)),
+      besides `is_causal` and the other masks; the kernels skip the key
+      blocks outside the window.
     segment_ids: (B, T) int when Tq == Tk, or a pair (q_ids (B, Tq),
       kv_ids (B, Tk)); a query sees only keys with its own id. A query row
       that sees no key at all outputs 0, never NaN.
@@ -108,10 +110,6 @@ def dot_product_attention(
     with `return_residual`). Its gradient is SageBwd's quantized backward (a
     `jax.custom_vjp`).
   """
-  if local_window_size is not None:
-    raise NotImplementedError(
-        f"local_window_size={local_window_size!r}: sliding-window attention is not "
-        "implemented in SageBwd's kernels yet; pass local_window_size=None.")
   unbatched = arguments.check_qkv(query, key, value)
   arguments.check_trivial("bias", bias, lambda x: not np.any(x), "all zeros",
                  "an additive bias cannot enter int8 scores")
@@ -129,8 +127,8 @@ def dot_product_attention(
                                  kv_len)
   q_seg, kv_seg = arguments.segments(segment_ids, batch, q_len, kv_len)
   scale = arguments.scale(scale)
-  case = _Case(bool(is_causal), q_lengths, kv_lengths, q_seg, kv_seg, scale, bool(smooth_k),
-               bool(smooth_q), block_q, block_kv)
+  case = _Case(bool(is_causal), arguments.window(local_window_size), q_lengths, kv_lengths,
+               q_seg, kv_seg, scale, bool(smooth_k), bool(smooth_q), block_q, block_kv)
 
   # Tokens past a length are zeroed before anything reads them, so they
   # cannot set an int8 block's scale or carry a NaN into valid rows; the
@@ -154,9 +152,10 @@ def dot_product_attention(
 class _Case:
   """One call's checked options, as the implementations consume them."""
 
-  def __init__(self, causal: bool, q_lengths, kv_lengths, q_seg, kv_seg, scale,
+  def __init__(self, causal: bool, window, q_lengths, kv_lengths, q_seg, kv_seg, scale,
                smooth_k: bool, smooth_q: bool, block_q, block_kv):
-    self.causal, self.q_lengths, self.kv_lengths = causal, q_lengths, kv_lengths
+    self.causal, self.window = causal, window
+    self.q_lengths, self.kv_lengths = q_lengths, kv_lengths
     self.q_seg, self.kv_seg, self.scale = q_seg, kv_seg, scale
     self.smooth_k, self.smooth_q = smooth_k, smooth_q
     self.block_q, self.block_kv = block_q, block_kv
@@ -199,7 +198,7 @@ def _sage(name: str, query, key, value, case: _Case, return_residual: bool):
   elif scale < 0:
     query, scale = -query, -scale  # exact: psi is symmetric
   config = Config(scale=scale, causal=case.causal, smooth_q=case.smooth_q,
-                  block_q=block_q, block_kv=block_kv)
+                  block_q=block_q, block_kv=block_kv, window=case.window)
 
   padded_dim = next(d for d in arguments.KERNEL_HEAD_DIMS if d >= head_dim)
   pad = lambda x, n, d: jnp.pad(x, [(0, 0), (0, n), (0, 0), (0, d)])
@@ -240,7 +239,7 @@ def _full_precision(name: str, query, key, value, case: _Case, return_residual: 
   result = jax.nn.dot_product_attention(
       query, key, value, mask=mask, scale=case.scale, is_causal=case.causal,
       query_seq_lengths=case.q_lengths, key_value_seq_lengths=case.kv_lengths,
-      implementation=name, return_residual=return_residual)
+      local_window_size=case.window, implementation=name, return_residual=return_residual)
   return result if return_residual else (result, None)
 
 

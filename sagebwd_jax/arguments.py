@@ -107,6 +107,20 @@ def scale(scale) -> float | jax.Array | None:
   return scale
 
 
+def window(local_window_size) -> tuple[int, int] | None:
+  """jax.nn's `local_window_size` as (left, right): an int w is (w, w)."""
+  if local_window_size is None:
+    return None
+  sizes = ((local_window_size, local_window_size)
+           if isinstance(local_window_size, (int, np.integer)) else local_window_size)
+  if (not isinstance(sizes, (tuple, list)) or len(sizes) != 2
+      or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= 0
+                 for x in sizes)):
+    raise ValueError(f"local_window_size must be None, an int >= 0 or a pair (left, right) "
+                     f"of ints >= 0; got {local_window_size!r}")
+  return int(sizes[0]), int(sizes[1])
+
+
 def lengths(name: str, lengths, batch: int, seq_len: int) -> jax.Array | None:
   """(B,) int32 lengths clipped to [0, seq_len] (in their own dtype first,
   so a uint32 2**32 - 1 means 'all', not -1)."""

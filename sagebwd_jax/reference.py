@@ -151,6 +151,10 @@ class ReferenceBackend:
     delta = jnp.sum(_heads(do).astype(_f32) * _heads(o).astype(_f32), axis=-1)
     delta = grouped(delta[..., None])[..., 0]
     do8, do_scale = _quantize_blocks(grouped(_heads(do).astype(_f32)))
+    if config.banded:
+      # A NaN in dO makes jax.nn's dV NaN for every key (0 x NaN); the kernels
+      # pair a dO block with the keys it sees only, so its head carries it.
+      do_scale = nm.spread_nan(do_scale.reshape(batch, num_heads, -1)).reshape(do_scale.shape)
     do_blocks = grouped(_heads(do))
     lse = grouped(lse[..., None])[..., 0]
     v_heads = _heads(v)
@@ -242,7 +246,8 @@ class _Tiles:
     if masks.q_ids is not None:
       q_ids = _blocks(masks.q_ids[..., None], config.block_q)[:, None, None]
       kv_ids = self.kv_block(masks.kv_ids, j, axis=-1)[:, None, None, None, None, :]
-    mask = nm.tile_mask(self.q_pos, kv_pos, causal=config.causal, q_ids=q_ids, kv_ids=kv_ids)
+    mask = nm.tile_mask(self.q_pos, kv_pos, causal=config.causal, window=config.window,
+                        q_ids=q_ids, kv_ids=kv_ids)
     return product, self.q_scale[..., None] * k_scale, bias, mask
 
   def scores(self, j) -> jax.Array:

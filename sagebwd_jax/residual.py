@@ -9,7 +9,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from pallas_kernels import numerics as nm
 from pallas_kernels.types import Backend, Config, Masks
-from sagebwd_jax.sagebwd import key_mean
+from sagebwd_jax.sagebwd import key_mean, quantize
 
 
 def forward_lse(query, key, value, masks: Masks, config: Config, backend: Backend,
@@ -21,10 +21,10 @@ def forward_lse(query, key, value, masks: Masks, config: Config, backend: Backen
   (under jit XLA merges the two where it can prove them equal).
   """
   query, key, value = jax.lax.stop_gradient((query, key, value))
-  k_mean = key_mean(key, masks.kv_ids) if smooth_k else None
-  qkv = backend.quantize(query, key, value, k_mean, config)
+  qkv = quantize(query, key, value, masks, config, backend, smooth_k)
   lse = jnp.swapaxes(backend.forward(qkv, masks, config, query.dtype)[1], 1, 2) * nm.LN_2
-  if k_mean is not None:
+  if smooth_k:
+    k_mean = key_mean(key, masks.kv_ids)
     # The kernels' scores are of K - mean(K): each row is shifted by q . mean.
     group = query.shape[2] // key.shape[2]
     shift = jnp.einsum("bthd,bhd->bth", query.astype(jnp.float32),

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import numerics as nm
-from pallas_kernels.types import Backend, Config, Masks
+from pallas_kernels.types import Backend, Config, Masks, QuantizedQKV
 
 
 def key_mean(k: jax.Array, kv_ids: jax.Array | None) -> jax.Array:
@@ -41,9 +41,24 @@ def sagebwd_attention(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks,
   return _forward(q, k, v, masks, config, backend, smooth_k)[0]
 
 
-def _forward(q, k, v, masks, config, backend, smooth_k):
+def quantize(q, k, v, masks: Masks, config: Config, backend: Backend,
+             smooth_k: bool) -> QuantizedQKV:
+  """K-smoothing and the quantization pass.
+
+  A NaN or infinite input gives its block a NaN scale (`numerics.abs_max`).
+  One NaN key or value block makes every K or V scale of its batch row and
+  key/value head NaN: jax.nn's 0 x NaN makes every output of those heads NaN
+  (its masked probabilities multiply V, its masked score gradients K), and
+  with causal block skipping no kernel program would pair the later blocks
+  with the earlier queries. (K-smoothing's mean spreads a NaN key so anyway.)
+  """
   k_mean = key_mean(k, masks.kv_ids) if smooth_k else None
   qkv = backend.quantize(q, k, v, k_mean, config)
+  return qkv._replace(k_scale=nm.spread_nan(qkv.k_scale), v_scale=nm.spread_nan(qkv.v_scale))
+
+
+def _forward(q, k, v, masks, config, backend, smooth_k):
+  qkv = quantize(q, k, v, masks, config, backend, smooth_k)
   o, lse = backend.forward(qkv, masks, config, q.dtype)
   return o, (qkv, v, o, lse, masks)
 
@@ -51,6 +66,11 @@ def _forward(q, k, v, masks, config, backend, smooth_k):
 def _backward(config, backend, smooth_k, residuals, do):
   del smooth_k  # rows of dS sum to zero: the smoothing mean has no gradient term
   qkv, v, o, lse, masks = residuals
+  if config.banded:
+    # A NaN query row makes jax.nn's dK and dV NaN for every key (its masked
+    # probabilities are NaN too); block skipping pairs it with the keys it
+    # sees only, so its head's lse carries it to every query block.
+    lse = nm.spread_nan(lse)
   dq, dk, dv = backend.backward(qkv, v, o, lse, do, masks, config)
   # q, k and v share one dtype (the op checks it), which o carries too.
   return dq.astype(o.dtype), dk.astype(o.dtype), dv.astype(o.dtype), None

@@ -77,7 +77,8 @@ def _split_kwargs(kwargs):
   """Array-valued keyword arguments are traced; the rest are static."""
   arrays, static = {}, {}
   for name, value in kwargs.items():
-    if value is None or isinstance(value, (bool, int, float, str)):
+    if value is None or isinstance(value, (bool, int, float, str)) or (
+        isinstance(value, tuple) and all(isinstance(x, int) for x in value)):
       static[name] = value
     else:
       arrays[name] = value

@@ -30,7 +30,7 @@ def backward_takes(qkv: QuantizedQKV, masks: Masks, config: Config, dtype) -> bo
   backward's dO.V^T wgmma takes as is)."""
   q_len, kv_len = qkv.q8.shape[2], qkv.k8.shape[2]
   block = common.BLOCK
-  return (common.supports(masks, config, qkv.q8.shape[-1])
+  return (common.supports(masks, config, qkv.q8.shape[-1]) and config.window is None
           and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
           and q_len % block == 0 and kv_len % block == 0
           and (not config.causal or q_len == kv_len))

@@ -78,7 +78,7 @@ def takes(masks: Masks, config: Config, q_len: int, kv_len: int, head_dim: int,
   return (masks.q_ids is None and masks.kv_ids is None and not config.smooth_q
           and head_dim in (64, 128) and config.block_q == BLOCK
           and config.block_kv == BLOCK and q_len % BLOCK == 0 and kv_len % KV_STEP == 0
-          and (not config.causal or q_len == kv_len)
+          and (not config.causal or q_len == kv_len) and config.window is None
           and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
 

@@ -10,6 +10,7 @@ from pallas_kernels.triton.backward_prepass import backward_prepass
 from pallas_kernels.triton.common import LaunchConfig
 from pallas_kernels.triton.forward import forward
 from pallas_kernels.triton.quantize import quantize_qkv
+from pallas_kernels import numerics as nm
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 
@@ -44,6 +45,8 @@ class PallasBackend:
 
   def backward(self, qkv: QuantizedQKV, v, o, lse, do, masks: Masks, config: Config):
     delta, do8_t, do_scale = self.prepass(o, do, config)
+    if config.banded:
+      do_scale = nm.spread_nan(do_scale)  # as the reference's backward says why
     dk, dv = backward_dkdv(qkv, v, lse, delta, do, do8_t, do_scale, masks, config,
                            self.backward_launch)
     dq = backward_dq(qkv, v, lse, delta, do, masks, config, self.backward_launch)

@@ -10,10 +10,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import causal_blocks
 from pallas_kernels.triton import common
 from pallas_kernels import numerics as nm
 from pallas_kernels.triton.common import LaunchConfig
@@ -37,7 +35,7 @@ def _kernel(k8_ref, k_scale_ref, v_ref, kv_ids_ref, q8_ref, q8_t_ref, q_scale_re
   k8, k_scale, v = k8_ref[...], common.block_scale(k_scale_ref), v_ref[...]
   kv_ids = None if kv_ids_ref is None else kv_ids_ref[...]
 
-  def q_step(i, carry, *, causal):
+  def q_step(i, carry, *, band):
     dk, dv = carry
     rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
     q_mean = None if q_mean_ref is None else q_mean_ref[i, :]
@@ -45,7 +43,7 @@ def _kernel(k8_ref, k_scale_ref, v_ref, kv_ids_ref, q8_ref, q8_t_ref, q_scale_re
     s_t = common.score_tile(q8_ref[rows, :], q_scale, k8, k_scale, q_mean,
                             q_start=i * block_q, kv_start=j * block_kv,
                             q_ids=None if q_ids_ref is None else q_ids_ref[rows],
-                            kv_ids=kv_ids, causal=causal, bit_tricks=SCORE_BIT_TRICKS,
+                            kv_ids=kv_ids, band=band, bit_tricks=SCORE_BIT_TRICKS,
                             transposed=True)
     p_t = jnp.exp2(s_t - lse_ref[rows][None, :])
 
@@ -65,14 +63,8 @@ def _kernel(k8_ref, k_scale_ref, v_ref, kv_ids_ref, q8_ref, q8_t_ref, q_scale_re
 
   head_dim = k8.shape[-1]
   zeros = jnp.zeros((block_kv, head_dim), jnp.float32)
-  carry = (zeros, zeros)
-  if config.causal:
-    start, full, end = causal_blocks.q_blocks(j, block_q, block_kv, num_q_blocks)
-    carry = lax.fori_loop(start, full, functools.partial(q_step, causal=True), carry)
-    carry = lax.fori_loop(full, end, functools.partial(q_step, causal=False), carry)
-  else:
-    carry = lax.fori_loop(0, num_q_blocks, functools.partial(q_step, causal=False), carry)
-  dk, dv = carry
+  dk, dv = common.loop_over_q_blocks(j, q_step, (zeros, zeros), config=config,
+                                     num_q_blocks=num_q_blocks)
   # Q was quantized as Q * scale * log2(e); the product above carries log2(e).
   dk_ref[...] = (dk * nm.LN_2).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)

@@ -32,13 +32,13 @@ def _kernel(q8_ref, q_scale_ref, q_mean_ref, lse_ref, delta_ref, do_ref, q_ids_r
   lse, delta, do = lse_ref[...], delta_ref[...], do_ref[...]
   q_ids = None if q_ids_ref is None else q_ids_ref[...]
 
-  def kv_step(j, dq, *, causal):
+  def kv_step(j, dq, *, band):
     kv = pl.ds(pl.multiple_of(j * block_kv, block_kv), block_kv)
     k_scale = common.block_scale(k_scale_ref, j * block_kv)
     s = common.score_tile(q8, q_scale, k8_ref[kv, :], k_scale, q_mean, q_start=i * block_q,
                           kv_start=j * block_kv, q_ids=q_ids,
                           kv_ids=None if kv_ids_ref is None else kv_ids_ref[kv],
-                          causal=causal, bit_tricks=CONVERT_BIT_TRICKS)
+                          band=band, bit_tricks=CONVERT_BIT_TRICKS)
     p = jnp.exp2(s - lse[:, None])
     ds = p * (nm.float_dot(do, v_ref[kv, :]) - delta[:, None])
     ds8, ds_scale = nm.quantize_rows(ds, bit_tricks=True)

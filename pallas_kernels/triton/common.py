@@ -13,6 +13,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import causal_blocks
 from pallas_kernels import numerics as nm
+from pallas_kernels.types import Config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,14 +33,16 @@ class LaunchConfig:
 
 
 def score_tile(q8, q_scale, k8, k_scale, q_mean, *, q_start, kv_start, q_ids, kv_ids,
-               causal: bool, bit_tricks: bool, transposed: bool = False):
+               band: Config | None, bit_tricks: bool, transposed: bool = False):
   """Masked base-2 logits of one tile from int8 Q (block_q, D) and K (block_kv, D).
 
   (block_q, block_kv), or with `transposed` (block_kv, block_q) computed as
   K.Q^T, so every int8 operand keeps its contraction dimension contiguous.
   The scales are the blocks' scalars (one multiply per score); ids are the
-  tile's per-token ids (1-D) or None. Masked scores are -inf. `bit_tricks`
-  picks the int32 -> fp32 instructions (`numerics.int32_to_float`).
+  tile's per-token ids (1-D) or None; `band`: the config whose causality and
+  window mask this tile, or None where the tile is seen whole. Masked scores
+  are -inf. `bit_tricks` picks the int32 -> fp32 instructions
+  (`numerics.int32_to_float`).
   """
   s = nm.dequantize(nm.int8_dot(k8, q8) if transposed else nm.int8_dot(q8, k8),
                     q_scale, k_scale, bit_tricks=bit_tricks)
@@ -47,18 +50,19 @@ def score_tile(q8, q_scale, k8, k_scale, q_mean, *, q_start, kv_start, q_ids, kv
   if q_mean is not None:
     s = s + along_kv(nm.q_smoothing_bias(k8, k_scale, q_mean))
   mask = tile_mask(q8.shape[0], k8.shape[0], q_start=q_start, kv_start=kv_start,
-                   q_ids=q_ids, kv_ids=kv_ids, causal=causal, transposed=transposed)
+                   q_ids=q_ids, kv_ids=kv_ids, band=band, transposed=transposed)
   return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
 
 def tile_mask(block_q: int, block_kv: int, *, q_start, kv_start, q_ids, kv_ids,
-              causal: bool, transposed: bool = False):
+              band: Config | None, transposed: bool = False):
   """`numerics.tile_mask` of one (block_q, block_kv) tile, or (block_kv,
   block_q) with `transposed`; None when nothing is masked."""
   along_q, along_kv = _axes(transposed)
   return nm.tile_mask(
       along_q(q_start + jnp.arange(block_q)), along_kv(kv_start + jnp.arange(block_kv)),
-      causal=causal, q_ids=None if q_ids is None else along_q(q_ids),
+      causal=band is not None and band.causal, window=None if band is None else band.window,
+      q_ids=None if q_ids is None else along_q(q_ids),
       kv_ids=None if kv_ids is None else along_kv(kv_ids))
 
 
@@ -77,16 +81,32 @@ def block_scale(scale_ref, start=0):
   return scale_ref[start]
 
 
-def loop_over_kv_blocks(i, kv_step, carry, *, config, num_kv_blocks: int):
-  """Runs kv_step(j, carry, causal=...) over the key blocks that query block i
-  sees: with causal masking, [0, full) need no mask and [full, end) do; the
-  blocks past `end` are skipped."""
-  step = lambda causal: functools.partial(kv_step, causal=causal)
-  if not config.causal:
-    return lax.fori_loop(0, num_kv_blocks, step(False), carry)
-  full, end = causal_blocks.kv_blocks(i, config.block_q, config.block_kv, num_kv_blocks)
-  carry = lax.fori_loop(0, full, step(False), carry)
-  return lax.fori_loop(full, end, step(True), carry)
+def loop_over_kv_blocks(i, kv_step, carry, *, config: Config, num_kv_blocks: int):
+  """Runs kv_step(j, carry, band=...) over the key blocks that query block i
+  sees (`causal_blocks.kv_range`): `band=config` where the mask is needed,
+  None where the block is seen whole; the other blocks are skipped."""
+  return _loop(causal_blocks.kv_range, i, kv_step, carry, config=config,
+               num_blocks=num_kv_blocks)
+
+
+def loop_over_q_blocks(j, q_step, carry, *, config: Config, num_q_blocks: int):
+  """`loop_over_kv_blocks` for the query blocks that see key block j."""
+  return _loop(causal_blocks.q_range, j, q_step, carry, config=config,
+               num_blocks=num_q_blocks)
+
+
+def _loop(block_range, index, step, carry, *, config: Config, num_blocks: int):
+  if not config.banded:
+    return lax.fori_loop(0, num_blocks, functools.partial(step, band=None), carry)
+  left, right = causal_blocks.band(config.causal, config.window)
+  start, full_start, full_end, end = block_range(index, config.block_q, config.block_kv,
+                                                 num_blocks, left=left, right=right)
+  # Python ints where a side is unbounded: those loops are known empty.
+  for lo, hi, band in ((start, full_start, config), (full_start, full_end, None),
+                       (full_end, end, config)):
+    if not (isinstance(lo, int) and isinstance(hi, int) and lo >= hi):
+      carry = lax.fori_loop(lo, hi, functools.partial(step, band=band), carry)
+  return carry
 
 
 def head_map(group: int):

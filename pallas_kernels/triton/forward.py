@@ -1,8 +1,8 @@
 """The forward kernel: INT8 Q.K^T, online softmax, INT8 P.V.
 
 One program per (query block, batch, query head); it loops over the key
-blocks its queries can see (causal block skipping), applying the causal mask
-only on the diagonal blocks. P follows `numerics.folded_softmax_step` with one
+blocks its queries can see (block skipping under causality or a window),
+applying the mask only on the blocks the band's edges cross. P follows `numerics.folded_softmax_step` with one
 key block per step: P = round(127 * exp2(S - the row's max in the block)),
 with the row's accumulators rescaled to each block's max and V's block scale,
 so the largest P of every row of every tile is exactly 127.
@@ -38,13 +38,13 @@ def _kernel(q8_ref, q_scale_ref, q_mean_ref, k8_ref, k_scale_ref, v8_t_ref, v_sc
   q_mean = None if q_mean_ref is None else q_mean_ref[...]
   q_ids = None if q_ids_ref is None else q_ids_ref[...]
 
-  def kv_step(j, carry, *, causal):
+  def kv_step(j, carry, *, band):
     acc, m, e, l = carry
     kv = pl.ds(pl.multiple_of(j * block_kv, block_kv), block_kv)
     k8, k_scale = k8_ref[kv, :], common.block_scale(k_scale_ref, j * block_kv)
     mask = common.tile_mask(
         block_q, block_kv, q_start=i * block_q, kv_start=j * block_kv, q_ids=q_ids,
-        kv_ids=None if kv_ids_ref is None else kv_ids_ref[kv], causal=causal)
+        kv_ids=None if kv_ids_ref is None else kv_ids_ref[kv], band=band)
     bias = None if q_mean is None else nm.q_smoothing_bias(k8, k_scale, q_mean)[None, :]
     scores = nm.block_scores(nm.int8_dot(q8, k8), q_scale * k_scale, mask=mask, bias=bias)
     v_scale = common.block_scale(v_scale_ref, j * block_kv)
