@@ -15,6 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import causal_blocks
 from pallas_kernels import numerics as nm
 from pallas_kernels.types import Backend, Config, Masks, QuantizedQKV
 
@@ -72,8 +73,27 @@ def _backward(config, backend, smooth_k, residuals, do):
     # sees only, so its head's lse carries it to every query block.
     lse = nm.spread_nan(lse)
   dq, dk, dv = backend.backward(qkv, v, o, lse, do, masks, config)
+  dk, dv = _unseen_keys_nan(qkv, lse, do, dk, dv, config)
   # q, k and v share one dtype (the op checks it), which o carries too.
   return dq.astype(o.dtype), dk.astype(o.dtype), dv.astype(o.dtype), None
+
+
+def _unseen_keys_nan(qkv: QuantizedQKV, lse, do, dk, dv, config: Config):
+  """dK, dV with NaN, as jax.nn has them, on the keys no query sees (past the
+  last query's reach, Tk > Tq + right): no kernel program computes them, while
+  jax.nn's 0 x NaN does: dK where any query of the head group is non-finite,
+  dV where any query row's softmax (lse) or cotangent is."""
+  _, right = causal_blocks.band(config.causal, config.window)
+  reach = qkv.q8.shape[2] + (right or 0)
+  if right is None or reach >= dk.shape[1]:
+    return dk, dv
+  batch, kv_heads = dk.shape[0], dk.shape[2]
+  group = lambda x: jnp.any(x.reshape(batch, kv_heads, -1), axis=-1)[:, None, :, None]
+  bad_q = group(jnp.isnan(qkv.q_scale))
+  bad_p = group(jnp.isnan(lse)) | group(~jnp.all(jnp.isfinite(jnp.swapaxes(do, 1, 2)),
+                                                  axis=-1))
+  unseen = lambda x, bad: x.at[:, reach:].set(jnp.where(bad, jnp.nan, x[:, reach:]))
+  return unseen(dk, bad_q), unseen(dv, bad_p)
 
 
 sagebwd_attention.defvjp(_forward, _backward)

@@ -14,6 +14,7 @@ interpret mode) runs a narrower list by overriding a few keys.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -23,7 +24,7 @@ import numpy as np
 import pytest
 
 from conftest import (KERNEL_CASES, check_against_reference, cosine, gaussian_qkv, oracle,
-                      oracle64, rel_l2, sage)
+                      oracle64, rel_l2, sage, value_and_grads)
 from sagebwd_jax import dot_product_attention
 
 NAMES = ("O", "dQ", "dK", "dV")
@@ -58,6 +59,14 @@ def _check_masked(got, want, dead_rows):
   assert np.all(o[dead_rows] == 0), "fully masked rows must output exactly 0"
   assert np.all(dq[dead_rows] == 0), "fully masked rows must get zero dQ"
   assert_close_to_oracle(got, want)
+
+
+@functools.partial(jax.jit, static_argnames=("is_causal", "local_window_size"))
+def _jax_nn(q, k, v, do, *, is_causal, local_window_size):
+  """jax.nn's attention (XLA, in the inputs' dtype) and its exact gradients."""
+  fn = functools.partial(jax.nn.dot_product_attention, is_causal=is_causal,
+                         local_window_size=local_window_size, implementation="xla")
+  return value_and_grads(fn, q, k, v, do)
 
 
 def _biased_k(seed, bias_scale):
@@ -98,6 +107,9 @@ class AttentionTestBase:
       "dtype": [jnp.float16, jnp.bfloat16, jnp.float32],
       "block_q,block_kv": [(16, 16), (32, 128), (128, 64)],
       "case": sorted(KERNEL_CASES),
+      # (Tq, Tk, is_causal, local_window_size); every query sees some key.
+      "window_case": [(128, 128, False, (20, 5)), (128, 128, True, (40, 40)),
+                      (96, 160, False, (0, 70)), (100, 100, False, 3)],
   }
 
   def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
@@ -216,6 +228,16 @@ class AttentionTestBase:
       np.testing.assert_array_equal(x, y, err_msg=name)
     want = oracle(q, k, v, do, key_value_seq_lengths=kv_len)
     assert_close_to_oracle(a, want)
+
+  def test_local_window_matches_jax_nn(self, window_case):
+    tq, tk, causal, window = window_case
+    q, k, v, do = gaussian_qkv(jax.random.key(tq + tk), 2, tq, tk, 2, 1, 64)
+    kw = dict(is_causal=causal, local_window_size=window)
+    got = sage(q, k, v, do, block_q=32, block_kv=32, implementation=self.implementation, **kw)
+    want = _jax_nn(*(x.astype(jnp.float32) for x in (q, k, v, do)), **kw)
+    assert_close_to_oracle(got, want)
+    for name, x, ref in zip(NAMES, _flat(got), _flat(want)):
+      assert rel_l2(x, ref) < 0.03, name
 
   # -------------------------------------------------------------- smoothing
 

@@ -21,4 +21,5 @@ class TestPallasInterpret(AttentionTestBase):
   params = AttentionTestBase.params | {
       "sigma": [1.0],
       "tq,tk": [(100, 75), (17, 200)],
+      "window_case": [(128, 128, True, (40, 40)), (96, 160, False, (0, 70))],
   }

@@ -84,6 +84,8 @@ def test_takes():
   assert not takes(Masks(), mosaic_config(128, True, block_kv=128), 128, 128, 128,
                    jnp.bfloat16)
   assert not takes(Masks(), config, 128, 128, 128, jnp.float32)
+  assert not takes(Masks(), mosaic_config(128, False, window=(64, 64)), 128, 128, 128,
+                   jnp.bfloat16)
   for head_dim in (32, 80, 96, 256):
     assert not takes(Masks(), mosaic_config(head_dim, False), 128, 128, head_dim,
                      jnp.bfloat16)

@@ -96,6 +96,8 @@ def test_backward_takes():
   assert not backward_takes(qkv_q, Masks(), config_q, jnp.bfloat16)
   qkv_32, config_32 = _qkv(128, 64, False, block_q=32, block_kv=32)
   assert not backward_takes(qkv_32, Masks(), config_32, jnp.bfloat16)
+  qkv_w, config_w = _qkv(128, 64, True, window=(16, 0))  # windows: the portable kernels
+  assert not backward_takes(qkv_w, Masks(), config_w, jnp.bfloat16)
 
 
 def test_tuned_launches():
