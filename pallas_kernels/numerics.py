@@ -252,20 +252,22 @@ def folded_softmax_step(blocks: Sequence[tuple[jax.Array, jax.Array]],
   accumulated as acc * alpha + round(min(P, levels)).V.
 
   The exponent is (S - the block's max) + (the block's folded max - E): with
-  one block per step the second term is exactly 0, so the row's largest P is
-  exactly `levels` whatever the rounding of log2 sV or of S. The row sums are
-  taken before the clip, so a NaN score reaches them on every platform (min
-  and max skip NaN in Triton).
+  one block per step the second term is exactly 0, so exp2 of the row's
+  largest score is exactly 1 and its P exactly `levels`, whatever the
+  rounding of log2 sV or of S, and whether or not a compiler contracts the
+  addition into the multiply that formed S - max (the sum is then that
+  product's one rounding either way; eager and jitted runs agree). The row
+  sums are taken before the clip, so a NaN score reaches them on every
+  platform (min and max skip NaN in Triton).
   """
   folded_tops = [top + lsv for (top, _), lsv in zip(blocks, log2_v_scales)]
   top = functools.reduce(jnp.maximum, folded_tops)
   m_new = jnp.maximum(m, top)
   e_new = jnp.maximum(top, m_new - E_FLOOR_BELOW_MAX)
   alpha = jnp.exp2(e - e_new)
-  log2_levels = math.log2(levels)
   ps, row_sums = [], []
   for (_, from_top), folded_top, inv in zip(blocks, folded_tops, inv_v_scales):
-    p = jnp.exp2(from_top + (folded_top - e_new + log2_levels)[..., None])
+    p = levels * jnp.exp2(from_top + (folded_top - e_new)[..., None])
     ps.append(p)
     row_sums.append(jnp.sum(p, axis=-1) * inv)
   l_new = alpha * l + functools.reduce(jnp.add, row_sums)

@@ -70,8 +70,10 @@ def _backward(config, backend, smooth_k, residuals, do):
   if config.banded:
     # A NaN query row makes jax.nn's dK and dV NaN for every key (its masked
     # probabilities are NaN too); block skipping pairs it with the keys it
-    # sees only, so its head's lse carries it to every query block.
-    lse = nm.spread_nan(lse)
+    # sees only, so its head's lse carries it to every query block. (The
+    # barrier keeps XLA from recomputing the forward's lse inside this
+    # fusion, with log2's multiply contracted: jit and eager would differ.)
+    lse = nm.spread_nan(jax.lax.optimization_barrier(lse))
   dq, dk, dv = backend.backward(qkv, v, o, lse, do, masks, config)
   dk, dv = _unseen_keys_nan(qkv, lse, do, dk, dv, config)
   # q, k and v share one dtype (the op checks it), which o carries too.
