@@ -102,8 +102,10 @@ def dot_product_attention(
       None: ("mosaic", "pallas") on a GPU, "reference" without one.
     return_residual: also return the log-sum-exp of the scores (natural
       log, jax.nn's layout (B, Tq, H) or (Tq, H), the output's dtype; -inf
-      for rows that see no key). SageBwd's residual carries no gradient:
-      differentiating through it raises NotImplementedError.
+      for rows that see no key). Unlike jax.nn's (a stopped gradient), it
+      has a gradient, computed in INT8 like the output's (an extra forward
+      and backward, only when the loss uses it); "cudnn" and "xla" return
+      jax.nn's.
 
   Returns:
     The attention output, shaped and typed like `query` (and the residual
@@ -218,8 +220,8 @@ def _sage(name: str, query, key, value, case: _Case, return_residual: bool):
   out = out[:, :q_len, :, :head_dim]
   lse = None
   if return_residual:
-    lse = residual.forward_lse(query, key, value, masks, config, backend, case.smooth_k)
-    lse = residual.residual(lse[:, :q_len], out.dtype, (query, key, value))
+    lse = residual.log_sum_exp(query, key, value, masks, config, backend, case.smooth_k)
+    lse = residual.residual(lse[:, :q_len], out.dtype)
   return out, lse
 
 

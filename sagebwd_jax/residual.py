@@ -1,65 +1,66 @@
 """The log-sum-exp that `dot_product_attention(..., return_residual=True)`
-returns: jax.nn's residual, computed by SageBwd's forward, without a gradient."""
+returns: jax.nn's residual, computed by SageBwd's forward, with a gradient.
+
+jax.nn stops the residual's gradient; here it has one, SageBwd's: d lse_i =
+scale * sum_j P_ij (dq_i . k_j + q_i . dk_j), with P the forward's softmax.
+Its two terms are the forward's P.V and the backward's P^T.dO with other
+operands, so the backends compute them as they are, in INT8.
+"""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import SymbolicZero
 
 from pallas_kernels import numerics as nm
 from pallas_kernels.types import Backend, Config, Masks
 from sagebwd_jax.sagebwd import key_mean, quantize
 
 
-def forward_lse(query, key, value, masks: Masks, config: Config, backend: Backend,
-                 smooth_k: bool) -> jax.Array:
-  """The forward's natural-log log-sum-exp (B, Tq, H), +inf where a row saw
-  no key, without a gradient.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def log_sum_exp(query, key, value, masks: Masks, config: Config, backend: Backend,
+                smooth_k: bool) -> jax.Array:
+  """The forward's natural-log log-sum-exp (B, Tq, H) fp32, +inf where a row
+  saw no key, of block-padded (B, T, H, D) inputs.
 
   `sagebwd_attention` returns only O, so this runs the forward once more
   (under jit XLA merges the two where it can prove them equal).
   """
-  query, key, value = jax.lax.stop_gradient((query, key, value))
+  return _forward(query, key, value, masks, config, backend, smooth_k)[0]
+
+
+def _forward(query, key, value, masks, config, backend, smooth_k):
   qkv = quantize(query, key, value, masks, config, backend, smooth_k)
   lse = jnp.swapaxes(backend.forward(qkv, masks, config, query.dtype)[1], 1, 2) * nm.LN_2
   if smooth_k:
-    k_mean = key_mean(key, masks.kv_ids)
     # The kernels' scores are of K - mean(K): each row is shifted by q . mean.
     group = query.shape[2] // key.shape[2]
     shift = jnp.einsum("bthd,bhd->bth", query.astype(jnp.float32),
-                       jnp.repeat(k_mean, group, axis=1))
+                       jnp.repeat(key_mean(key, masks.kv_ids), group, axis=1))
     lse = lse + config.scale * shift
-  return lse
+  return lse, (query, key, value, masks, lse)
 
 
-def residual(lse: jax.Array, dtype, inputs: tuple[jax.Array, ...]) -> jax.Array:
-  """The lse (+inf where a row saw no key) as jax.nn's residual (-inf
-  there); differentiating it with respect to `inputs` raises."""
-  lse = jnp.where(lse == jnp.inf, -jnp.inf, lse)
-  return _no_gradient(lse.astype(dtype), inputs)
+def _backward(config, backend, smooth_k, residuals, cotangent):
+  query, key, value, masks, lse = residuals
+  # Rows that saw no key have no softmax, and no gradient.
+  g = jnp.where(jnp.isfinite(lse), cotangent, 0.0)[..., None] * config.scale
+  # One quantization with K as the values too: the forward then gives P.K;
+  # the backward, with dO = g q and zero V and O (so dS = 0), P^T.(g q) as dV.
+  qkv = quantize(query, key, key, masks, config, backend, smooth_k)
+  p_k, lse_2 = backend.forward(qkv, masks, config, query.dtype)
+  dq = g * p_k.astype(jnp.float32)
+  do = (g * query.astype(jnp.float32)).astype(query.dtype)
+  dk = backend.backward(qkv, jnp.zeros_like(key), jnp.zeros_like(query), lse_2, do, masks,
+                        config)[2]
+  return dq.astype(query.dtype), dk.astype(key.dtype), jnp.zeros_like(value), None
 
 
-@jax.custom_vjp
-def _no_gradient(x: jax.Array, inputs: tuple[jax.Array, ...]) -> jax.Array:
-  """x, which depends on `inputs` without a gradient: the backward refuses
-  any cotangent but a symbolic zero (the residual unused by the loss)."""
-  del inputs
-  return x
+log_sum_exp.defvjp(_forward, _backward)
 
 
-def _no_gradient_fwd(x, inputs):
-  del inputs
-  return x.value, None
-
-
-def _no_gradient_bwd(_, cotangent):
-  if not isinstance(cotangent, SymbolicZero):
-    raise NotImplementedError(
-        "SageBwd's residual (return_residual=True) has no gradient: its backward "
-        "does not take a log-sum-exp cotangent. Stop the gradient through it "
-        "(jax.lax.stop_gradient) or use implementation='xla' for this computation.")
-  return None, None
-
-
-_no_gradient.defvjp(_no_gradient_fwd, _no_gradient_bwd, symbolic_zeros=True)
+def residual(lse: jax.Array, dtype) -> jax.Array:
+  """The lse (+inf where a row saw no key) as jax.nn's residual (-inf there)."""
+  return jnp.where(lse == jnp.inf, -jnp.inf, lse).astype(dtype)

@@ -132,16 +132,47 @@ def test_return_residual_is_jax_nn_lse(implementation):
   assert lse1.shape == (40, 4) and o1.shape == q[1].shape
 
 
-def test_residual_refuses_a_gradient_but_the_output_keeps_its_own():
-  q, k, v, _ = gaussian_qkv(jax.random.key(5), 1, 32, 32, 2, 2, 64, dtype=jnp.float32)
-  f = lambda q: dot_product_attention(q, k, v, return_residual=True,
-                                      implementation="reference")
-  dq = jax.grad(lambda q: jnp.sum(f(q)[0] ** 2))(q)
-  want = jax.grad(lambda q: jnp.sum(dot_product_attention(q, k, v,
-                                                          implementation="reference") ** 2))(q)
-  np.testing.assert_array_equal(dq, want)
-  with pytest.raises(NotImplementedError, match="residual .* has no gradient"):
-    jax.grad(lambda q: jnp.sum(f(q)[1]))(q)
+def _lse64(q, k, *, causal, lengths):
+  """The exact natural log-sum-exp (B, Tq, H) in float64, GQA by repetition."""
+  k = jnp.repeat(k, q.shape[2] // k.shape[2], axis=2)
+  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+  pos_q, pos_k = jnp.arange(q.shape[1])[:, None], jnp.arange(k.shape[1])[None, :]
+  visible = (pos_k[None] < lengths[:, None, None]) & ((pos_q >= pos_k)[None] | (not causal))
+  lse = jax.nn.logsumexp(jnp.where(visible[:, None], logits, -jnp.inf), axis=-1)
+  return jnp.swapaxes(lse, 1, 2)
+
+
+@pytest.mark.parametrize("implementation", IMPLS)
+def test_residual_gradient_is_the_lse_gradient(implementation):
+  """Unlike jax.nn's stopped one, the residual has SageBwd's gradient; with
+  the output's, it adds up."""
+  q, k, v, do = gaussian_qkv(jax.random.key(5), 2, 48, 40, 4, 2, 64, dtype=jnp.float32)
+  k = k + 1.0  # K-smoothing's shift must not reach the gradient
+  lengths = jnp.array([40, 21], jnp.int32)
+  w = jax.random.normal(jax.random.key(6), (2, 48, 4))
+  kw = dict(is_causal=True, key_value_seq_lengths=lengths, implementation=implementation,
+            return_residual=True)
+
+  def loss(q, k, v):
+    o, lse = dot_product_attention(q, k, v, **kw)
+    return jnp.sum(o * do) + jnp.sum(lse * w)
+
+  got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+  with jax.enable_x64(True):
+    q64, k64, v64, do64, w64 = (jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, do, w))
+    lse_grad = jax.grad(lambda q, k: jnp.sum(w64 * _lse64(q, k, causal=True, lengths=lengths)),
+                        argnums=(0, 1))(q64, k64)
+    out_grad = jax.grad(lambda q, k, v: jnp.sum(do64 * full_precision_attention(
+        q, k, v, is_causal=True, key_value_seq_lengths=lengths)), argnums=(0, 1, 2))(
+            q64, k64, v64)
+  want = (lse_grad[0] + out_grad[0], lse_grad[1] + out_grad[1], out_grad[2])
+  for name, a, b in zip(("dQ", "dK", "dV"), got, want):
+    assert rel_l2(a, b) < 0.03, name
+  # The residual's part alone, against its exact gradient.
+  only_lse = jax.jit(jax.grad(lambda q, k: jnp.sum(dot_product_attention(q, k, v, **kw)[1] * w),
+                              argnums=(0, 1)))(q, k)
+  for name, a, b in zip(("dQ", "dK"), only_lse, lse_grad):
+    assert rel_l2(a, b) < 0.03, name
 
 
 # ------------------------------------------------------------------ scale
