@@ -111,6 +111,18 @@ def dot_product_attention(
     The attention output, shaped and typed like `query` (and the residual
     with `return_residual`). Its gradient is SageBwd's quantized backward (a
     `jax.custom_vjp`).
+
+  NaN or an infinity in the valid tokens of `query`, `key`, `value` or the
+  output's cotangent comes out as NaN in every output and gradient element
+  that jax.nn's makes non-finite (the reference and the portable kernels;
+  tests/test_nan.py). int8 has no NaN: a block's scale carries it, so it
+  spreads further, within its batch row and key/value head group: a query
+  makes its whole `block_q`-row block of the output and of dQ NaN (with
+  causal masking or a window, its head's whole dQ); a key or a value makes
+  the whole output and all gradients of its head group NaN (K-smoothing's
+  mean carries a key that far anyway, and jax.nn's 0 x NaN nearly so); a
+  cotangent row makes its head group's whole dV NaN, and dK on the whole
+  key blocks its query block sees. Query rows that see no key still output 0.
   """
   unbatched = arguments.check_qkv(query, key, value)
   arguments.check_trivial("bias", bias, lambda x: not np.any(x), "all zeros",
