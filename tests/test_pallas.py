@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import backend_tolerance, gaussian_qkv, sage
+from conftest import CPU, backend_tolerance, gaussian_qkv, sage
 from pallas_kernels.triton.backend import PallasBackend
 from pallas_kernels.triton.backward_prepass import backward_prepass
 from pallas_kernels.types import Config, Masks
@@ -98,18 +98,22 @@ def test_pallas_equals_reference_at_saturating_logits(causal):
   two absolute fp32 numbers, whose rounding grows with the logits (near 1e8
   at sigma 1e4 it is 2**3; README, known limits), and the two backends
   contract it differently."""
-  forwards = [jax.jit(functools.partial(dot_product_attention, is_causal=causal,
-                                        return_residual=True, implementation=name))
-              for name in ("pallas", "reference")]
+  forward = lambda name: jax.jit(functools.partial(
+      dot_product_attention, is_causal=causal, return_residual=True, implementation=name))
+  # Compiled on a GPU, exp2 is the approximate instruction: int8 flips, not powers of two.
+  tolerance = 1e-3 if ON_GPU else 1e-6
   for sigma in (30.0, 1e3, 1e4):
     q, k, v, do = gaussian_qkv(jax.random.key(5), 1, 128, 128, 2, 1, 64, sigma=sigma,
                                dtype=jnp.float32)
-    (o, lse), (o_ref, lse_ref) = (forward(q, k, v) for forward in forwards)
-    assert float(metrics.relative_l2(o, o_ref)) <= 1e-6, sigma
-    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), rtol=1e-6)
+    o, lse = forward("pallas")(q, k, v)
+    with jax.default_device(CPU):
+      o_ref, lse_ref = forward("reference")(q, k, v)
+      grads_ref = sage(q, k, v, do, is_causal=causal, implementation="reference")[1]
+    assert float(metrics.relative_l2(o, o_ref)) <= tolerance, sigma
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), rtol=tolerance)
     if sigma == 30.0 and causal:
       for a, b in zip(sage(q, k, v, do, is_causal=causal, implementation="pallas")[1],
-                      sage(q, k, v, do, is_causal=causal, implementation="reference")[1]):
+                      grads_ref):
         assert float(metrics.relative_l2(a, b)) <= backend_tolerance(a)
 
 
