@@ -261,3 +261,16 @@ def test_nnx_linen_consistency(use_bias, dtype, param_dtype, precision, decode, 
     module.init_cache(x.shape, dtype=dtype)
   out, _ = linen.apply(variables, x, mutable=["cache"])
   np.testing.assert_array_equal(out, module(x))
+
+
+def test_nnx_gqa_shapes_heads_and_parity():
+  """Flax's GQA tests of nnx.dot_product_attention, through attention_fn."""
+  q, k, v = _normal(3, (2, 4, 6, 8), (2, 5, 3, 8), (2, 5, 3, 8), jnp.float32)
+  assert attention_fn(q, k, v).shape == (2, 4, 6, 8)
+  with pytest.raises(ValueError, match="must be a multiple"):
+    attention_fn(jnp.ones((1, 4, 5, 8)), jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 2, 8)))
+  q, k, v = _normal(3, (2, 8, 4, 16), (2, 8, 2, 16), (2, 8, 2, 16), jnp.float32)
+  want = jax.nn.dot_product_attention(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2))
+  assert rel_l2(attention_fn(q, k, v), want) < 0.03
+  with pytest.raises(ValueError, match="sow_weights"):  # a module is passed to sow into
+    attention_fn(q, k, v, module=object())
