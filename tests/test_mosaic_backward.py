@@ -20,6 +20,7 @@ from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
 from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
 from pallas_kernels.triton.backward_prepass import backward_prepass
+from pallas_kernels.triton.common import LaunchConfig
 from pallas_kernels.types import Masks
 from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import key_mean
@@ -87,7 +88,7 @@ def _gpu_case(batch, seq, heads, kv_heads, head_dim, causal, *, seed=0, sigma=2.
   config = mosaic_config(head_dim, causal)
   qkv = HOPPER_NUMERICS.quantize(q, k, v, key_mean(k, None), config)
   o, lse = HOPPER_NUMERICS.forward(qkv, Masks(), config, jnp.bfloat16)
-  delta, do8_t, do_scale = backward_prepass(o, do, block_q=config.block_q)
+  delta, do8_t, do_scale = backward_prepass(o, do, block_q=config.block_q, launch=LaunchConfig())
   with jax.default_device(CPU):
     cpu = jax.device_put((qkv, v, o, lse, do), CPU)
     want = jax.jit(lambda *a: HOPPER_NUMERICS.backward(*a, Masks(), config))(*cpu)

@@ -25,6 +25,7 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import numerics as nm
+from pallas_kernels.mosaic import registers
 from pallas_kernels.mosaic.common import BLOCK
 
 TILE = (BLOCK, BLOCK)
@@ -97,20 +98,21 @@ def causal_mask(f, *, row_start, col_start, rows_are_keys: bool):
   return jnp.where(q_pos >= kv_pos, f, -jnp.inf)
 
 
-def signed_bits(y):
-  """`numerics.quantize_rows` of a tile as rounding-add bits for
-  `dot_from_registers`, and the row scales (amax / 127). |y| * 127 / amax
-  never rounds past 127, so no clip."""
+def pack_signed_rows(y):
+  """`numerics.quantize_rows` of a tile, packed for `dot_from_registers`, and
+  the row scales (amax / 127). |y| * 127 / amax never rounds past 127, so no
+  clip."""
   amax = jnp.max(jnp.abs(y), axis=1)
   inv = nm.inverse_scale(amax)
   bits = lax.bitcast_convert_type(
       y * lax.broadcast_in_dim(inv, y.shape, [0]) + nm.ROUND_MAGIC_F32, jnp.int32)
-  return bits, amax / nm.INT8_MAX
+  return registers.pack(bits), amax / nm.INT8_MAX
 
 
-def unsigned_bits(pq):
-  """Rounding-add bits of P in 0..255 (`numerics.unsigned_rows`' pq)."""
-  return lax.bitcast_convert_type(pq + nm.ROUND_MAGIC_F32, jnp.int32)
+def pack_unsigned(pq):
+  """P in 0..255 (`numerics.unsigned_rows`' pq), rounded by one add and
+  packed for `dot_from_registers`."""
+  return registers.pack(lax.bitcast_convert_type(pq + nm.ROUND_MAGIC_F32, jnp.int32))
 
 
 def merge(acc, biased_product, row_scale):

@@ -96,17 +96,17 @@ def _dkdv_call(q8, qt8, q_scale, k8, k_scale, v, lse, delta, do, dot8, do_scale,
         if masked:
           f = bc.causal_mask(f, row_start=j * BLOCK, col_start=i * BLOCK, rows_are_keys=True)
         pq, top = nm.unsigned_rows(bc.exponent(f, c, offset, along=1))
-        p_bits = bc.unsigned_bits(pq)
-        ds_bits, ds_scale = bc.signed_bits(pq * (dp - lax.broadcast_in_dim(delta, dp.shape, [1])))
+        p8 = bc.pack_unsigned(pq)
+        ds8, ds_scale = bc.pack_signed_rows(pq * (dp - lax.broadcast_in_dim(delta, dp.shape, [1])))
         schedule.arrive()  # elementwise work done: the other warpgroup may issue
         plgpu.barrier_wait(dot_bars.at[slot])
         plgpu.barrier_wait(qt_bars.at[slot])
         schedule.wait()
         p_scale = jnp.exp2(top)
-        pdo = registers.dot_from_registers((p_bits,), (dot_ring.at[slot],), t_transforms,
+        pdo = registers.dot_from_registers((p8,), (dot_ring.at[slot],), t_transforms,
                                            head_dim, unsigned_a=True, biased=True)
         dv = bc.merge(dv, pdo, p_scale * do_scale)
-        dsq = registers.dot_from_registers((ds_bits,), (qt_ring.at[slot],), t_transforms,
+        dsq = registers.dot_from_registers((ds8,), (qt_ring.at[slot],), t_transforms,
                                            head_dim, unsigned_a=False, biased=True)
         dk = bc.merge(dk, dsq, ds_scale * p_scale * q_scale)
         plgpu.barrier_arrive(consumed.at[slot])

@@ -91,11 +91,11 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, kt8, k_scale, v, *, causal: bool, 
         if masked:
           f = bc.causal_mask(f, row_start=i * BLOCK, col_start=j * BLOCK, rows_are_keys=False)
         p = jnp.exp2(bc.exponent(f, c, offset, along=0))
-        ds_bits, ds_scale = bc.signed_bits(p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0])))
+        ds8, ds_scale = bc.pack_signed_rows(p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0])))
         schedule.arrive()  # elementwise work done: the other warpgroup may issue
         plgpu.barrier_wait(kt_bars.at[slot])
         schedule.wait()
-        dsk = registers.dot_from_registers((ds_bits,), (kt_ring.at[slot],), t_transforms,
+        dsk = registers.dot_from_registers((ds8,), (kt_ring.at[slot],), t_transforms,
                                            head_dim, unsigned_a=False, biased=True)
         plgpu.barrier_arrive(consumed.at[slot])
         return bc.merge(dq, dsk, ds_scale * k_scale)

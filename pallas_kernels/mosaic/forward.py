@@ -194,8 +194,9 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
         if tuning.schedule_barrier:
           plgpu.barrier_wait(sched)
         pv = registers.dot_from_registers(
-            tuple(bits), tuple(vt_smem.at[slot, i] for i in range(halves)), vt_transforms,
-            head_dim, unsigned_a=True)
+            tuple(registers.pack(x) for x in bits),
+            tuple(vt_smem.at[slot, i] for i in range(halves)), vt_transforms, head_dim,
+            unsigned_a=True)
         plgpu.barrier_arrive(v_consumed.at[slot])
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv.astype(jnp.float32)
         return acc, m, e, l

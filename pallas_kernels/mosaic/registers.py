@@ -102,34 +102,49 @@ def _unsigned_a():
     mgpu_wgmma.llvm = real
 
 
-def dot_from_registers(a_bits: tuple[jax.Array, ...], b_tiles: tuple, transforms: tuple,
+def pack(bits: jax.Array) -> jax.Array:
+  """(64, 64) int32 rounding-add bits, WGMMA layout -> the (64, 64) int8
+  register A operand of a wgmma (WGMMA_8BIT layout) holding their low bytes.
+
+  Packing as soon as the bits exist keeps a quarter of the registers live
+  until the product is issued."""
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA,),
+      return_type=plgpu.ShapeDtypeStruct(bits.shape, jnp.int8, layout=plgpu.Layout.WGMMA_8BIT))
+  def packed(ctx, x):
+    del ctx
+    return _pack_low_bytes(x)
+
+  return packed(bits)
+
+
+def dot_from_registers(a_tiles: tuple[jax.Array, ...], b_tiles: tuple, transforms: tuple,
                        n: int, *, unsigned_a: bool, biased: bool = False) -> jax.Array:
   """int32 sum over i of A_i.B_i, each A_i 8-bit from registers.
 
-  `a_bits[i]`: (64, 64) int32, WGMMA layout, the bits of x + 1.5 * 2**23 for
-  integer-valued x in the 8-bit range (0..255 with `unsigned_a`, else
-  -127..127). `b_tiles[i]`: a shared-memory (n, 64) int8 tile of B^T whose
-  contraction axis is in `permute_keys` order, stored with `transforms`
-  (64-byte swizzle). Issues every product, then waits for them; returns
-  (64, n) int32, WGMMA layout. With `biased` the accumulator starts at
-  0x4B400000 (the sum's bits read as fp32 are 1.5 * 2**23 + sum, for
-  |sum| < 2**22).
+  `a_tiles[i]`: (64, 64) int8 from `pack`, its columns in `permute_keys`
+  order (read as unsigned with `unsigned_a`). `b_tiles[i]`: a shared-memory
+  (n, 64) int8 tile of B^T whose contraction axis is in `permute_keys` order,
+  stored with `transforms` (64-byte swizzle). Issues every product, then
+  waits for them; returns (64, n) int32, WGMMA layout. With `biased` the
+  accumulator starts at 0x4B400000 (the sum's bits read as fp32 are
+  1.5 * 2**23 + sum, for |sum| < 2**22).
   """
   swizzle = transforms[-1].swizzle
-  count = len(a_bits)
+  count = len(a_tiles)
 
   @plgpu.inline_mgpu(
-      arg_types=((plgpu.Layout.WGMMA,) * count, (plgpu.RefType(transforms),) * count),
+      arg_types=((plgpu.Layout.WGMMA_8BIT,) * count, (plgpu.RefType(transforms),) * count),
       return_type=plgpu.ShapeDtypeStruct((ROWS, n), jnp.int32, layout=plgpu.Layout.WGMMA))
-  def product(ctx, bits, tiles):
+  def product(ctx, a_regs, tiles):
     del ctx
     i32 = ir.IntegerType.get_signless(32)
     start = arith.constant(i32, ir.IntegerAttr.get(i32, nm.ROUND_MAGIC_I32 if biased else 0))
     acc = mgpu.WGMMAAccumulator.from_registers(
         fa.FragmentedArray.splat(start, (ROWS, n), fa.WGMMA_LAYOUT, is_signed=True))
-    packed = [_pack_low_bytes(x) for x in bits]
     with _unsigned_a() if unsigned_a else contextlib.nullcontext():
-      for a, tile in zip(packed, tiles):
+      for a, tile in zip(a_regs, tiles):
         acc = mgpu.wgmma(acc, a, mgpu_utils.memref_transpose(tile, (1, 0, 3, 2)),
                          swizzle=swizzle)
     void = ir.Type.parse("!llvm.void")
@@ -137,4 +152,4 @@ def dot_from_registers(a_bits: tuple[jax.Array, ...], b_tiles: tuple, transforms
     llvm.inline_asm(void, [], "wgmma.wait_group.sync.aligned 0;", "", has_side_effects=True)
     return acc.value
 
-  return product(tuple(a_bits), tuple(b_tiles))
+  return product(tuple(a_tiles), tuple(b_tiles))
