@@ -49,7 +49,8 @@ class MosaicBackend:
 
   fallback: PrepassBackend
   forward_mosaic: forward.ForwardTuning | None = forward.ForwardTuning()
-  backward_mosaic: BackwardTuning = BackwardTuning()
+  dkdv_tuning: BackwardTuning = BackwardTuning()
+  dq_tuning: BackwardTuning = BackwardTuning()
 
   @classmethod
   def tuned(cls, fallback: PrepassBackend) -> "MosaicBackend":
@@ -57,7 +58,7 @@ class MosaicBackend:
     `python -m benchmarks.mosaic_backward` measured fastest on an H200
     (docs/performance.md)."""
     return cls(fallback, forward_mosaic=forward.ForwardTuning(),
-               backward_mosaic=BackwardTuning())
+               dkdv_tuning=BackwardTuning(schedule_barrier=False), dq_tuning=BackwardTuning())
 
   def quantize(self, q, k, v, k_mean, config: Config) -> QuantizedQKV:
     return self.fallback.quantize(q, k, v, k_mean, config)
@@ -70,10 +71,11 @@ class MosaicBackend:
     return forward.forward_mosaic(qkv, masks, config, out_dtype, self.forward_mosaic)
 
   def backward(self, qkv: QuantizedQKV, v, o, lse, do, masks: Masks, config: Config):
-    if not backward_takes(qkv, masks, config, v.dtype, self.backward_mosaic):
+    if not all(backward_takes(qkv, masks, config, v.dtype, tuning)
+               for tuning in (self.dkdv_tuning, self.dq_tuning)):
       return self.fallback.backward(qkv, v, o, lse, do, masks, config)
     delta, do8_t, do_scale = self.fallback.prepass(o, do, config)
     dk, dv = backward_dkdv_mosaic(qkv, v, lse, delta, do, do8_t, do_scale, masks, config,
-                                  self.backward_mosaic)
-    dq = backward_dq_mosaic(qkv, v, lse, delta, do, masks, config, self.backward_mosaic)
+                                  self.dkdv_tuning)
+    dq = backward_dq_mosaic(qkv, v, lse, delta, do, masks, config, self.dq_tuning)
     return dq, dk, dv

@@ -4,10 +4,10 @@ per-score chain of a 64 x 64 tile.
 
 Both kernels recompute S from int8 Q and K in an int32 accumulator that starts
 at 0x4B400000, so its bits read as fp32 are 1.5 * 2**23 + S exactly, and form
-the exp2 argument of P = exp2(S * q_scale * k_scale - lse) in one FMA:
-f * c + b, c = q_scale * k_scale (one scalar per tile: both are block
-scales), b = -lse - 1.5 * 2**23 * c per query. dP = dO.V^T runs in 16 bits
-(the one product never quantized), issued with S under one wait. The int8
+the exp2 argument of P = exp2(S * q_scale * k_scale - lse) by one add and one
+FMA (`exponent`; c = q_scale * k_scale is one scalar per tile: both are block
+scales). dP = dO.V^T runs in 16 bits (the one product never quantized) in an
+accumulator that starts at -Delta, issued with S under one wait. The int8
 products (P^T.dO, dS^T.Q, dS.K) take their 8-bit operand straight from
 registers (`registers.dot_from_registers`; the B operands' token axis is stored
 in `registers.permute_keys` order), rounded by one add each, and accumulate
@@ -61,33 +61,34 @@ def zeros(shape, dtype=jnp.float32):
   return plgpu.layout_cast(jnp.full(shape, 0, dtype), plgpu.Layout.WGMMA)
 
 
-def scores_and_dp(s_operands, dp_operands, schedule: Schedule):
-  """S (int32, biased by 0x4B400000, as fp32) and dP (fp32) of one tile.
+def scores_and_dp(s_operands, dp_operands, minus_delta, schedule: Schedule):
+  """S (int32, biased by 0x4B400000, as fp32) and dP - Delta (fp32) of one tile.
 
   Each of `s_operands`, `dp_operands` is (A smem tile, B smem tile stored
-  (N, K)). Both wgmmas are issued back to back, the warpgroup takes its turn at
-  the schedule barrier, then one wait covers them.
+  (N, K)); `minus_delta` is -Delta broadcast to the tile, the dP
+  accumulator's start, so the subtraction costs nothing per score. Both
+  wgmmas are issued back to back, the warpgroup takes its turn at the schedule
+  barrier, then one wait covers them.
   """
   def issue(accs):
     for acc, (a, b) in zip(accs, (s_operands, dp_operands)):
       plgpu.wgmma(acc, a, b.T)
     schedule.turn()
 
-  s, dp = pl.run_state(issue)((plgpu.ACC.init(magic()), plgpu.ACC.init(zeros(TILE))))
+  s, dp = pl.run_state(issue)((plgpu.ACC.init(magic()), plgpu.ACC.init(minus_delta)))
   return lax.bitcast_convert_type(s, jnp.float32), dp
 
 
-def exponent(f, c, b, *, along: int):
-  """f * c + b: the base-2 exponent S * c - lse, f the biased scores; `b` one
-  value per row (`along`=0) or per column (`along`=1)."""
-  return f * c + lax.broadcast_in_dim(b, f.shape, [along])
-
-
-def exponent_offset(lse, c):
-  """b of `exponent`: -lse - 1.5 * 2**23 * c. c > 0 keeps masked scores at
-  -inf (-inf * 0 is NaN); a floor this small moves unmasked ones by < 2**-75."""
+def exponent(f, c, lse, *, along: int):
+  """The base-2 exponent S * c - lse of P = exp2(S * q_scale * k_scale - lse)
+  from the biased scores f = 1.5 * 2**23 + S: an add (exact) and an FMA.
+  Folding the bias into the FMA's addend would round -lse - 1.5 * 2**23 * c,
+  an error of ~c in the exponent that nothing cancels here (the forward's
+  row maximum does cancel it). `lse` has one value per row (`along`=0) or
+  per column (`along`=1); c > 0 keeps masked scores at -inf (-inf * 0 is NaN),
+  and a floor this small moves unmasked ones by < 2**-75."""
   c = jnp.maximum(c, 2.0**-100)
-  return c, -lse - nm.ROUND_MAGIC_F32 * c
+  return (f - nm.ROUND_MAGIC_F32) * c - lax.broadcast_in_dim(lse, f.shape, [along])
 
 
 def causal_mask(f, *, row_start, col_start, rows_are_keys: bool):

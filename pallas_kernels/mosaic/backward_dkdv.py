@@ -5,9 +5,10 @@ a producer warpgroup streams the query side (Q8, Q8^T, dO, dO8^T of one
 64-query block a step) by TMA through a ring. Per step a warpgroup computes,
 on transposed tiles (rows are its keys, columns the step's queries):
 
-  S^T, dP^T = K8.Q8^T (int8, biased accumulator), V.dO^T (16-bit), one wait;
-  pq = 255 * exp2(a - rowmax(a)), a = f * c + b the exponent of P^T
-        (`backward_common`), per key row (`numerics.unsigned_rows`);
+  S^T, dP^T - Delta = K8.Q8^T (int8, biased accumulator), V.dO^T (16-bit,
+        from -Delta), one wait;
+  pq = 255 * exp2(a - rowmax(a)), a the exponent of P^T (`backward_common`),
+        per key row (`numerics.unsigned_rows`);
   dS^T (in pq's units) = pq * (dP^T - Delta), quantized per key row;
   dV += exp2(top) * dO's scale * (P8^T.dO8)      unsigned x signed, P8 from registers
   dK += dS^T's scale * exp2(top) * Q's scale * (dS8^T.Q8)   from registers
@@ -87,17 +88,18 @@ def _dkdv_call(q8, qt8, q_scale, k8, k_scale, v, lse, delta, do, dot8, do_scale,
         slot, rows = slot_of(i), pl.ds(i * BLOCK, BLOCK)
         q_scale = qs_ref[b, h, i * BLOCK]
         do_scale = dos_ref[b, h, i * BLOCK]
-        c, offset = bc.exponent_offset(bc.col_vector(lse_ref.at[b, h, rows]), q_scale * k_scale)
-        delta = bc.col_vector(delta_ref.at[b, h, rows])
+        minus_delta = -lax.broadcast_in_dim(bc.col_vector(delta_ref.at[b, h, rows]), bc.TILE,
+                                            [1])
         plgpu.barrier_wait(q_bars.at[slot])
         plgpu.barrier_wait(do_bars.at[slot])
         f, dp = bc.scores_and_dp((k_smem, q_ring.at[slot]), (v_smem, do_ring.at[slot]),
-                                 schedule)
+                                 minus_delta, schedule)
         if masked:
           f = bc.causal_mask(f, row_start=j * BLOCK, col_start=i * BLOCK, rows_are_keys=True)
-        pq, top = nm.unsigned_rows(bc.exponent(f, c, offset, along=1))
+        lse = bc.col_vector(lse_ref.at[b, h, rows])
+        pq, top = nm.unsigned_rows(bc.exponent(f, q_scale * k_scale, lse, along=1))
         p8 = bc.pack_unsigned(pq)
-        ds8, ds_scale = bc.pack_signed_rows(pq * (dp - lax.broadcast_in_dim(delta, dp.shape, [1])))
+        ds8, ds_scale = bc.pack_signed_rows(pq * dp)
         schedule.arrive()  # elementwise work done: the other warpgroup may issue
         plgpu.barrier_wait(dot_bars.at[slot])
         plgpu.barrier_wait(qt_bars.at[slot])

@@ -4,8 +4,9 @@ Each CTA owns `compute_wgs` blocks of 64 queries, one per compute warpgroup,
 and a producer warpgroup streams the key side (K8, K8^T, V of one 64-key
 block a step) by TMA through a ring. Per step a warpgroup computes
 
-  S, dP = Q8.K8^T (int8, biased accumulator), dO.V^T (16-bit), one wait;
-  P = exp2(f * c + b)                          (`backward_common`);
+  S, dP - Delta = Q8.K8^T (int8, biased accumulator), dO.V^T (16-bit, from
+        -Delta), one wait;
+  P = exp2(S * q_scale * k_scale - lse)        (`backward_common.exponent`);
   dS = P * (dP - Delta), quantized per query row, from registers into
   dQ += dS's scale * K's scale * (dS8.K8)      K8^T's keys permuted.
 
@@ -83,15 +84,14 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, kt8, k_scale, v, *, causal: bool, 
       def kv_step(j, dq, *, masked: bool):
         slot = lax.rem(j, jnp.array(tuning.max_concurrent_steps, j.dtype))
         k_scale = ks_ref[b, kvh, j * BLOCK]
-        c, offset = bc.exponent_offset(lse, q_scale * k_scale)
         plgpu.barrier_wait(k_bars.at[slot])
         plgpu.barrier_wait(v_bars.at[slot])
         f, dp = bc.scores_and_dp((q_smem, k_ring.at[slot]), (do_smem, v_ring.at[slot]),
-                                 schedule)
+                                 -lax.broadcast_in_dim(delta, bc.TILE, [0]), schedule)
         if masked:
           f = bc.causal_mask(f, row_start=i * BLOCK, col_start=j * BLOCK, rows_are_keys=False)
-        p = jnp.exp2(bc.exponent(f, c, offset, along=0))
-        ds8, ds_scale = bc.pack_signed_rows(p * (dp - lax.broadcast_in_dim(delta, dp.shape, [0])))
+        p = jnp.exp2(bc.exponent(f, q_scale * k_scale, lse, along=0))
+        ds8, ds_scale = bc.pack_signed_rows(p * dp)
         schedule.arrive()  # elementwise work done: the other warpgroup may issue
         plgpu.barrier_wait(kt_bars.at[slot])
         schedule.wait()
