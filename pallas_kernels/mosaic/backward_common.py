@@ -7,7 +7,8 @@ at 0x4B400000, so its bits read as fp32 are 1.5 * 2**23 + S exactly, and form
 the exp2 argument of P = exp2(S * q_scale * k_scale - lse) by one add and one
 FMA (`exponent`; c = q_scale * k_scale is one scalar per tile: both are block
 scales). dP = dO.V^T runs in 16 bits (the one product never quantized) in an
-accumulator that starts at -Delta, issued with S under one wait. The int8
+accumulator that starts at -Delta; dQ issues it with S under one wait, dK/dV
+after forming P^T (registers). The int8
 products (P^T.dO, dS^T.Q, dS.K) take their 8-bit operand straight from
 registers (`registers.dot_from_registers`; the B operands' token axis is stored
 in `registers.permute_keys` order), rounded by one add each, and accumulate
@@ -18,6 +19,7 @@ one add (removing the bias) and one FMA (its per-row scale).
 from __future__ import annotations
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -29,6 +31,10 @@ from pallas_kernels.mosaic import registers
 from pallas_kernels.mosaic.common import BLOCK
 
 TILE = (BLOCK, BLOCK)
+# Registers per thread of the compute and producer warpgroups (setmaxnreg):
+# 2 x 240 + 24 of the 512 a 128-thread slice of the register file has. dK/dV
+# needs them (fp32 dK and dV alone take 128).
+COMPUTE_REGISTERS, PRODUCER_REGISTERS = 240, 24
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
 
@@ -52,6 +58,27 @@ class BackwardTuning:
       raise ValueError("schedule_barrier alternates two compute warpgroups")
 
 
+class Schedule:
+  """The schedule barrier's operations, no-ops without one. A warpgroup
+  arrives when it has issued its wgmmas or finished its elementwise work, then
+  waits for the other one's turn."""
+
+  def __init__(self, sched, tuning: BackwardTuning):
+    self._sched = sched if tuning.schedule_barrier else None
+
+  def arrive(self):
+    if self._sched is not None:
+      plgpu.barrier_arrive(self._sched)
+
+  def wait(self):
+    if self._sched is not None:
+      plgpu.barrier_wait(self._sched)
+
+  def turn(self):
+    self.arrive()
+    self.wait()
+
+
 def magic(shape=TILE):
   """An int32 WGMMA-layout tile of 0x4B400000, the accumulators' start."""
   return plgpu.layout_cast(jnp.full(shape, nm.ROUND_MAGIC_I32, jnp.int32), plgpu.Layout.WGMMA)
@@ -61,22 +88,25 @@ def zeros(shape, dtype=jnp.float32):
   return plgpu.layout_cast(jnp.full(shape, 0, dtype), plgpu.Layout.WGMMA)
 
 
-def scores_and_dp(s_operands, dp_operands, minus_delta, schedule: Schedule):
-  """S (int32, biased by 0x4B400000, as fp32) and dP - Delta (fp32) of one tile.
+def products(pairs, starts, schedule: Schedule | None = None):
+  """wgmmas A.B^T for each (A smem tile, B smem tile stored (N, K)) of `pairs`,
+  into accumulators that start at `starts`, issued back to back; the
+  warpgroup takes its turn at `schedule`'s barrier, then one wait covers them.
 
-  Each of `s_operands`, `dp_operands` is (A smem tile, B smem tile stored
-  (N, K)); `minus_delta` is -Delta broadcast to the tile, the dP
-  accumulator's start, so the subtraction costs nothing per score. Both
-  wgmmas are issued back to back, the warpgroup takes its turn at the schedule
-  barrier, then one wait covers them.
+  S starts at `magic()` (read its result as fp32: 1.5 * 2**23 + S), dP at
+  -Delta broadcast to the tile, so the subtraction costs nothing per score.
   """
   def issue(accs):
-    for acc, (a, b) in zip(accs, (s_operands, dp_operands)):
+    for acc, (a, b) in zip(accs, pairs):
       plgpu.wgmma(acc, a, b.T)
-    schedule.turn()
+    if schedule is not None:
+      schedule.turn()
 
-  s, dp = pl.run_state(issue)((plgpu.ACC.init(magic()), plgpu.ACC.init(minus_delta)))
-  return lax.bitcast_convert_type(s, jnp.float32), dp
+  return pl.run_state(issue)(tuple(plgpu.ACC.init(x) for x in starts))
+
+
+def as_float(biased_scores):
+  return lax.bitcast_convert_type(biased_scores, jnp.float32)
 
 
 def exponent(f, c, lse, *, along: int):
@@ -128,27 +158,6 @@ def write_tile(value, smem, dst):
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(smem, dst)
   plgpu.wait_smem_to_gmem(0)
-
-
-class Schedule:
-  """The schedule barrier's operations, no-ops without one. A warpgroup
-  arrives when it has issued its wgmmas or finished its elementwise work, then
-  waits for the other one's turn."""
-
-  def __init__(self, sched, tuning: BackwardTuning):
-    self._sched = sched if tuning.schedule_barrier else None
-
-  def arrive(self):
-    if self._sched is not None:
-      plgpu.barrier_arrive(self._sched)
-
-  def wait(self):
-    if self._sched is not None:
-      plgpu.barrier_wait(self._sched)
-
-  def turn(self):
-    self.arrive()
-    self.wait()
 
 
 def stream(*, tuning: BackwardTuning, first, end, load, consumed):

@@ -5,10 +5,10 @@ a producer warpgroup streams the query side (Q8, Q8^T, dO, dO8^T of one
 64-query block a step) by TMA through a ring. Per step a warpgroup computes,
 on transposed tiles (rows are its keys, columns the step's queries):
 
-  S^T, dP^T - Delta = K8.Q8^T (int8, biased accumulator), V.dO^T (16-bit,
-        from -Delta), one wait;
+  S^T = K8.Q8^T (int8, biased accumulator);
   pq = 255 * exp2(a - rowmax(a)), a the exponent of P^T (`backward_common`),
         per key row (`numerics.unsigned_rows`);
+  dP^T - Delta = V.dO^T (16-bit, from -Delta);
   dS^T (in pq's units) = pq * (dP^T - Delta), quantized per key row;
   dV += exp2(top) * dO's scale * (P8^T.dO8)      unsigned x signed, P8 from registers
   dK += dS^T's scale * exp2(top) * Q's scale * (dS8^T.Q8)   from registers
@@ -73,7 +73,7 @@ def _dkdv_call(q8, qt8, q_scale, k8, k_scale, v, lse, delta, do, dot8, do_scale,
 
     @pl.when(wg < wgs)
     def _compute():
-      plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+      plgpu.set_max_registers(bc.COMPUTE_REGISTERS, action="increase")
       j = t * wgs + wg  # this warpgroup's key block
       kv = pl.ds(j * BLOCK, BLOCK)
       k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
@@ -88,16 +88,18 @@ def _dkdv_call(q8, qt8, q_scale, k8, k_scale, v, lse, delta, do, dot8, do_scale,
         slot, rows = slot_of(i), pl.ds(i * BLOCK, BLOCK)
         q_scale = qs_ref[b, h, i * BLOCK]
         do_scale = dos_ref[b, h, i * BLOCK]
-        minus_delta = -lax.broadcast_in_dim(bc.col_vector(delta_ref.at[b, h, rows]), bc.TILE,
-                                            [1])
         plgpu.barrier_wait(q_bars.at[slot])
-        plgpu.barrier_wait(do_bars.at[slot])
-        f, dp = bc.scores_and_dp((k_smem, q_ring.at[slot]), (v_smem, do_ring.at[slot]),
-                                 minus_delta, schedule)
+        (s,) = bc.products([(k_smem, q_ring.at[slot])], [bc.magic()], schedule)
+        f = bc.as_float(s)
         if masked:
           f = bc.causal_mask(f, row_start=j * BLOCK, col_start=i * BLOCK, rows_are_keys=True)
         lse = bc.col_vector(lse_ref.at[b, h, rows])
         pq, top = nm.unsigned_rows(bc.exponent(f, q_scale * k_scale, lse, along=1))
+        # dP^T only now: with S^T, pq and dK, dV it would not fit the registers.
+        minus_delta = -lax.broadcast_in_dim(bc.col_vector(delta_ref.at[b, h, rows]), bc.TILE,
+                                            [1])
+        plgpu.barrier_wait(do_bars.at[slot])
+        (dp,) = bc.products([(v_smem, do_ring.at[slot])], [minus_delta])
         p8 = bc.pack_unsigned(pq)
         ds8, ds_scale = bc.pack_signed_rows(pq * dp)
         schedule.arrive()  # elementwise work done: the other warpgroup may issue
@@ -131,7 +133,7 @@ def _dkdv_call(q8, qt8, q_scale, k8, k_scale, v, lse, delta, do, dot8, do_scale,
 
     @pl.when(wg == wgs)
     def _producer():
-      plgpu.set_max_registers(40, action="decrease")
+      plgpu.set_max_registers(bc.PRODUCER_REGISTERS, action="decrease")
 
       def load(i, slot):
         rows = pl.ds(i * BLOCK, BLOCK)

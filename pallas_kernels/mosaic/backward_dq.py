@@ -69,7 +69,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, kt8, k_scale, v, *, causal: bool, 
 
     @pl.when(wg < wgs)
     def _compute():
-      plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+      plgpu.set_max_registers(bc.COMPUTE_REGISTERS, action="increase")
       i = t * wgs + wg  # this warpgroup's query block
       rows = pl.ds(i * BLOCK, BLOCK)
       q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
@@ -86,8 +86,9 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, kt8, k_scale, v, *, causal: bool, 
         k_scale = ks_ref[b, kvh, j * BLOCK]
         plgpu.barrier_wait(k_bars.at[slot])
         plgpu.barrier_wait(v_bars.at[slot])
-        f, dp = bc.scores_and_dp((q_smem, k_ring.at[slot]), (do_smem, v_ring.at[slot]),
-                                 -lax.broadcast_in_dim(delta, bc.TILE, [0]), schedule)
+        s, dp = bc.products([(q_smem, k_ring.at[slot]), (do_smem, v_ring.at[slot])],
+                            [bc.magic(), -lax.broadcast_in_dim(delta, bc.TILE, [0])], schedule)
+        f = bc.as_float(s)
         if masked:
           f = bc.causal_mask(f, row_start=i * BLOCK, col_start=j * BLOCK, rows_are_keys=False)
         p = jnp.exp2(bc.exponent(f, q_scale * k_scale, lse, along=0))
@@ -115,7 +116,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, kt8, k_scale, v, *, causal: bool, 
 
     @pl.when(wg == wgs)
     def _producer():
-      plgpu.set_max_registers(40, action="decrease")
+      plgpu.set_max_registers(bc.PRODUCER_REGISTERS, action="decrease")
 
       def load(j, slot):
         kv = pl.ds(j * BLOCK, BLOCK)
