@@ -45,6 +45,8 @@ def _kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_ids_p
             BQ: tl.constexpr, BK: tl.constexpr, SCALE: tl.constexpr, CAUSAL: tl.constexpr,
             IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
   i = tl.program_id(0)
+  if CAUSAL:  # the longest rows first, so the last wave is of short ones
+    i = TQ // BQ - 1 - i
   b = tl.program_id(1).to(tl.int64)
   h = tl.program_id(2)
   kvh = h // (H // HKV)

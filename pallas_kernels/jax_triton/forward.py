@@ -80,6 +80,8 @@ def _kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_ptr, v_sc
             BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr, IDS: tl.constexpr,
             SMOOTH_Q: tl.constexpr):
   i = tl.program_id(0)
+  if CAUSAL:  # the longest rows first, so the last wave is of short ones
+    i = TQ // BQ - 1 - i
   b = tl.program_id(1).to(tl.int64)
   h = tl.program_id(2)
   q_head = b * H + h
