@@ -326,7 +326,7 @@ def _triton_backend(on_gpu: bool) -> Backend:
   try:
     from pallas_kernels.jax_triton.backend import TritonBackend
     if on_gpu:
-      import jax_triton  # noqa: F401
+      import jax_triton  # noqa: F401  (only whether it imports)
   except ImportError as e:
     needs = "triton and jax-triton (pip install 'sagebwd-jax[gpu]')" if on_gpu else "triton"
     raise NotImplementedError(f"implementation='triton' needs the packages {needs}: {e}") from e

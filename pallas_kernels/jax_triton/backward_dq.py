@@ -10,7 +10,8 @@ import triton
 import triton.language as tl
 
 from pallas_kernels.jax_triton import tiles
-from pallas_kernels.jax_triton.launch import LaunchConfig, batch_folded, device_function, placeholder
+from pallas_kernels.jax_triton.interpreter import device_function
+from pallas_kernels.jax_triton.launch import LaunchConfig, batch_folded, placeholder
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton.language as tl
 
 from pallas_kernels import numerics as nm
-from pallas_kernels.jax_triton.launch import device_function
+from pallas_kernels.jax_triton.interpreter import device_function
 
 MAGIC_F32 = tl.constexpr(nm.ROUND_MAGIC_F32)
 MAGIC_I32 = tl.constexpr(nm.ROUND_MAGIC_I32)
