@@ -42,7 +42,7 @@ def errors(sigma: float, seq: int, implementation: str | None):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--implementation", default=None, choices=["pallas", "mosaic", "reference"])
+  parser.add_argument("--implementation", default=None, choices=["triton", "pallas", "mosaic", "reference"])
   parser.add_argument("--seq", type=int, default=4096)
   parser.add_argument("--sigmas", default=",".join(map(str, PAPER)),
                       help="comma list of the paper's sigmas to run")
