@@ -61,6 +61,8 @@ class Config:
   smooth_k: bool = True
   # Per-block Q-smoothing (sage, reference).
   smooth_q: bool = False
+  # Precision of the backward's dS.K and dS^T.Q: int8 (SageBwd's) or bf16 (16-bit; sage, reference).
+  ds_precision: str = "int8"
   # Compute dtype; parameters and optimizer state stay float32.
   dtype: str = "bfloat16"
 
@@ -136,7 +138,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                 keep=3),
 }
 
-CHOICES = {"attention": ("sage", "full", "reference"), "dtype": ("bfloat16", "float32")}
+CHOICES = {"attention": ("sage", "full", "reference"), "dtype": ("bfloat16", "float32"),
+           "ds_precision": ("int8", "bf16")}
 
 
 @dataclass(frozen=True)
