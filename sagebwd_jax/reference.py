@@ -170,7 +170,10 @@ class ReferenceBackend:
       ds = p * (dp - delta[..., None])
 
       if config.ds_precision == "bf16":  # dS in the inputs' dtype
-        ds16 = ds.astype(qkv.k16.dtype)
+        # Rounded explicitly: XLA may drop an f32 -> bf16 -> f32 round trip
+        # (excess precision), while the kernels' 16-bit dots do round.
+        finfo = jnp.finfo(qkv.k16.dtype)
+        ds16 = jax.lax.reduce_precision(ds, finfo.nexp, finfo.nmant).astype(qkv.k16.dtype)
         dq = dq + jnp.einsum("bhgiqk,bhkd->bhgiqd", ds16,
                              tiles.kv_block(k16_heads, j, axis=-2),
                              preferred_element_type=_f32)
