@@ -73,7 +73,8 @@ def test_tiny_grid_tables_plots_and_resume(tmp_path, monkeypatch):
   # (it starts over: the study saves no checkpoints).
   import train.loop
   trained = []
-  monkeypatch.setattr(train.loop, "train", lambda cfg: trained.append(cfg) or {"val_loss": 0.0})
+  monkeypatch.setattr(train.loop, "train",
+                      lambda cfg, dataset: trained.append(cfg) or {"val_loss": 0.0})
   study.run([TINY], CPU, 1, out, data, log=lambda *a: None)
   assert trained == []
   unfinished = run_config(CPU, TINY.cells[1], 0, out, data)

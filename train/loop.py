@@ -54,13 +54,14 @@ def evaluate(eval_step, params, batches: Batches, cfg: Config) -> float:
   return float(np.mean(jax.device_get(losses)))
 
 
-def train(cfg: Config) -> dict:
+def train(cfg: Config, dataset: data.Dataset | None = None) -> dict:
   """Runs `cfg` to `cfg.steps` (from its newest good checkpoint with --resume).
 
   Returns the summary: step, loss, val_loss (the last logged), run_dir,
   tokens_per_s (this session's training alone; None if it trained no step)
   and compile_s. Raises RunError (NonFiniteError among them) and ValueError
-  with one-line messages.
+  with one-line messages. `dataset`: `cfg`'s data, already loaded (by
+  `data.load(cfg.data, cfg.val_fraction, cfg.seq_len)`), for runs that share it.
   """
   check(cfg)
   mesh = sharding.make_mesh(cfg.mesh)  # one device: a mesh of 1, the same code
@@ -74,13 +75,13 @@ def train(cfg: Config) -> dict:
   rundir.prepare(cfg, run_dir, main, log)
   lock = rundir.lock(run_dir) if main else None
   try:
-    return _train(dataclasses.replace(cfg, out=run_dir), mesh, main, log)
+    return _train(dataclasses.replace(cfg, out=run_dir), mesh, main, log, dataset)
   finally:
     if lock is not None:
       os.close(lock)
 
 
-def _train(cfg: Config, mesh, main: bool, log) -> dict:
+def _train(cfg: Config, mesh, main: bool, log, dataset: data.Dataset | None) -> dict:
   """`train` once the run folder (`cfg.out`) is settled and locked."""
   run_dir = cfg.out
   log(f"run folder: {run_dir}")
@@ -89,7 +90,7 @@ def _train(cfg: Config, mesh, main: bool, log) -> dict:
       f"device(s)")
 
   # Data, and the configuration as config.json records it (vocabulary resolved).
-  ds = data.load(cfg.data, cfg.val_fraction, cfg.seq_len)
+  ds = dataset or data.load(cfg.data, cfg.val_fraction, cfg.seq_len)
   vocab = cfg.vocab_size or ds.vocab_size
   if vocab < ds.vocab_size:
     raise ValueError(f"--vocab-size {vocab} is too small for {ds.source}: its tokens "

@@ -215,8 +215,7 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
         log=print) -> list[str]:
   """Runs what is missing of the chosen grids, rewriting the summary after
   each run; returns the paths of the summary files and plots."""
-  from train import study_report  # matplotlib, jax: loaded when a study runs
-  from train.loop import NonFiniteError, train
+  from train import data as train_data, loop, study_report  # jax: when a study runs
 
   runs = plan(chosen, scale, seeds, out, data)
   for _, cfg in runs:
@@ -227,6 +226,9 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
   log(f"study {out}: {len(runs)} runs, {len(runs) - len(todo)} already finished; "
       f"{len(todo)} to run, {tokens / 1e6:.1f}M tokens")
   os.makedirs(out, exist_ok=True)
+  # One load for every run: they share the data, its split and the context.
+  dataset = (train_data.load(todo[0][1].data, todo[0][1].val_fraction, todo[0][1].seq_len)
+             if todo else None)
   drawn = {g.name for g in chosen if _finished(g, scale, seeds, out, data)}
   for i, (cell, cfg) in enumerate(todo, 1):
     t0 = time.perf_counter()
@@ -234,9 +236,9 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
     log(f"[{i}/{len(todo)}] {os.path.basename(cfg.out)}: {cfg.steps} steps of "
         f"{cfg.tokens_per_step:,} tokens" + (" (starting over: unfinished)" if resume else ""))
     try:
-      result = train(dataclasses.replace(cfg, resume=resume))
+      result = loop.train(dataclasses.replace(cfg, resume=resume), dataset)
       outcome = f"val_loss {result['val_loss']:.4f}"
-    except NonFiniteError as e:
+    except loop.NonFiniteError as e:
       outcome = f"diverged: {e}"
     log(f"[{i}/{len(todo)}] {os.path.basename(cfg.out)}: {outcome} "
         f"({time.perf_counter() - t0:.0f}s)")
