@@ -17,10 +17,10 @@ from sagebwd_jax import full_precision_attention
 from train import data
 from train.config import Config
 from train.loop import train
-from train.metrics import kind, read
+from train.metrics import TELEMETRY_VALUES as KEYS, kind, read
 from train.plot import main as plot_main
 from train.step import build_model
-from train.telemetry import KEYS, exact_attention, make_telemetry
+from train.telemetry import exact_attention, make_telemetry
 
 TINY = dict(dim=128, n_heads=2, n_kv_heads=1, ffn_dim=128, seq_len=64, n_layers=3)
 

@@ -3,8 +3,8 @@
 Train rows: step, tokens, loss, lr, grad_norm, param_norm, tokens_per_s,
 step_time. Eval rows: step, tokens, val_loss. Telemetry rows
 (`--telemetry-every`, train/telemetry.py): step, tokens, telemetry_s and
-`telemetry.KEYS`, each a list with one value per layer. `step` counts
-completed steps.
+`TELEMETRY_VALUES`, each a list with one value per layer (no ds_rel_l2 under
+full-precision attention). `step` counts completed steps.
 
 Each row is appended by one write of the whole line to a file opened for
 appending, so a process killed mid-write leaves at most a torn last line:
@@ -28,6 +28,8 @@ from train.rundir import os_error, write_atomic
 TRAIN_KEYS = ("step", "tokens", "loss", "lr")
 EVAL_KEYS = ("step", "tokens", "val_loss")
 TELEMETRY_KEYS = ("step", "tokens", "max_logit")
+TELEMETRY_VALUES = ("o_rel_l2", "dq_rel_l2", "dk_rel_l2", "dv_rel_l2", "ds_rel_l2",
+                    "max_abs_q", "max_abs_k", "max_logit")
 
 
 class MetricsError(ValueError):

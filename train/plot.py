@@ -25,8 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from train.metrics import MetricsError, kind, read  # noqa: E402
-from train.telemetry import KEYS as TELEMETRY_KEYS  # noqa: E402
+from train.metrics import TELEMETRY_VALUES, MetricsError, kind, read  # noqa: E402
 
 TELEMETRY_TITLES = {"o_rel_l2": "O rel. L2", "dq_rel_l2": "dQ rel. L2",
                     "dk_rel_l2": "dK rel. L2", "dv_rel_l2": "dV rel. L2",
@@ -124,7 +123,7 @@ def telemetry_figure(runs: list[str], x: str = "step") -> plt.Figure | None:
   if not any(rows for _, rows in loaded):
     return None
   fig, axes = plt.subplots(2, 4, figsize=(14, 6.5), sharex=True)
-  for ax, key in zip(axes.flat, TELEMETRY_KEYS):
+  for ax, key in zip(axes.flat, TELEMETRY_VALUES):
     for i, (label, rows) in enumerate(loaded):
       rows = [r for r in rows if key in r]
       if not rows:

@@ -32,8 +32,6 @@ from flax import nnx
 
 from pallas_kernels import numerics as nm
 
-KEYS = ("o_rel_l2", "dq_rel_l2", "dk_rel_l2", "dv_rel_l2", "ds_rel_l2", "max_abs_q",
-        "max_abs_k", "max_logit")
 DS_TILE = 64  # keys per tile: the op's default block_kv
 _HIGHEST = jax.lax.Precision.HIGHEST
 
