@@ -84,6 +84,24 @@ def test_tiny_grid_tables_plots_and_resume(tmp_path, monkeypatch):
   study.run([TINY], CPU, 1, out, data, log=lambda *a: None)
   assert [(c.out, c.resume) for c in trained] == [(unfinished.out, True)]
 
+  # A run that fails stops no other; the study then says which failed.
+  first = run_config(CPU, TINY.cells[0], 0, out, data)
+  open(f"{first.out}/metrics.jsonl", "w").write("\n".join(lines[:4]) + "\n")
+
+  def fail_first(cfg, dataset):
+    if cfg.out == first.out:
+      raise RuntimeError("RESOURCE_EXHAUSTED: out of memory\nmore")
+    trained.append(cfg)
+    return {"val_loss": 0.0}
+
+  trained.clear()
+  monkeypatch.setattr(train.loop, "train", fail_first)
+  logged = []
+  with pytest.raises(StudyError, match=f"1 run\\(s\\) failed: {first.name} "):
+    study.run([TINY], CPU, 1, out, data, log=logged.append)
+  assert [c.out for c in trained] == [unfinished.out]
+  assert any("FAILED: RuntimeError: RESOURCE_EXHAUSTED: out of memory (" in m for m in logged)
+
 
 def test_a_folder_of_another_study_is_refused(tmp_path):
   cfg = run_config(CPU, Cell(), 0, str(tmp_path), [])

@@ -214,7 +214,8 @@ def plan(chosen: list[Grid], scale: Scale, seeds: int, out: str,
 def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
         log=print) -> list[str]:
   """Runs what is missing of the chosen grids, rewriting the summary after
-  each run; returns the paths of the summary files and plots."""
+  each run; returns the paths of the summary files and plots. A run that
+  fails is logged and the others go on; StudyError at the end names it."""
   from train import data as train_data, loop, study_report  # jax: when a study runs
 
   runs = plan(chosen, scale, seeds, out, data)
@@ -230,7 +231,8 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
   dataset = (train_data.load(todo[0][1].data, todo[0][1].val_fraction, todo[0][1].seq_len)
              if todo else None)
   drawn = {g.name for g in chosen if _finished(g, scale, seeds, out, data)}
-  for i, (cell, cfg) in enumerate(todo, 1):
+  failed = []
+  for i, (_, cfg) in enumerate(todo, 1):
     t0 = time.perf_counter()
     resume = bool(holds_run(cfg.out))
     log(f"[{i}/{len(todo)}] {os.path.basename(cfg.out)}: {cfg.steps} steps of "
@@ -240,6 +242,9 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
       outcome = f"val_loss {result['val_loss']:.4f}"
     except loop.NonFiniteError as e:
       outcome = f"diverged: {e}"
+    except Exception as e:  # noqa: BLE001  (one failed run, out of memory say, stops no other)
+      failed.append(os.path.basename(cfg.out))
+      outcome = f"FAILED: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
     log(f"[{i}/{len(todo)}] {os.path.basename(cfg.out)}: {outcome} "
         f"({time.perf_counter() - t0:.0f}s)")
     study_report.write_tables(chosen, scale, seeds, out, data)
@@ -247,7 +252,11 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
       if grid.name not in drawn and _finished(grid, scale, seeds, out, data):
         drawn.add(grid.name)
         study_report.plot_grid(grid, scale, seeds, out, data)
-  return study_report.write_all(chosen, scale, seeds, out, data)
+  paths = study_report.write_all(chosen, scale, seeds, out, data)
+  if failed:
+    raise StudyError(f"{len(failed)} run(s) failed: {', '.join(failed)} (the log above says "
+                     f"why); the rest is in {out}, and the same command retries them")
+  return paths
 
 
 def _finished(grid: Grid, scale: Scale, seeds: int, out: str, data: list[str]) -> bool:
