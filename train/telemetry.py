@@ -25,6 +25,8 @@ is compared the same way (its errors are the 16-bit compute dtype's).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -45,31 +47,39 @@ def make_telemetry(model: nnx.Module, ds_quantization: str | None):
   """
   graphdef, _, rest = nnx.split(model, nnx.Param, ...)
 
-  def probed_loss(params, probes, tokens):
+  def hooked(params, hook):
+    """The model with each layer's attention call (`Attention._attend`, which
+    runs the op, under shard_map with a mesh) routed through
+    hook(layer, attend, q, k, v); a traced copy, rebuilt per call."""
     model = nnx.merge(graphdef, params, rest)
+    for i, block in enumerate(model.blocks):
+      block.attn._attend = functools.partial(hook, i, block.attn._attend)
+    return model
+
+  def probed_loss(params, probes, tokens):
     captured = []
-    for block, (pq, pk, pv, po) in zip(model.blocks, probes):
-      def hooked(q, k, v, attend=block.attn._attend, pq=pq, pk=pk, pv=pv, po=po):
-        o = attend(q + pq, k + pk, v + pv)
-        captured.append((q, k, v, o))
-        return o + po
-      block.attn._attend = hooked  # this traced copy only; the module is rebuilt per call
-    logits = model(tokens[:, :-1])
+
+    def hook(layer, attend, q, k, v):
+      pq, pk, pv, po = probes[layer]
+      o = attend(q + pq, k + pk, v + pv)
+      captured.append((q, k, v, o))
+      return o + po
+
+    logits = hooked(params, hook)(tokens[:, :-1])
     loss = optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), tokens[:, 1:]).mean()
     return loss, captured
 
   def probe_shapes(params, tokens):
     """Zero probes shaped like each layer's q, k, v and output."""
-    model = nnx.merge(graphdef, params, rest)
     shapes = []
-    for block in model.blocks:
-      def record(q, k, v, attend=block.attn._attend):
-        o = attend(q, k, v)
-        shapes.append(tuple(jnp.zeros(x.shape, x.dtype) for x in (q, k, v, o)))
-        return o
-      block.attn._attend = record
-    model(tokens[:, :-1])
+
+    def hook(layer, attend, q, k, v):
+      o = attend(q, k, v)
+      shapes.append(tuple(jnp.zeros(x.shape, x.dtype) for x in (q, k, v, o)))
+      return o
+
+    hooked(params, hook)(tokens[:, :-1])
     return shapes
 
   def telemetry(params, tokens):
