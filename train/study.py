@@ -28,9 +28,10 @@ checkpoints. Runs at the largest setting record telemetry four times
 (`--telemetry-every`). A run that finished or diverged is never run again, so
 the same command resumes a stopped study; an unfinished one starts over.
 After each run <out>/summary.md, summary.csv and gaps.csv are rewritten
-(train/study_report.py); at the end, the plots: <grid>-curves.png (validation
-loss per cell and seed) and gap-vs-tokens.png (SageBwd minus full against
-tokens per step, with the seed spread). A gap "exceeds the seed spread" when
+(train/study_report.py); once a grid is complete, its plots: <grid>-curves.png
+(validation loss per cell and seed) and gap-vs-tokens.png (SageBwd minus full
+against tokens per step, with the seed spread). A run that fails is logged
+and the others go on. A gap "exceeds the seed spread" when
 its mean over seeds is larger than the largest range of either cell's final
 validation loss over the seeds.
 """
