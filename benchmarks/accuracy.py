@@ -44,7 +44,7 @@ def errors(sigma: float, seq: int, implementation: str | None, ds_precision: str
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--implementation", default=None, choices=["pallas", "mosaic", "reference"])
+  parser.add_argument("--implementation", default=None, choices=["triton", "pallas", "mosaic", "reference"])
   parser.add_argument("--seq", type=int, default=4096)
   parser.add_argument("--ds-precision", default="int8", choices=["int8", "bf16"],
                       help="precision of the backward's dS.K and dS^T.Q (default int8)")

@@ -173,6 +173,20 @@ def online_softmax_step(s: jax.Array, m: jax.Array, l: jax.Array, *,
   return p8, p_scale, alpha, m_new, l
 
 
+def unsigned_rows(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """P = exp2(a) per row, scaled to 0..255 against the row's largest (P^T of
+  the Hopper dK/dV tile, unsigned 8-bit).
+
+  `a`: (..., rows, cols) base-2 exponents, -inf where masked. Returns (pq, log2
+  of the row scale): pq = exp2(a - top) * 255, unrounded fp32 (round it for the
+  8-bit value; its fp32 form also forms dS), with P = pq * exp2(log2 scale).
+  Formed from the exponent rather than by dividing P by its row maximum, so
+  the kernels spend one add per score; rows with nothing visible give 0.
+  """
+  top = safe_row_max(jnp.max(a, axis=-1)) - math.log2(UINT8_MAX)
+  return jnp.exp2(a - lax.broadcast_in_dim(top, a.shape, tuple(range(a.ndim - 1)))), top
+
+
 def finalize_rows(acc: jax.Array, m: jax.Array, l: jax.Array):
   """O = acc / l and the base-2 log-sum-exp; rows that saw no key give O = 0
   and lse = +inf, so the backward's exp2(S - lse) is 0 there, not NaN."""

@@ -23,9 +23,10 @@ from sagebwd_jax import arguments, residual
 from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import sagebwd_attention
 
-Implementation = Literal["pallas", "mosaic", "reference", "cudnn", "xla"]
+Implementation = Literal["triton", "pallas", "mosaic", "reference", "cudnn", "xla"]
 DsPrecision = Literal["int8", "bf16"]
-SAGE_IMPLEMENTATIONS = ("pallas", "mosaic", "reference")
+SAGE_IMPLEMENTATIONS = ("triton", "pallas", "mosaic", "reference")
+KERNEL_IMPLEMENTATIONS = ("triton", "pallas", "mosaic")
 FULL_PRECISION_IMPLEMENTATIONS = ("cudnn", "xla")
 SegmentIds = jax.Array | tuple[jax.Array, jax.Array]
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
@@ -90,8 +91,12 @@ def dot_product_attention(
       kernels' tuned sizes for this head dim.
     implementation: a name or a sequence of names tried in order: a backend
       that cannot take the case raises NotImplementedError (with the reason)
-      and the next one is tried. "pallas" (the portable GPU kernels; Pallas
-      interpret mode on a machine without a GPU), "mosaic" (the Hopper
+      and the next one is tried. "triton" (the portable GPU kernels in
+      Triton through jax_triton, `pip install sagebwd-jax[gpu]`; Triton's
+      interpreter on a machine without a GPU; its forward quantizes P per
+      row of each key block to 0..255, docs/algorithm.md), "pallas" (the
+      same kernels in Pallas, lowered through Pallas' deprecated Triton
+      backend; Pallas interpret mode on a machine without a GPU), "mosaic" (the Hopper
       kernels in Mosaic GPU where they take the case, the portable kernels
       for the rest; needs an sm_90 GPU; its forward quantizes P per 128-key
       row to 0..255, docs/algorithm.md), "reference" (pure JAX, the portable
@@ -99,7 +104,8 @@ def dot_product_attention(
       resorts, "cudnn" and "xla": these are NOT SageBwd but full-precision
       attention by `jax.nn.dot_product_attention` ("cudnn" takes only bf16
       and fp16 on a GPU, and no segment_ids or smoothing options apply).
-      None: ("mosaic", "pallas") on a GPU, "reference" without one.
+      None: ("mosaic", "triton", "pallas") on a GPU (so "triton" on GPUs
+      that are not Hopper), "reference" without one.
     return_residual: also return the log-sum-exp of the scores (natural
       log, jax.nn's layout (B, Tq, H) or (Tq, H), the output's dtype; -inf
       for rows that see no key). SageBwd's residual carries no gradient:
@@ -109,8 +115,9 @@ def dot_product_attention(
       two run in 16 bits, like dP (dS, Q and the smoothed K in the inputs'
       dtype, fp32 accumulation), so four of the seven products are INT8:
       dQ and dK come close to a bf16 backward's error, at the cost of the
-      two products' speed and of saving Q and K for the backward (the Hopper
-      backend then runs its portable kernels' backward).
+      two products' speed and of saving Q and K for the backward. The Hopper
+      backend then runs its portable kernels' backward; "triton" refuses it
+      (NotImplementedError, so the next implementation runs).
 
   Returns:
     The attention output, shaped and typed like `query` (and the residual
@@ -257,7 +264,8 @@ def _full_precision(name: str, query, key, value, case: _Case, return_residual: 
 def _implementations(implementation) -> tuple[str, ...]:
   """`implementation` as the names to try, in order."""
   if implementation is None:
-    return ("mosaic", "pallas") if _platform() in _GPU_PLATFORMS else ("reference",)
+    return (("mosaic", "triton", "pallas") if _platform() in _GPU_PLATFORMS
+            else ("reference",))
   names = ((implementation,) if isinstance(implementation, str)
            else tuple(implementation) if isinstance(implementation, Sequence) else None)
   known = SAGE_IMPLEMENTATIONS + FULL_PRECISION_IMPLEMENTATIONS
@@ -268,10 +276,10 @@ def _implementations(implementation) -> tuple[str, ...]:
 
 
 def _check_no_auto_sharding(names: tuple[str, ...], *arrays: jax.Array) -> None:
-  """The Pallas kernels run only where every mesh axis is manual: inside
+  """The kernels run only where every mesh axis is manual: inside
   `shard_map`. Refuses, with what to do, the cases visible at trace time:
   an explicit mesh in context, or concrete arrays spread over devices."""
-  if names[0] not in ("pallas", "mosaic"):
+  if names[0] not in KERNEL_IMPLEMENTATIONS:
     return
   mesh = jax.sharding.get_abstract_mesh()
   automatic = [name for name, kind in zip(mesh.axis_names, mesh.axis_types)
@@ -279,10 +287,11 @@ def _check_no_auto_sharding(names: tuple[str, ...], *arrays: jax.Array) -> None:
   spread = any(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
                and len(x.sharding.device_set) > 1 for x in arrays)
   if automatic or spread:
+    kind = "Triton" if names[0] == "triton" else "Pallas"
     where = (f"mesh axes {tuple(automatic)} are not manual" if automatic
              else "the inputs are spread over several devices")
     raise ValueError(
-        f"implementation={names[0]!r} runs Pallas kernels, which cannot be partitioned "
+        f"implementation={names[0]!r} runs {kind} kernels, which cannot be partitioned "
         f"automatically, and {where}. Run the op under jax.shard_map: "
         "sagebwd_jax.sharding.sharded_attention(mesh, q, k, v, ...) or "
         "shard_attention(dot_product_attention, mesh) does it for you.")
@@ -301,9 +310,11 @@ def _backend(implementation: str | None, causal: bool) -> Backend:
   it); NotImplementedError where that backend cannot run here."""
   on_gpu = _platform() in _GPU_PLATFORMS
   if implementation is None:
-    implementation = ("mosaic" if _hopper() else "pallas") if on_gpu else "reference"
+    implementation = ("mosaic" if _hopper() else "triton") if on_gpu else "reference"
   if implementation == "reference":
     return ReferenceBackend()
+  if implementation == "triton":
+    return _triton_backend(on_gpu)
   if implementation == "pallas":
     return PallasBackend.tuned(causal=causal, interpret=not on_gpu)
   if implementation == "mosaic":
@@ -318,6 +329,19 @@ def _backend(implementation: str | None, causal: bool) -> Backend:
     return MosaicBackend.tuned(PallasBackend.tuned(causal=causal))
   raise ValueError(f"implementation must be one of {SAGE_IMPLEMENTATIONS} or None; "
                    f"got {implementation!r}")
+
+
+def _triton_backend(on_gpu: bool) -> Backend:
+  """The Triton kernels, compiled through jax_triton on a GPU, interpreted by
+  Triton without one; NotImplementedError where the packages are missing."""
+  try:
+    from pallas_kernels.jax_triton.backend import TritonBackend
+    if on_gpu:
+      import jax_triton  # noqa: F401  (only whether it imports)
+  except ImportError as e:
+    needs = "triton and jax-triton (pip install 'sagebwd-jax[gpu]')" if on_gpu else "triton"
+    raise NotImplementedError(f"implementation='triton' needs the packages {needs}: {e}") from e
+  return TritonBackend.tuned(interpret=not on_gpu)
 
 
 def _device() -> jax.Device:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import (CPU, backend_tolerance, gaussian_qkv, mosaic_config, oracle64, rel_l2,
-                      sage)
+                      sage, value_and_grads)
 from pallas_kernels.mosaic.backend import backward_takes
 from pallas_kernels.types import Masks
 from sagebwd_jax import dot_product_attention
@@ -82,3 +82,16 @@ def test_bad_ds_precision_is_named(value):
   q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match=r"ds_precision must be one of \('int8', 'bf16'\)"):
     dot_product_attention(q, q, q, ds_precision=value)
+
+
+def test_triton_kernels_refuse_bf16_ds_and_the_next_implementation_runs():
+  pytest.importorskip("triton")
+  q, k, v, do = gaussian_qkv(jax.random.key(8), 1, 64, 64, 2, 2, 64)
+  with pytest.raises(NotImplementedError, match="Triton kernels' dS products are INT8 only"):
+    dot_product_attention(q, k, v, implementation="triton", ds_precision="bf16")
+  run = lambda implementation: value_and_grads(
+      lambda q, k, v: dot_product_attention(q, k, v, implementation=implementation,
+                                            ds_precision="bf16"), q, k, v, do)
+  ours, ref = run(("triton", "reference")), run("reference")
+  for a, b in zip((ours[0], *ours[1]), (ref[0], *ref[1])):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
