@@ -24,6 +24,7 @@ from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import sagebwd_attention
 
 Implementation = Literal["triton", "pallas", "mosaic", "reference", "cudnn", "xla"]
+DsPrecision = Literal["int8", "bf16"]
 SAGE_IMPLEMENTATIONS = ("triton", "pallas", "mosaic", "reference")
 KERNEL_IMPLEMENTATIONS = ("triton", "pallas", "mosaic")
 FULL_PRECISION_IMPLEMENTATIONS = ("cudnn", "xla")
@@ -50,6 +51,7 @@ def dot_product_attention(
     block_kv: int | None = None,
     implementation: Implementation | Sequence[Implementation] | None = None,
     return_residual: bool = False,
+    ds_precision: DsPrecision = "int8",
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """SageBwd attention: INT8 forward and backward, drop-in for jax.nn's.
 
@@ -108,6 +110,14 @@ def dot_product_attention(
       log, jax.nn's layout (B, Tq, H) or (Tq, H), the output's dtype; -inf
       for rows that see no key). SageBwd's residual carries no gradient:
       differentiating through it raises NotImplementedError.
+    ds_precision: "int8" (default): the backward's dQ = dS.K and
+      dK = dS^T.Q are INT8 products, dS quantized per token. "bf16": those
+      two run in 16 bits, like dP (dS, Q and the smoothed K in the inputs'
+      dtype, fp32 accumulation), so four of the seven products are INT8:
+      dQ and dK come close to a bf16 backward's error, at the cost of the
+      two products' speed and of saving Q and K for the backward. The Hopper
+      backend then runs its portable kernels' backward; "triton" refuses it
+      (NotImplementedError, so the next implementation runs).
 
   Returns:
     The attention output, shaped and typed like `query` (and the residual
@@ -136,7 +146,7 @@ def dot_product_attention(
   q_seg, kv_seg = arguments.segments(segment_ids, batch, q_len, kv_len)
   scale = arguments.scale(scale)
   case = _Case(bool(is_causal), q_lengths, kv_lengths, q_seg, kv_seg, scale, bool(smooth_k),
-               bool(smooth_q), block_q, block_kv)
+               bool(smooth_q), block_q, block_kv, arguments.ds_precision(ds_precision))
 
   # Tokens past a length are zeroed before anything reads them, so they
   # cannot set an int8 block's scale or carry a NaN into valid rows; the
@@ -161,11 +171,12 @@ class _Case:
   """One call's checked options, as the implementations consume them."""
 
   def __init__(self, causal: bool, q_lengths, kv_lengths, q_seg, kv_seg, scale,
-               smooth_k: bool, smooth_q: bool, block_q, block_kv):
+               smooth_k: bool, smooth_q: bool, block_q, block_kv, ds_precision: str):
     self.causal, self.q_lengths, self.kv_lengths = causal, q_lengths, kv_lengths
     self.q_seg, self.kv_seg, self.scale = q_seg, kv_seg, scale
     self.smooth_k, self.smooth_q = smooth_k, smooth_q
     self.block_q, self.block_kv = block_q, block_kv
+    self.ds_precision = ds_precision
 
 
 def _first_that_takes(names: tuple[str, ...], query, key, value, case: _Case,
@@ -205,7 +216,7 @@ def _sage(name: str, query, key, value, case: _Case, return_residual: bool):
   elif scale < 0:
     query, scale = -query, -scale  # exact: psi is symmetric
   config = Config(scale=scale, causal=case.causal, smooth_q=case.smooth_q,
-                  block_q=block_q, block_kv=block_kv)
+                  block_q=block_q, block_kv=block_kv, ds_precision=case.ds_precision)
 
   padded_dim = next(d for d in arguments.KERNEL_HEAD_DIMS if d >= head_dim)
   pad = lambda x, n, d: jnp.pad(x, [(0, 0), (0, n), (0, 0), (0, d)])

@@ -107,6 +107,15 @@ def scale(scale) -> float | jax.Array | None:
   return scale
 
 
+DS_PRECISIONS = ("int8", "bf16")
+
+
+def ds_precision(value) -> str:
+  if not isinstance(value, str) or value not in DS_PRECISIONS:
+    raise ValueError(f"ds_precision must be one of {DS_PRECISIONS}; got {value!r}")
+  return value
+
+
 def lengths(name: str, lengths, batch: int, seq_len: int) -> jax.Array | None:
   """(B,) int32 lengths clipped to [0, seq_len] (in their own dtype first,
   so a uint32 2**32 - 1 means 'all', not -1)."""

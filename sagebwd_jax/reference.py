@@ -155,6 +155,8 @@ class ReferenceBackend:
     do_blocks = grouped(_heads(do))
     lse = grouped(lse[..., None])[..., 0]
     v_heads = _heads(v)
+    if config.ds_precision == "bf16":
+      q16, k16_heads = grouped(_heads(qkv.q16)), _heads(qkv.k16)
 
     def kv_step(dq, j):
       s = tiles.scores(j)
@@ -174,6 +176,19 @@ class ReferenceBackend:
       dv_tiles = _int8_einsum("bhgikq,bhgiqd->bhgikd", p8_t, do8)
       dv = jnp.sum(nm.dequantize(dv_tiles, p_scale[..., None], do_scale[..., None, None]),
                    axis=(2, 3))
+
+      if config.ds_precision == "bf16":  # dS in the inputs' dtype
+        # Rounded explicitly: XLA may drop an f32 -> bf16 -> f32 round trip
+        # (excess precision), while the kernels' 16-bit dots do round.
+        finfo = jnp.finfo(qkv.k16.dtype)
+        ds16 = jax.lax.reduce_precision(ds, finfo.nexp, finfo.nmant).astype(qkv.k16.dtype)
+        dq = dq + jnp.einsum("bhgiqk,bhkd->bhgiqd", ds16,
+                             tiles.kv_block(k16_heads, j, axis=-2),
+                             preferred_element_type=_f32)
+        # Q's multiplier, as the int8 Q scale carries it (ln 2 follows below).
+        dk_tiles = jnp.einsum("bhgikq,bhgiqd->bhgikd", jnp.swapaxes(ds16, -1, -2), q16,
+                              preferred_element_type=_f32) * (config.scale * nm.LOG2_E)
+        return dq, (jnp.sum(dk_tiles, axis=(2, 3)), dv)
 
       k_scale = tiles.block_scale(qkv.k_scale, j)
       ds8, ds_scale = nm.quantize_rows(ds)

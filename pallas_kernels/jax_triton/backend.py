@@ -43,6 +43,10 @@ class TritonBackend:
 
   def quantize(self, q, k, v, k_mean, config: Config) -> QuantizedQKV:
     _check_blocks(config)
+    if config.ds_precision != "int8":  # refused in the forward, so the op tries the next
+      raise NotImplementedError(
+          f"ds_precision={config.ds_precision!r}: the Triton kernels' dS products are INT8 "
+          "only; implementation='pallas' or 'reference' run 16-bit dS")
     return quantize_qkv(q, k, v, k_mean, config, self.forward_launch)
 
   def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype):

@@ -29,10 +29,12 @@ from pallas_kernels.types import Config, Masks, PrepassBackend, QuantizedQKV
 def backward_takes(qkv: QuantizedQKV, masks: Masks, config: Config, dtype,
                    tuning: BackwardTuning = BackwardTuning()) -> bool:
   """Whether the Mosaic backward kernels run this case (`dtype`: V's, which the
-  backward's dO.V^T wgmma takes as is)."""
+  backward's dO.V^T wgmma takes as is). Their dS products are INT8 only:
+  ds_precision="bf16" runs in the fallback."""
   q_len, kv_len = qkv.q8.shape[2], qkv.k8.shape[2]
   cta_rows = tuning.compute_wgs * common.BLOCK
   return (common.supports(masks, config, qkv.q8.shape[-1])
+          and config.ds_precision == "int8"
           and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
           and q_len % cta_rows == 0 and kv_len % cta_rows == 0
           and (not config.causal or q_len == kv_len))
