@@ -104,8 +104,9 @@ def dot_product_attention(
       resorts, "cudnn" and "xla": these are NOT SageBwd but full-precision
       attention by `jax.nn.dot_product_attention` ("cudnn" takes only bf16
       and fp16 on a GPU, and no segment_ids or smoothing options apply).
-      None: ("mosaic", "triton", "pallas") on a GPU (so "triton" on GPUs
-      that are not Hopper), "reference" without one.
+      None: ("mosaic", "pallas") on a GPU, "reference" without one ("triton"
+      stays opt-in until it is measured at least as fast as "pallas";
+      docs/performance.md).
     return_residual: also return the log-sum-exp of the scores (natural
       log, jax.nn's layout (B, Tq, H) or (Tq, H), the output's dtype; -inf
       for rows that see no key). SageBwd's residual carries no gradient:
@@ -264,7 +265,7 @@ def _full_precision(name: str, query, key, value, case: _Case, return_residual: 
 def _implementations(implementation) -> tuple[str, ...]:
   """`implementation` as the names to try, in order."""
   if implementation is None:
-    return (("mosaic", "triton", "pallas") if _platform() in _GPU_PLATFORMS
+    return (("mosaic", "pallas") if _platform() in _GPU_PLATFORMS
             else ("reference",))
   names = ((implementation,) if isinstance(implementation, str)
            else tuple(implementation) if isinstance(implementation, Sequence) else None)
@@ -310,7 +311,7 @@ def _backend(implementation: str | None, causal: bool) -> Backend:
   it); NotImplementedError where that backend cannot run here."""
   on_gpu = _platform() in _GPU_PLATFORMS
   if implementation is None:
-    implementation = ("mosaic" if _hopper() else "triton") if on_gpu else "reference"
+    implementation = ("mosaic" if _hopper() else "pallas") if on_gpu else "reference"
   if implementation == "reference":
     return ReferenceBackend()
   if implementation == "triton":
