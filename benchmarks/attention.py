@@ -1,5 +1,6 @@
-"""Attention speed: SageBwd's Pallas kernels against cuDNN BF16, XLA and jax's
-own Pallas `mha`, in one process, forward and forward+backward.
+"""Attention speed: SageBwd's kernels (Pallas, Mosaic GPU, Triton) against
+cuDNN BF16, XLA and jax's own Pallas `mha`, in one process, forward and
+forward+backward.
 
     python -m benchmarks.attention [--quick] [--out DIR]
 
@@ -29,7 +30,8 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 def implementations() -> dict:
   """{name: attn(q, k, v, causal)} for every implementation the benchmarks
-  compare (sage = implementation="pallas", sage_mosaic = "mosaic")."""
+  compare (sage = implementation="pallas", sage_mosaic = "mosaic",
+  sage_triton = "triton")."""
   from jax.experimental.pallas.ops.gpu import attention as pallas_mha
 
   def mha(q, k, v, causal):
@@ -43,6 +45,8 @@ def implementations() -> dict:
           q, k, v, is_causal=causal, implementation="pallas"),
       "sage_mosaic": lambda q, k, v, causal: sagebwd_jax.dot_product_attention(
           q, k, v, is_causal=causal, implementation="mosaic"),
+      "sage_triton": lambda q, k, v, causal: sagebwd_jax.dot_product_attention(
+          q, k, v, is_causal=causal, implementation="triton"),
       "cudnn": lambda q, k, v, causal: jax.nn.dot_product_attention(
           q, k, v, is_causal=causal, implementation="cudnn"),
       "xla": lambda q, k, v, causal: jax.nn.dot_product_attention(
@@ -117,7 +121,7 @@ def main():
       for name, attn in impls.items():
         if name == "xla" and seq > 8192:
           continue  # materializes B*H*T*T fp32 logits
-        with_memory = seq == 16384 and name in ("sage", "sage_mosaic", "cudnn")
+        with_memory = seq == 16384 and name in ("sage", "sage_mosaic", "sage_triton", "cudnn")
         rows.append(measure(name, attn, batch, seq, heads, head_dim, causal, with_memory))
         print(_fmt(rows[-1]), flush=True)
   _ratios(rows)

@@ -210,6 +210,20 @@ def block_scores(product: jax.Array, scale: jax.Array, *, mask: jax.Array | None
   return jnp.where(top_int == lowest, -jnp.inf, top), jnp.where(mask, from_top, -jnp.inf)
 
 
+def unsigned_rows(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """P = exp2(a) per row, scaled to 0..255 against the row's largest (P^T of
+  the Hopper dK/dV tile, unsigned 8-bit).
+
+  `a`: (..., rows, cols) base-2 exponents, -inf where masked. Returns (pq, log2
+  of the row scale): pq = exp2(a - top) * 255, unrounded fp32 (round it for the
+  8-bit value; its fp32 form also forms dS), with P = pq * exp2(log2 scale).
+  Formed from the exponent rather than by dividing P by its row maximum, so
+  the kernels spend one add per score; rows with nothing visible give 0.
+  """
+  top = safe_row_max(jnp.max(a, axis=-1)) - math.log2(UINT8_MAX)
+  return jnp.exp2(a - lax.broadcast_in_dim(top, a.shape, tuple(range(a.ndim - 1)))), top
+
+
 # The forward with V's block scale folded into P (every forward: one key block
 # per step and 0..127 in the portable kernels, two and 0..255 in the Hopper
 # one): P is quantized per row of each step's tile of keys against E, the

@@ -19,8 +19,11 @@ class Config:
 
   `scale` multiplies Q.K^T. Sequences are already padded to multiples of
   `block_q` (queries) and `block_kv` (keys) when a backend sees them.
-  `window` (left, right): query i sees only keys i - left .. i + right
-  (jax.nn's `local_window_size`), besides causality.
+  `ds_precision`: "int8" (dQ = dS.K and dK = dS^T.Q in INT8) or "bf16"
+  (both in the inputs' dtype with fp32 accumulation, like dP, from
+  `QuantizedQKV.q16` and `k16`). `window` (left, right): query i sees only
+  keys i - left .. i + right (jax.nn's `local_window_size`), besides
+  causality.
   """
 
   scale: float
@@ -28,6 +31,7 @@ class Config:
   smooth_q: bool
   block_q: int
   block_kv: int
+  ds_precision: str = "int8"
   window: tuple[int, int] | None = None
 
   @property
@@ -70,6 +74,10 @@ class QuantizedQKV(NamedTuple):
   k_scale: jax.Array  # (B, Hkv, Tk) fp32
   v8_t: jax.Array  # (B, Hkv, D, Tk) int8
   v_scale: jax.Array  # (B, Hkv, Tk) fp32
+  # ds_precision="bf16" only: Q and the smoothed K in the inputs' dtype and
+  # layout (B, T, H, D), the second operands of dS.K and dS^T.Q.
+  q16: jax.Array | None = None
+  k16: jax.Array | None = None
 
 
 class Backend(Protocol):

@@ -23,8 +23,10 @@ from sagebwd_jax import arguments, residual
 from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import sagebwd_attention
 
-Implementation = Literal["pallas", "mosaic", "reference", "cudnn", "xla"]
-SAGE_IMPLEMENTATIONS = ("pallas", "mosaic", "reference")
+Implementation = Literal["triton", "pallas", "mosaic", "reference", "cudnn", "xla"]
+DsPrecision = Literal["int8", "bf16"]
+SAGE_IMPLEMENTATIONS = ("triton", "pallas", "mosaic", "reference")
+KERNEL_IMPLEMENTATIONS = ("triton", "pallas", "mosaic")
 FULL_PRECISION_IMPLEMENTATIONS = ("cudnn", "xla")
 SegmentIds = jax.Array | tuple[jax.Array, jax.Array]
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
@@ -49,6 +51,7 @@ def dot_product_attention(
     block_kv: int | None = None,
     implementation: Implementation | Sequence[Implementation] | None = None,
     return_residual: bool = False,
+    ds_precision: DsPrecision = "int8",
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """SageBwd attention: INT8 forward and backward, drop-in for jax.nn's.
 
@@ -90,8 +93,12 @@ def dot_product_attention(
       kernels' tuned sizes for this head dim.
     implementation: a name or a sequence of names tried in order: a backend
       that cannot take the case raises NotImplementedError (with the reason)
-      and the next one is tried. "pallas" (the portable GPU kernels; Pallas
-      interpret mode on a machine without a GPU), "mosaic" (the Hopper
+      and the next one is tried. "triton" (the portable GPU kernels in
+      Triton through jax_triton, `pip install sagebwd-jax[gpu]`; Triton's
+      interpreter on a machine without a GPU; its forward quantizes P per
+      row of each key block to 0..255, docs/algorithm.md), "pallas" (the
+      same kernels in Pallas, lowered through Pallas' deprecated Triton
+      backend; Pallas interpret mode on a machine without a GPU), "mosaic" (the Hopper
       kernels in Mosaic GPU where they take the case, the portable kernels
       for the rest; needs an sm_90 GPU; its forward quantizes P per 128-key
       row to 0..255, docs/algorithm.md), "reference" (pure JAX, the portable
@@ -99,13 +106,23 @@ def dot_product_attention(
       resorts, "cudnn" and "xla": these are NOT SageBwd but full-precision
       attention by `jax.nn.dot_product_attention` ("cudnn" takes only bf16
       and fp16 on a GPU, and no segment_ids or smoothing options apply).
-      None: ("mosaic", "pallas") on a GPU, "reference" without one.
+      None: ("mosaic", "pallas") on a GPU, "reference" without one ("triton"
+      stays opt-in until it is measured at least as fast as "pallas";
+      docs/performance.md).
     return_residual: also return the log-sum-exp of the scores (natural
       log, jax.nn's layout (B, Tq, H) or (Tq, H), the output's dtype; -inf
       for rows that see no key). Unlike jax.nn's (a stopped gradient), it
       has a gradient, computed in INT8 like the output's (an extra forward
       and backward, only when the loss uses it); "cudnn" and "xla" return
       jax.nn's.
+    ds_precision: "int8" (default): the backward's dQ = dS.K and
+      dK = dS^T.Q are INT8 products, dS quantized per token. "bf16": those
+      two run in 16 bits, like dP (dS, Q and the smoothed K in the inputs'
+      dtype, fp32 accumulation), so four of the seven products are INT8:
+      dQ and dK come close to a bf16 backward's error, at the cost of the
+      two products' speed and of saving Q and K for the backward. The Hopper
+      backend then runs its portable kernels' backward; "triton" refuses it
+      (NotImplementedError, so the next implementation runs).
 
   Returns:
     The attention output, shaped and typed like `query` (and the residual
@@ -142,7 +159,8 @@ def dot_product_attention(
   q_seg, kv_seg = arguments.segments(segment_ids, batch, q_len, kv_len)
   scale = arguments.scale(scale)
   case = _Case(bool(is_causal), arguments.window(local_window_size), q_lengths, kv_lengths,
-               q_seg, kv_seg, scale, bool(smooth_k), bool(smooth_q), block_q, block_kv)
+               q_seg, kv_seg, scale, bool(smooth_k), bool(smooth_q), block_q, block_kv,
+               arguments.ds_precision(ds_precision))
 
   # Tokens past a length are zeroed before anything reads them, so they
   # cannot set an int8 block's scale or carry a NaN into valid rows; the
@@ -167,12 +185,13 @@ class _Case:
   """One call's checked options, as the implementations consume them."""
 
   def __init__(self, causal: bool, window, q_lengths, kv_lengths, q_seg, kv_seg, scale,
-               smooth_k: bool, smooth_q: bool, block_q, block_kv):
+               smooth_k: bool, smooth_q: bool, block_q, block_kv, ds_precision: str):
     self.causal, self.window = causal, window
     self.q_lengths, self.kv_lengths = q_lengths, kv_lengths
     self.q_seg, self.kv_seg, self.scale = q_seg, kv_seg, scale
     self.smooth_k, self.smooth_q = smooth_k, smooth_q
     self.block_q, self.block_kv = block_q, block_kv
+    self.ds_precision = ds_precision
 
 
 def _first_that_takes(names: tuple[str, ...], query, key, value, case: _Case,
@@ -212,7 +231,8 @@ def _sage(name: str, query, key, value, case: _Case, return_residual: bool):
   elif scale < 0:
     query, scale = -query, -scale  # exact: psi is symmetric
   config = Config(scale=scale, causal=case.causal, smooth_q=case.smooth_q,
-                  block_q=block_q, block_kv=block_kv, window=case.window)
+                  block_q=block_q, block_kv=block_kv, ds_precision=case.ds_precision,
+                  window=case.window)
 
   padded_dim = next(d for d in arguments.KERNEL_HEAD_DIMS if d >= head_dim)
   pad = lambda x, n, d: jnp.pad(x, [(0, 0), (0, n), (0, 0), (0, d)])
@@ -260,7 +280,8 @@ def _full_precision(name: str, query, key, value, case: _Case, return_residual: 
 def _implementations(implementation) -> tuple[str, ...]:
   """`implementation` as the names to try, in order."""
   if implementation is None:
-    return ("mosaic", "pallas") if _platform() in _GPU_PLATFORMS else ("reference",)
+    return (("mosaic", "pallas") if _platform() in _GPU_PLATFORMS
+            else ("reference",))
   names = ((implementation,) if isinstance(implementation, str)
            else tuple(implementation) if isinstance(implementation, Sequence) else None)
   known = SAGE_IMPLEMENTATIONS + FULL_PRECISION_IMPLEMENTATIONS
@@ -271,10 +292,10 @@ def _implementations(implementation) -> tuple[str, ...]:
 
 
 def _check_no_auto_sharding(names: tuple[str, ...], *arrays: jax.Array) -> None:
-  """The Pallas kernels run only where every mesh axis is manual: inside
+  """The kernels run only where every mesh axis is manual: inside
   `shard_map`. Refuses, with what to do, the cases visible at trace time:
   an explicit mesh in context, or concrete arrays spread over devices."""
-  if names[0] not in ("pallas", "mosaic"):
+  if names[0] not in KERNEL_IMPLEMENTATIONS:
     return
   mesh = jax.sharding.get_abstract_mesh()
   automatic = [name for name, kind in zip(mesh.axis_names, mesh.axis_types)
@@ -282,10 +303,11 @@ def _check_no_auto_sharding(names: tuple[str, ...], *arrays: jax.Array) -> None:
   spread = any(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
                and len(x.sharding.device_set) > 1 for x in arrays)
   if automatic or spread:
+    kind = "Triton" if names[0] == "triton" else "Pallas"
     where = (f"mesh axes {tuple(automatic)} are not manual" if automatic
              else "the inputs are spread over several devices")
     raise ValueError(
-        f"implementation={names[0]!r} runs Pallas kernels, which cannot be partitioned "
+        f"implementation={names[0]!r} runs {kind} kernels, which cannot be partitioned "
         f"automatically, and {where}. Run the op under jax.shard_map: "
         "sagebwd_jax.sharding.sharded_attention(mesh, q, k, v, ...) or "
         "shard_attention(dot_product_attention, mesh) does it for you.")
@@ -307,6 +329,8 @@ def _backend(implementation: str | None, causal: bool) -> Backend:
     implementation = ("mosaic" if _hopper() else "pallas") if on_gpu else "reference"
   if implementation == "reference":
     return ReferenceBackend()
+  if implementation == "triton":
+    return _triton_backend(on_gpu)
   if implementation == "pallas":
     return PallasBackend.tuned(causal=causal, interpret=not on_gpu)
   if implementation == "mosaic":
@@ -321,6 +345,19 @@ def _backend(implementation: str | None, causal: bool) -> Backend:
     return MosaicBackend.tuned(PallasBackend.tuned(causal=causal))
   raise ValueError(f"implementation must be one of {SAGE_IMPLEMENTATIONS} or None; "
                    f"got {implementation!r}")
+
+
+def _triton_backend(on_gpu: bool) -> Backend:
+  """The Triton kernels, compiled through jax_triton on a GPU, interpreted by
+  Triton without one; NotImplementedError where the packages are missing."""
+  try:
+    from pallas_kernels.jax_triton.backend import TritonBackend
+    if on_gpu:
+      import jax_triton  # noqa: F401  (only whether it imports)
+  except ImportError as e:
+    needs = "triton and jax-triton (pip install 'sagebwd-jax[gpu]')" if on_gpu else "triton"
+    raise NotImplementedError(f"implementation='triton' needs the packages {needs}: {e}") from e
+  return TritonBackend.tuned(interpret=not on_gpu)
 
 
 def _device() -> jax.Device:

@@ -107,6 +107,15 @@ def scale(scale) -> float | jax.Array | None:
   return scale
 
 
+DS_PRECISIONS = ("int8", "bf16")
+
+
+def ds_precision(value) -> str:
+  if not isinstance(value, str) or value not in DS_PRECISIONS:
+    raise ValueError(f"ds_precision must be one of {DS_PRECISIONS}; got {value!r}")
+  return value
+
+
 def window(local_window_size) -> tuple[int, int] | None:
   """jax.nn's `local_window_size` as (left, right): an int w is (w, w)."""
   if local_window_size is None:

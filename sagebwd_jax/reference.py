@@ -73,10 +73,12 @@ def _group(x: jax.Array, num_kv_heads: int) -> jax.Array:
 class ReferenceBackend:
   """The algorithm of docs/algorithm.md in `jnp`; see `pallas_kernels.types.Backend`.
 
-  `p_block` and `unsigned_p` pick how the forward quantizes P, so the
-  reference mirrors each kernel: per row of a `p_block`-key tile (default:
-  one key block, as the portable kernels), to 0..127, or to 0..255 with
-  `unsigned_p` (the Hopper forward: `p_block=128, unsigned_p=True`).
+  `p_block` and `unsigned_p` pick how P is quantized, so the reference
+  mirrors each kernel: the forward's P per row of a `p_block`-key tile
+  (default: one key block, as the portable kernels), to 0..127, or to 0..255
+  with `unsigned_p`, which also quantizes the backward's P^T (per key row of a
+  block_kv x block_q tile) to 0..255 by `numerics.unsigned_rows`. The Hopper
+  kernels: `p_block=128, unsigned_p=True`.
   """
 
   p_block: int | None = None
@@ -158,19 +160,40 @@ class ReferenceBackend:
     do_blocks = grouped(_heads(do))
     lse = grouped(lse[..., None])[..., 0]
     v_heads = _heads(v)
+    if config.ds_precision == "bf16":
+      q16, k16_heads = grouped(_heads(qkv.q16)), _heads(qkv.k16)
 
     def kv_step(dq, j):
       s = tiles.scores(j)
       p = jnp.exp2(s - lse[..., None])
+      dp = jnp.einsum("bhgiqd,bhkd->bhgiqk", do_blocks, tiles.kv_block(v_heads, j, axis=-2),
+                      preferred_element_type=_f32)
+      ds = p * (dp - delta[..., None])
       # dV = P^T.dO: P^T quantized per key (a row of the dK/dV kernel's tile).
-      p8_t, p_scale = nm.quantize_rows(jnp.swapaxes(p, -1, -2), nonnegative=True)
+      if self.unsigned_p:
+        pq_t, log2_p_scale = nm.unsigned_rows(jnp.swapaxes(s - lse[..., None], -1, -2))
+        p8_t, p_scale = jnp.round(pq_t), jnp.exp2(log2_p_scale)
+        # dS^T from P^T in its 0..255 units: its per-row scale absorbs them.
+        ds_t = pq_t * (jnp.swapaxes(dp, -1, -2) - delta[..., None, :])
+      else:
+        p8_t, p_scale = nm.quantize_rows(jnp.swapaxes(p, -1, -2), nonnegative=True)
+        ds_t = jnp.swapaxes(ds, -1, -2)
       dv_tiles = _int8_einsum("bhgikq,bhgiqd->bhgikd", p8_t, do8)
       dv = jnp.sum(nm.dequantize(dv_tiles, p_scale[..., None], do_scale[..., None, None]),
                    axis=(2, 3))
 
-      dp = jnp.einsum("bhgiqd,bhkd->bhgiqk", do_blocks, tiles.kv_block(v_heads, j, axis=-2),
-                      preferred_element_type=_f32)
-      ds = p * (dp - delta[..., None])
+      if config.ds_precision == "bf16":  # dS in the inputs' dtype
+        # Rounded explicitly: XLA may drop an f32 -> bf16 -> f32 round trip
+        # (excess precision), while the kernels' 16-bit dots do round.
+        finfo = jnp.finfo(qkv.k16.dtype)
+        ds16 = jax.lax.reduce_precision(ds, finfo.nexp, finfo.nmant).astype(qkv.k16.dtype)
+        dq = dq + jnp.einsum("bhgiqk,bhkd->bhgiqd", ds16,
+                             tiles.kv_block(k16_heads, j, axis=-2),
+                             preferred_element_type=_f32)
+        # Q's multiplier, as the int8 Q scale carries it (ln 2 follows below).
+        dk_tiles = jnp.einsum("bhgikq,bhgiqd->bhgikd", jnp.swapaxes(ds16, -1, -2), q16,
+                              preferred_element_type=_f32) * (config.scale * nm.LOG2_E)
+        return dq, (jnp.sum(dk_tiles, axis=(2, 3)), dv)
 
       k_scale = tiles.block_scale(qkv.k_scale, j)
       ds8, ds_scale = nm.quantize_rows(ds)
@@ -178,7 +201,9 @@ class ReferenceBackend:
                               tiles.kv_block(qkv.k8_t, j, axis=-1))
       dq = dq + nm.dequantize(dq_tiles, ds_scale[..., None], k_scale)
 
-      ds8_t, ds_t_scale = nm.quantize_rows(jnp.swapaxes(ds, -1, -2))
+      ds8_t, ds_t_scale = nm.quantize_rows(ds_t)
+      if self.unsigned_p:
+        ds_t_scale = ds_t_scale * p_scale
       dk_tiles = _int8_einsum("bhgikq,bhgiqd->bhgikd", ds8_t, tiles.q8)
       dk_tiles = nm.dequantize(dk_tiles, ds_t_scale[..., None],
                                tiles.q_scale[..., :1, None])

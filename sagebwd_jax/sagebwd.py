@@ -1,7 +1,8 @@
 """SageBwd as one `jax.custom_vjp`: docs/algorithm.md, stage by stage.
 
 forward:  K-smoothing -> quantize Q, K, V -> INT8 attention -> residuals
-backward: Delta and psi(dO) -> recomputed P -> INT8 dV, dQ, dK (dP in bf16)
+backward: Delta and psi(dO) -> recomputed P -> INT8 dV, dQ, dK (dP in bf16;
+          dQ, dK too with ds_precision="bf16")
 
 Which code runs each stage is the `backend` (Pallas kernels or the pure-JAX
 reference); this file only wires the stages together. Sequences arrive padded
@@ -44,7 +45,8 @@ def sagebwd_attention(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks,
 
 def quantize(q, k, v, masks: Masks, config: Config, backend: Backend,
              smooth_k: bool) -> QuantizedQKV:
-  """K-smoothing and the quantization pass.
+  """K-smoothing and the quantization pass (and, with 16-bit dS, the 16-bit
+  operands of dS's products).
 
   A NaN or infinite input gives its block a NaN scale (`numerics.abs_max`).
   One NaN key or value block makes every K or V scale of its batch row and
@@ -55,6 +57,12 @@ def quantize(q, k, v, masks: Masks, config: Config, backend: Backend,
   """
   k_mean = key_mean(k, masks.kv_ids) if smooth_k else None
   qkv = backend.quantize(q, k, v, k_mean, config)
+  if config.ds_precision == "bf16":
+    # dS.K and dS^T.Q in 16 bits: their second operands unquantized. K is the
+    # smoothed one, as in the int8 product: rows of dS sum to zero only up to
+    # the forward's error, and the mean would multiply that remainder.
+    k16 = k if k_mean is None else (k.astype(jnp.float32) - k_mean[:, None]).astype(k.dtype)
+    qkv = qkv._replace(q16=q, k16=k16)
   return qkv._replace(k_scale=nm.spread_nan(qkv.k_scale), v_scale=nm.spread_nan(qkv.v_scale))
 
 

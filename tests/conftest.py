@@ -14,6 +14,10 @@ import os
 # user setting): no implicit broadcasting of arrays of different rank. The
 # variable reaches the training runs started as subprocesses too.
 os.environ.setdefault("JAX_NUMPY_RANK_PROMOTION", "raise")
+# Triton's interpreter (the Triton kernels' tests without a GPU) multiplies
+# tiles with numpy, where OpenBLAS's threads, contending with XLA's on two
+# cores, made each product about 100x slower. Read when numpy loads.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import jax  # noqa: E402  (after the variable, which jax reads at import)
 import jax.numpy as jnp  # noqa: E402
@@ -194,6 +198,14 @@ def use_hopper_numerics(monkeypatch):
   from sagebwd_jax.reference import ReferenceBackend
   monkeypatch.setattr(api, "ReferenceBackend",
                       lambda: ReferenceBackend(p_block=128, unsigned_p=True))
+
+
+def use_triton_numerics(monkeypatch):
+  """The op's "reference" quantizes P as the Triton forward does (per row of
+  each key block, unsigned)."""
+  from sagebwd_jax import api
+  from sagebwd_jax.reference import ReferenceBackend
+  monkeypatch.setattr(api, "ReferenceBackend", lambda: ReferenceBackend(unsigned_p=True))
 
 
 def check_against_reference(case: str, implementation: str | None):

@@ -80,7 +80,8 @@ BAD_KWARGS = [
     (dict(block_kv=32.0), ValueError, "block_kv must be a power of two >= 16"),
     (dict(block_kv=True), ValueError, "block_kv must be a power of two >= 16"),
     (dict(implementation="cuda"), ValueError,
-     r"implementation must be one of \('pallas', 'mosaic', 'reference', 'cudnn', 'xla'\)"),
+     r"implementation must be one of "
+     r"\('triton', 'pallas', 'mosaic', 'reference', 'cudnn', 'xla'\)"),
     (dict(implementation="Reference"), ValueError, "implementation must be"),
     (dict(implementation=()), ValueError, "a non-empty sequence"),
     (dict(implementation=("reference", "flash")), ValueError, "implementation must be"),

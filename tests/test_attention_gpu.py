@@ -1,6 +1,7 @@
 """The behaviour suite against the GPU backends, compiled, every case: the
-portable Pallas kernels on any GPU, the Hopper backend ("mosaic") on an
-H100/H200. (The reference runs on the GPU too, from test_attention_reference.py.)"""
+portable Pallas and Triton kernels on any GPU, the Hopper backend ("mosaic")
+on an H100/H200. (The reference runs on the GPU too, from
+test_attention_reference.py.)"""
 
 from __future__ import annotations
 
@@ -8,13 +9,23 @@ import jax
 import pytest
 
 from attention_suite import AttentionTestBase
-from conftest import HOPPER_CASES, check_against_reference, use_hopper_numerics
+from conftest import (HOPPER_CASES, check_against_reference, use_hopper_numerics,
+                      use_triton_numerics)
 
 pytestmark = pytest.mark.gpu
 
 
 class TestPallasGpu(AttentionTestBase):
   implementation = "pallas"
+
+
+class TestTritonGpu(AttentionTestBase):
+  implementation = "triton"
+
+  def test_matches_reference_backend(self, case, monkeypatch):
+    """The reference with the Triton forward's P (unsigned, per key block)."""
+    use_triton_numerics(monkeypatch)
+    check_against_reference(case, self.implementation)
 
 
 def _hopper() -> bool:

@@ -26,6 +26,7 @@ from pallas_kernels.triton.backward_dq import backward_dq
 from pallas_kernels.triton.common import LaunchConfig
 from pallas_kernels.triton.forward import forward
 from pallas_kernels.mosaic.backend import MosaicBackend, backward_takes
+from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic import forward as mosaic_forward
 from pallas_kernels.types import Masks
 from sagebwd_jax import api, dot_product_attention
@@ -96,6 +97,10 @@ def test_backward_takes():
   assert not backward_takes(qkv_q, Masks(), config_q, jnp.bfloat16)
   qkv_32, config_32 = _qkv(128, 64, False, block_q=32, block_kv=32)
   assert not backward_takes(qkv_32, Masks(), config_32, jnp.bfloat16)
+  qkv_192, config_192 = _qkv(192, 64, False)  # not whole 128-token CTA tiles
+  assert not backward_takes(qkv_192, Masks(), config_192, jnp.bfloat16)
+  assert backward_takes(qkv_192, Masks(), config_192, jnp.bfloat16,
+                        BackwardTuning(compute_wgs=1, schedule_barrier=False))
   qkv_w, config_w = _qkv(128, 64, True, window=(16, 0))  # windows: the portable kernels
   assert not backward_takes(qkv_w, Masks(), config_w, jnp.bfloat16)
 
@@ -105,7 +110,8 @@ def test_tuned_launches():
   causal, plain = _tuned(True, False), _tuned(False, False)
   assert causal.fallback == portable
   assert causal.forward_mosaic == plain.forward_mosaic == mosaic_forward.ForwardTuning()
-  assert causal.backward_mosaic.warp_specialized
+  assert causal.dkdv_tuning == plain.dkdv_tuning == BackwardTuning(schedule_barrier=False)
+  assert causal.dq_tuning == plain.dq_tuning == BackwardTuning()
 
 
 def test_default_implementation_without_gpu_is_reference():

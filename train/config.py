@@ -61,6 +61,8 @@ class Config:
   smooth_k: bool = True
   # Per-block Q-smoothing (sage, reference).
   smooth_q: bool = False
+  # Precision of the backward's dS.K and dS^T.Q: int8 (SageBwd's) or bf16 (16-bit; sage, reference).
+  ds_precision: str = "int8"
   # Compute dtype; parameters and optimizer state stay float32.
   dtype: str = "bfloat16"
 
@@ -99,10 +101,12 @@ class Config:
   eval_every: int = 50
   # Validation batches per evaluation (the same ones each time).
   eval_batches: int = 8
-  # Save a checkpoint every N steps (and at the end).
+  # Save a checkpoint every N steps (and at the end); 0: no checkpoints (a resume starts over).
   ckpt_every: int = 125
   # Checkpoints kept (the newest).
   keep: int = 2
+  # Every N steps (and at the start and the end) compare each layer's attention with full precision on the first validation batch (train/telemetry.py); 0: off.
+  telemetry_every: int = 0
 
   # --- devices: the mesh and multi-host start-up (train/sharding.py) ---
   # Device mesh 'data=N,model=M' (N x M = all devices): batch split on data, attention heads on model; default data=<all devices>,model=1.
@@ -136,7 +140,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                 keep=3),
 }
 
-CHOICES = {"attention": ("sage", "full", "reference"), "dtype": ("bfloat16", "float32")}
+CHOICES = {"attention": ("sage", "full", "reference"), "dtype": ("bfloat16", "float32"),
+           "ds_precision": ("int8", "bf16")}
 
 
 @dataclass(frozen=True)
@@ -168,7 +173,8 @@ RANGES: dict[str, Range] = {
     "seq_len": AT_LEAST_1, "batch_size": AT_LEAST_1, "grad_accum": AT_LEAST_1,
     "steps": AT_LEAST_1, "lr": POSITIVE, "min_lr_ratio": Range(0, 1), "warmup": NON_NEGATIVE,
     "weight_decay": NON_NEGATIVE, "beta1": UNIT, "beta2": UNIT, "grad_clip": POSITIVE,
-    "eval_every": AT_LEAST_1, "eval_batches": AT_LEAST_1, "ckpt_every": AT_LEAST_1,
+    "eval_every": AT_LEAST_1, "eval_batches": AT_LEAST_1, "ckpt_every": NON_NEGATIVE,
+    "telemetry_every": NON_NEGATIVE,
     "keep": AT_LEAST_1, "num_processes": AT_LEAST_1, "process_id": NON_NEGATIVE,
 }
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")

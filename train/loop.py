@@ -18,6 +18,7 @@ from train.config import Config, check
 from train.metrics import MetricsLog
 from train.rundir import RunError
 from train.step import build_model, count_params, make_steps
+from train.telemetry import make_telemetry
 
 
 class NonFiniteError(RunError):
@@ -53,13 +54,14 @@ def evaluate(eval_step, params, batches: Batches, cfg: Config) -> float:
   return float(np.mean(jax.device_get(losses)))
 
 
-def train(cfg: Config) -> dict:
+def train(cfg: Config, dataset: data.Dataset | None = None) -> dict:
   """Runs `cfg` to `cfg.steps` (from its newest good checkpoint with --resume).
 
   Returns the summary: step, loss, val_loss (the last logged), run_dir,
   tokens_per_s (this session's training alone; None if it trained no step)
   and compile_s. Raises RunError (NonFiniteError among them) and ValueError
-  with one-line messages.
+  with one-line messages. `dataset`: `cfg`'s data, already loaded (by
+  `data.load(cfg.data, cfg.val_fraction, cfg.seq_len)`), for runs that share it.
   """
   check(cfg)
   mesh = sharding.make_mesh(cfg.mesh)  # one device: a mesh of 1, the same code
@@ -73,13 +75,13 @@ def train(cfg: Config) -> dict:
   rundir.prepare(cfg, run_dir, main, log)
   lock = rundir.lock(run_dir) if main else None
   try:
-    return _train(dataclasses.replace(cfg, out=run_dir), mesh, main, log)
+    return _train(dataclasses.replace(cfg, out=run_dir), mesh, main, log, dataset)
   finally:
     if lock is not None:
       os.close(lock)
 
 
-def _train(cfg: Config, mesh, main: bool, log) -> dict:
+def _train(cfg: Config, mesh, main: bool, log, dataset: data.Dataset | None) -> dict:
   """`train` once the run folder (`cfg.out`) is settled and locked."""
   run_dir = cfg.out
   log(f"run folder: {run_dir}")
@@ -88,7 +90,7 @@ def _train(cfg: Config, mesh, main: bool, log) -> dict:
       f"device(s)")
 
   # Data, and the configuration as config.json records it (vocabulary resolved).
-  ds = data.load(cfg.data, cfg.val_fraction, cfg.seq_len)
+  ds = dataset or data.load(cfg.data, cfg.val_fraction, cfg.seq_len)
   vocab = cfg.vocab_size or ds.vocab_size
   if vocab < ds.vocab_size:
     raise ValueError(f"--vocab-size {vocab} is too small for {ds.source}: its tokens "
@@ -105,10 +107,13 @@ def _train(cfg: Config, mesh, main: bool, log) -> dict:
   model = build_model(cfg, vocab, mesh)
   tx = optim.optimizer(cfg)
   state, train_step, eval_step = make_steps(model, tx, mesh)
+  telemetry = None
+  if cfg.telemetry_every:
+    telemetry = make_telemetry(model, None if cfg.attention == "full" else cfg.ds_precision)
   del model
   log(f"model: {count_params(state['params']) / 1e6:.2f}M parameters, "
       f"attention={cfg.attention}, qk_norm={cfg.qk_norm}, smooth_k={cfg.smooth_k}, "
-      f"smooth_q={cfg.smooth_q}, compute {cfg.dtype}")
+      f"smooth_q={cfg.smooth_q}, ds_precision={cfg.ds_precision}, compute {cfg.dtype}")
   n_decay = sum(x.size for x, d in zip(jax.tree.leaves(state["params"]),
                                         jax.tree.leaves(optim.decay_mask(state["params"]))) if d)
   log(f"weight decay {cfg.weight_decay} on {n_decay / 1e6:.2f}M parameters (linear layers' "
@@ -129,7 +134,8 @@ def _train(cfg: Config, mesh, main: bool, log) -> dict:
         log(f"resumed from step {start}")
     metrics = MetricsLog(run_dir, start, enabled=main, warn=lambda m: log(f"warning: {m}"))
     try:
-      return {**_loop(cfg, state, start, train_step, eval_step, batches, ckpts, metrics, log),
+      return {**_loop(cfg, state, start, train_step, eval_step, telemetry, batches, ckpts,
+                      metrics, log),
               "run_dir": run_dir}
     finally:
       metrics.close()
@@ -137,7 +143,7 @@ def _train(cfg: Config, mesh, main: bool, log) -> dict:
     ckpts.close()
 
 
-def _loop(cfg: Config, state, start: int, train_step, eval_step, batches: Batches,
+def _loop(cfg: Config, state, start: int, train_step, eval_step, telemetry, batches: Batches,
           ckpts: Checkpoints, metrics: MetricsLog, log) -> dict:
   """Steps `start` to `cfg.steps`; the summary: the last logged step, loss and
   val_loss, this session's tokens/s (None if it trained no step) and compile_s."""
@@ -151,14 +157,28 @@ def _loop(cfg: Config, state, start: int, train_step, eval_step, batches: Batche
   train_step = train_step.lower(state, batches.train(start)).compile()
   compile_s = time.perf_counter() - t0
   log(f"compiled the train step in {compile_s:.1f}s")
+  if telemetry is not None:
+    t0 = time.perf_counter()
+    telemetry_batch = batches.val(0)
+    telemetry = telemetry.lower(state["params"], telemetry_batch).compile()
+    log(f"compiled the telemetry in {time.perf_counter() - t0:.1f}s")
 
   def eval_and_log(step: int) -> None:
     val_loss = evaluate(eval_step, state["params"], batches, cfg)
     metrics.write(step=step, tokens=step * cfg.tokens_per_step, val_loss=val_loss)
     log(f"step {step}: val_loss {val_loss:.4f}")
 
+  def telemetry_and_log(step: int) -> None:
+    t0 = time.perf_counter()
+    values = jax.device_get(telemetry(state["params"], telemetry_batch))
+    metrics.write(step=step, tokens=step * cfg.tokens_per_step,
+                  telemetry_s=time.perf_counter() - t0,
+                  **{k: [float(x) for x in v] for k, v in values.items()})
+
   if start == 0:
     eval_and_log(0)
+    if telemetry is not None:
+      telemetry_and_log(0)
   train_time = 0.0
   with tqdm(range(start, cfg.steps), initial=start, total=cfg.steps,
             disable=not (cfg.progress and metrics.enabled), mininterval=1.0,
@@ -184,7 +204,9 @@ def _loop(cfg: Config, state, start: int, train_step, eval_step, batches: Batche
                       refresh=False)
       if done % cfg.eval_every == 0 or done == cfg.steps:
         eval_and_log(done)
-      if done % cfg.ckpt_every == 0 or done == cfg.steps:
+      if telemetry is not None and (done % cfg.telemetry_every == 0 or done == cfg.steps):
+        telemetry_and_log(done)
+      if cfg.ckpt_every and (done % cfg.ckpt_every == 0 or done == cfg.steps):
         metrics.sync()  # the rows a checkpoint implies reach the disk before it does
         ckpts.save(done, state)
   return {**metrics.summary(), "compile_s": compile_s,

@@ -1,7 +1,10 @@
 """Metrics: one JSON object per line in <run>/metrics.jsonl, safe from crashes.
 
 Train rows: step, tokens, loss, lr, grad_norm, param_norm, tokens_per_s,
-step_time. Eval rows: step, tokens, val_loss. `step` counts completed steps.
+step_time. Eval rows: step, tokens, val_loss. Telemetry rows
+(`--telemetry-every`, train/telemetry.py): step, tokens, telemetry_s and
+`TELEMETRY_VALUES`, each a list with one value per layer (no ds_rel_l2 under
+full-precision attention). `step` counts completed steps.
 
 Each row is appended by one write of the whole line to a file opened for
 appending, so a process killed mid-write leaves at most a torn last line:
@@ -24,6 +27,9 @@ from train.rundir import os_error, write_atomic
 # Keys every row of each kind has.
 TRAIN_KEYS = ("step", "tokens", "loss", "lr")
 EVAL_KEYS = ("step", "tokens", "val_loss")
+TELEMETRY_KEYS = ("step", "tokens", "max_logit")
+TELEMETRY_VALUES = ("o_rel_l2", "dq_rel_l2", "dk_rel_l2", "dv_rel_l2", "ds_rel_l2",
+                    "max_abs_q", "max_abs_k", "max_logit")
 
 
 class MetricsError(ValueError):
@@ -37,15 +43,20 @@ def _warn(message: str) -> None:
 def _check_row(row, path: str, number: int) -> dict:
   if not isinstance(row, dict):
     raise MetricsError(f"{path} line {number}: not a JSON object")
-  keys = TRAIN_KEYS if "loss" in row else EVAL_KEYS
+  keys = {"train": TRAIN_KEYS, "eval": EVAL_KEYS, "telemetry": TELEMETRY_KEYS}[kind(row)]
   missing = [k for k in keys if k not in row]
-  if "loss" not in row and "val_loss" not in row:
+  if kind(row) == "eval" and "val_loss" not in row:
     missing = ["loss or val_loss"]
   if missing:
     raise MetricsError(f"{path} line {number}: a row without {', '.join(missing)}")
   if isinstance(row["step"], bool) or not isinstance(row["step"], int):
     raise MetricsError(f"{path} line {number}: step must be an integer, got {row['step']!r}")
   return row
+
+
+def kind(row: dict) -> str:
+  """"train", "eval" or "telemetry"."""
+  return "train" if "loss" in row else "telemetry" if "max_logit" in row else "eval"
 
 
 def read(path: str, warn: Callable[[str], None] = _warn) -> list[dict]:
@@ -104,9 +115,9 @@ class MetricsLog:
       raise os_error(f"opening {self.path}", e) from e
 
   def _remember(self, row: dict) -> None:
-    if "loss" in row:
+    if kind(row) == "train":
       self.last_train = row
-    else:
+    elif kind(row) == "eval":
       self.last_eval = row
 
   def write(self, **row) -> None:

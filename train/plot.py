@@ -1,4 +1,4 @@
-"""Loss curves of one or more runs in one PNG.
+"""Loss curves of one or more runs in one PNG, and their telemetry in another.
 
     python -m train.plot runs/tiny runs/other [--out loss.png] [--x tokens]
 
@@ -6,6 +6,10 @@ Top: train loss drawn thin (a moving average on top), validation loss with
 markers, one colour per run, and the loss of a uniform guess over the
 vocabulary (ln 256 = 5.545 for bytes). Bottom: the learning rate. The title
 names each run with its attention and tokens per step (from config.json).
+
+Runs trained with `--telemetry-every` also get `<out>-telemetry.png`: one
+panel per telemetry key (train/telemetry.py), a thin line per layer and a
+thick one for the largest over the layers, one colour per run.
 """
 
 from __future__ import annotations
@@ -21,7 +25,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from train.metrics import MetricsError, read  # noqa: E402
+from train.metrics import TELEMETRY_VALUES, MetricsError, kind, read  # noqa: E402
+
+TELEMETRY_TITLES = {"o_rel_l2": "O rel. L2", "dq_rel_l2": "dQ rel. L2",
+                    "dk_rel_l2": "dK rel. L2", "dv_rel_l2": "dV rel. L2",
+                    "ds_rel_l2": "dS quantization rel. L2", "max_abs_q": "max |q|",
+                    "max_abs_k": "max |k|", "max_logit": "max attention logit"}
 
 
 def _smooth(y: np.ndarray, window: int) -> np.ndarray:
@@ -107,12 +116,61 @@ def figure(runs: list[str], x: str = "step") -> plt.Figure:
   return fig
 
 
+def telemetry_figure(runs: list[str], x: str = "step") -> plt.Figure | None:
+  """The runs' telemetry, one panel per key; None if no run has any."""
+  loaded = [(label, [r for r in rows if kind(r) == "telemetry"])
+            for label, rows, _ in (load_run(run) for run in runs)]
+  if not any(rows for _, rows in loaded):
+    return None
+  fig, axes = plt.subplots(2, 4, figsize=(14, 6.5), sharex=True)
+  for ax, key in zip(axes.flat, TELEMETRY_VALUES):
+    for i, (label, rows) in enumerate(loaded):
+      rows = [r for r in rows if key in r]
+      if not rows:
+        continue
+      xs = [r[x] for r in rows]
+      layers = np.array([r[key] for r in rows], float)  # (rows, layers)
+      ax.plot(xs, layers, color=f"C{i}", alpha=0.3, lw=0.8)
+      ax.plot(xs, layers.max(axis=1), color=f"C{i}", lw=1.8, label=label)
+    if key.endswith("rel_l2") and ax.lines and all(
+        np.all(np.asarray(line.get_ydata(), float) > 0) for line in ax.lines):
+      ax.set_yscale("log")
+    ax.set_title(TELEMETRY_TITLES[key], fontsize=10)
+    ax.grid(alpha=0.3)
+  for ax in axes[-1]:
+    ax.set_xlabel("tokens" if x == "tokens" else "step")
+  axes.flat[0].legend(fontsize=8, title="thick: max over layers", title_fontsize=8)
+  fig.suptitle("attention against full precision on one validation batch, per layer",
+               fontsize=11)
+  fig.tight_layout()
+  return fig
+
+
+def telemetry_path(out: str) -> str:
+  """Where `plot` draws the telemetry of a loss plot written to `out`."""
+  stem, ext = os.path.splitext(out)
+  return f"{stem}-telemetry{ext or '.png'}"
+
+
 def plot(runs: list[str], out: str, x: str = "step") -> str:
-  """Draws `runs` into `out` (".png" added when it has no extension); returns
-  the path written."""
+  """Draws `runs` into `out` (".png" added when it has no extension), and
+  their telemetry, if any, into `telemetry_path(out)`; returns `out`."""
+  return plot_all(runs, out, x)[0]
+
+
+def plot_all(runs: list[str], out: str, x: str = "step") -> list[str]:
+  """`plot`, returning every path written."""
   if not os.path.splitext(out)[1]:
     out += ".png"
-  fig = figure(runs, x)
+  _save(figure(runs, x), out)
+  telemetry = telemetry_figure(runs, x)
+  if telemetry is None:
+    return [out]
+  _save(telemetry, telemetry_path(out))
+  return [out, telemetry_path(out)]
+
+
+def _save(fig: plt.Figure, out: str) -> None:
   try:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     fig.savefig(out, dpi=120)
@@ -122,7 +180,6 @@ def plot(runs: list[str], out: str, x: str = "step") -> str:
     raise ValueError(f"--out {out}: {e}") from e
   finally:
     plt.close(fig)
-  return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -135,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
                  help="x axis (default step)")
   args = p.parse_args(argv)
   try:
-    print(plot(args.runs, args.out, args.x))
+    print("\n".join(plot_all(args.runs, args.out, args.x)))
   except ValueError as e:
     raise SystemExit(f"error: {e}")
 

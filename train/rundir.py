@@ -28,7 +28,7 @@ from train.config import Config, flag
 
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints")
 # What --overwrite deletes: what a run writes, nothing else in the folder.
-WRITTEN = (*RUN_FILES, "checkpoints-skipped", "loss.png")
+WRITTEN = (*RUN_FILES, "checkpoints-skipped", "loss.png", "loss-telemetry.png")
 # Fields that set the parameters' shapes: a checkpoint cannot load without them.
 MODEL_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
                 "qk_norm", "tie_embeddings")

@@ -1,48 +1,155 @@
 """What the two Mosaic GPU backward kernels (dK/dV and dQ) share: their launch
-settings and the tile operations both run (recomputed P and dS, per-row
-quantization into shared memory, wgmma helpers, stores).
+settings, the warp-specialized loop over a ring of streamed tiles, and the
+per-score chain of a 64 x 64 tile.
 
-Same semantics as the portable kernels (`pallas_kernels.triton.backward_dkdv`,
-`pallas_kernels.triton.backward_dq`): P and dS quantized per token (per key row
-in dK/dV, per query row in dQ), dO.V^T in bf16/fp16 with fp32 accumulation,
-for the cases `mosaic.common.supports` accepts. Scales are stored per token
-(`QuantizedQKV`), so a 64-token tile of a block's scale is 64 copies of one
-scalar: loaded as a per-row vector of the 64-row accumulator it multiplies
-every element by that same scalar, exactly the scalar products the portable
-kernels form.
+Both kernels recompute S from int8 Q and K in an int32 accumulator that starts
+at 0x4B400000, so its bits read as fp32 are 1.5 * 2**23 + S exactly, and form
+the exp2 argument of P = exp2(S * q_scale * k_scale - lse) by one add and one
+FMA (`exponent`; c = q_scale * k_scale is one scalar per tile: both are block
+scales). dP = dO.V^T runs in 16 bits (the one product never quantized) in an
+accumulator that starts at -Delta; dQ issues it with S under one wait, dK/dV
+after forming P^T (registers). The int8
+products (P^T.dO, dS^T.Q, dS.K) take their 8-bit operand straight from
+registers (`registers.dot_from_registers`; the B operands' token axis is stored
+in `registers.permute_keys` order), rounded by one add each, and accumulate
+in int32 accumulators that also start at 0x4B400000: merging one into fp32 is
+one add (removing the bias) and one FMA (its per-row scale).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import numerics as nm
+from pallas_kernels.mosaic import registers
+from pallas_kernels.mosaic.common import BLOCK
 
-SLOTS = 2  # shared-memory slots per streamed operand (prefetch one block ahead)
+TILE = (BLOCK, BLOCK)
+# Registers per thread of the compute and producer warpgroups (setmaxnreg):
+# 2 x 240 + 24 of the 512 a 128-thread slice of the register file has. dK/dV
+# needs them (fp32 dK and dV alone take 128).
+COMPUTE_REGISTERS, PRODUCER_REGISTERS = 240, 24
+ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
+COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
 
 
 @dataclasses.dataclass(frozen=True)
-class MosaicBackwardLaunch:
-  """Tuning knobs of the Mosaic backward (static; results do not depend on
-  them beyond fp32 rounding of exp2 under approx_math).
+class BackwardTuning:
+  """Launch settings of the Mosaic backward (they do not change results).
 
-  `python -m benchmarks.mosaic_backward` times the combinations against the
-  portable kernels on the same inputs; `MosaicBackend.tuned` takes the
-  fastest (figures: docs/performance.md)."""
+  `python -m benchmarks.mosaic_backward` times them (docs/performance.md)."""
 
-  bit_tricks: bool = False  # fp32 bit tricks for int32->fp32 and rounding
-  approx_math: bool = True
-  # Two compute warpgroups (128 keys per dK/dV CTA, 128 queries per dQ CTA)
-  # fed by a TMA producer warpgroup through a ring of `max_concurrent_steps`
-  # slots. Needs Tk (dK/dV), Tq (dQ) % 128 == 0, else the single-warpgroup
-  # kernel runs.
-  warp_specialized: bool = False
-  max_concurrent_steps: int = 2
+  compute_wgs: int = 2  # warpgroups of 64 rows (keys in dK/dV, queries in dQ) per CTA
+  max_concurrent_steps: int = 2  # depth of the ring of streamed 64-token tiles
+  schedule_barrier: bool = True  # compute warpgroups take turns on the tensor cores
+
+  def __post_init__(self):
+    if self.compute_wgs not in (1, 2):
+      raise ValueError(f"compute_wgs must be 1 or 2; got {self.compute_wgs}")
+    if self.max_concurrent_steps < 2:
+      raise ValueError(f"max_concurrent_steps must be >= 2; got {self.max_concurrent_steps}")
+    if self.schedule_barrier and self.compute_wgs != 2:
+      raise ValueError("schedule_barrier alternates two compute warpgroups")
+
+
+class Schedule:
+  """The schedule barrier's operations, no-ops without one. A warpgroup
+  arrives when it has issued its wgmmas or finished its elementwise work, then
+  waits for the other one's turn."""
+
+  def __init__(self, sched, tuning: BackwardTuning):
+    self._sched = sched if tuning.schedule_barrier else None
+
+  def arrive(self):
+    if self._sched is not None:
+      plgpu.barrier_arrive(self._sched)
+
+  def wait(self):
+    if self._sched is not None:
+      plgpu.barrier_wait(self._sched)
+
+  def turn(self):
+    self.arrive()
+    self.wait()
+
+
+def magic(shape=TILE):
+  """An int32 WGMMA-layout tile of 0x4B400000, the accumulators' start."""
+  return plgpu.layout_cast(jnp.full(shape, nm.ROUND_MAGIC_I32, jnp.int32), plgpu.Layout.WGMMA)
+
+
+def zeros(shape, dtype=jnp.float32):
+  return plgpu.layout_cast(jnp.full(shape, 0, dtype), plgpu.Layout.WGMMA)
+
+
+def products(pairs, starts, schedule: Schedule | None = None):
+  """wgmmas A.B^T for each (A smem tile, B smem tile stored (N, K)) of `pairs`,
+  into accumulators that start at `starts`, issued back to back; the
+  warpgroup takes its turn at `schedule`'s barrier, then one wait covers them.
+
+  S starts at `magic()` (read its result as fp32: 1.5 * 2**23 + S), dP at
+  -Delta broadcast to the tile, so the subtraction costs nothing per score.
+  """
+  def issue(accs):
+    for acc, (a, b) in zip(accs, pairs):
+      plgpu.wgmma(acc, a, b.T)
+    if schedule is not None:
+      schedule.turn()
+
+  return pl.run_state(issue)(tuple(plgpu.ACC.init(x) for x in starts))
+
+
+def as_float(biased_scores):
+  return lax.bitcast_convert_type(biased_scores, jnp.float32)
+
+
+def exponent(f, c, lse, *, along: int):
+  """The base-2 exponent S * c - lse of P = exp2(S * q_scale * k_scale - lse)
+  from the biased scores f = 1.5 * 2**23 + S: an add (exact) and an FMA.
+  Folding the bias into the FMA's addend would round -lse - 1.5 * 2**23 * c,
+  an error of ~c in the exponent that nothing cancels here (the forward's
+  row maximum does cancel it). `lse` has one value per row (`along`=0) or
+  per column (`along`=1); c > 0 keeps masked scores at -inf (-inf * 0 is NaN),
+  and a floor this small moves unmasked ones by < 2**-75."""
+  c = jnp.maximum(c, 2.0**-100)
+  return (f - nm.ROUND_MAGIC_F32) * c - lax.broadcast_in_dim(lse, f.shape, [along])
+
+
+def causal_mask(f, *, row_start, col_start, rows_are_keys: bool):
+  """f where the query may see the key, -inf elsewhere."""
+  rows = plgpu.broadcasted_iota(jnp.int32, f.shape, 0, layout=plgpu.Layout.WGMMA) + row_start
+  cols = plgpu.broadcasted_iota(jnp.int32, f.shape, 1, layout=plgpu.Layout.WGMMA) + col_start
+  q_pos, kv_pos = (cols, rows) if rows_are_keys else (rows, cols)
+  return jnp.where(q_pos >= kv_pos, f, -jnp.inf)
+
+
+def pack_signed_rows(y):
+  """`numerics.quantize_rows` of a tile, packed for `dot_from_registers`, and
+  the row scales (amax / 127). |y| * 127 / amax never rounds past 127, so no
+  clip."""
+  amax = jnp.max(jnp.abs(y), axis=1)
+  inv = nm.inverse_scale(amax)
+  bits = lax.bitcast_convert_type(
+      y * lax.broadcast_in_dim(inv, y.shape, [0]) + nm.ROUND_MAGIC_F32, jnp.int32)
+  return registers.pack(bits), amax / nm.INT8_MAX
+
+
+def pack_unsigned(pq):
+  """P in 0..255 (`numerics.unsigned_rows`' pq), rounded by one add and
+  packed for `dot_from_registers`."""
+  return registers.pack(lax.bitcast_convert_type(pq + nm.ROUND_MAGIC_F32, jnp.int32))
+
+
+def merge(acc, biased_product, row_scale):
+  """acc + (int32 product) * row_scale, the product as biased fp32 bits."""
+  product = lax.bitcast_convert_type(biased_product, jnp.float32) - nm.ROUND_MAGIC_F32
+  return acc + product * lax.broadcast_in_dim(row_scale, acc.shape, [0])
 
 
 def write_tile(value, smem, dst):
@@ -53,64 +160,44 @@ def write_tile(value, smem, dst):
   plgpu.wait_smem_to_gmem(0)
 
 
-def p_and_ds(s_int, dp, scale_row, lse, delta, *, q_start, kv_start, masked: bool,
-              transposed: bool, bit_tricks: bool):
-  """P and dS of one recomputed tile (as `common.score_tile` and the portable
-  backward form them): scores are int32 * (q_scale * k_scale), given as one
-  value per accumulator row; `lse` and `delta` run along the query axis
-  (columns when `transposed`, i.e. rows are keys)."""
-  tile = s_int.shape
-  s = nm.int32_to_float(s_int, bit_tricks=bit_tricks) * lax.broadcast_in_dim(scale_row, tile, [0])
-  if masked:
-    s = causal_mask(s, q_start, kv_start, transposed=transposed)
-  along_q = [1] if transposed else [0]
-  p = jnp.exp2(s - lax.broadcast_in_dim(lse, tile, along_q))
-  return p, p * (dp - lax.broadcast_in_dim(delta, tile, along_q))
+def stream(*, tuning: BackwardTuning, first, end, load, consumed):
+  """The producer's loop: `load(i, slot)` tiles i in [first, end) through the
+  ring, each once the compute warpgroups released its slot's previous tile."""
+  steps = tuning.max_concurrent_steps
+  slot_of = lambda i: lax.rem(i, jnp.array(steps, i.dtype))
+
+  @pl.loop(first, jnp.minimum(first + steps, end))
+  def _prologue(i):
+    load(i, slot_of(i))
+
+  @pl.loop(first + steps, end)
+  def _ring(i):
+    plgpu.barrier_wait(consumed.at[slot_of(i)])  # tile i - steps is done
+    load(i, slot_of(i))
+
+  @pl.loop(jnp.maximum(end - steps, first), end)
+  def _drain(i):  # observe the last consumptions too
+    plgpu.barrier_wait(consumed.at[slot_of(i)])
 
 
-def accumulate(acc, product, row_scale, bit_tricks: bool):
-  """acc + an int32 product dequantized with one scale per row."""
-  return acc + nm.int32_to_float(product, bit_tricks=bit_tricks) * lax.broadcast_in_dim(
-      row_scale, acc.shape, [0])
+def release(first, end, *, bars, consumed, schedule: Schedule, tuning: BackwardTuning):
+  """Waits for and releases ring tiles [first, end) a warpgroup does not use
+  (another one of its CTA does). It still takes its two turns per tile at the
+  schedule barrier, so both warpgroups pass it equally often."""
+  slot_of = lambda i: lax.rem(i, jnp.array(tuning.max_concurrent_steps, i.dtype))
+
+  @pl.loop(first, end)
+  def _release(i):
+    for bar in bars:
+      plgpu.barrier_wait(bar.at[slot_of(i)])
+    plgpu.barrier_arrive(consumed.at[slot_of(i)])
+    schedule.turn()
+    schedule.turn()
 
 
-def quantize_rows_to_smem(x, dst_smem, *, nonnegative: bool, bit_tricks: bool):
-  """numerics.quantize_rows on a (64, 64) WGMMA-layout tile; the int8 values
-  go to `dst_smem` (committed), the per-row scales (amax / 127) are returned."""
-  amax = jnp.max(x if nonnegative else jnp.abs(x), axis=1)
-  inv = nm.inverse_scale(amax)
-  dst_smem[...] = nm.round_to_int8(x * lax.broadcast_in_dim(inv, x.shape, [0]),
-                                   nonnegative=nonnegative, bit_tricks=bit_tricks)
-  plgpu.commit_smem()
-  return amax / nm.INT8_MAX
+def row_vector(ref):
+  return plgpu.load(ref, layout=ROW, optimized=False)
 
 
-def acc(shape, dtype=jnp.float32):
-  return plgpu.layout_cast(jnp.full(shape, 0, dtype), plgpu.Layout.WGMMA)
-
-
-def dot(a_smem, b_smem_t, shape, dtype):
-  """One wgmma a @ b into a fresh accumulator; b is passed as its (N, K) tile."""
-  def body(acc_ref):
-    plgpu.wgmma(acc_ref, a_smem, b_smem_t.transpose((1, 0)))
-    return acc_ref[...]
-  return pl.run_scoped(body, plgpu.ACC(shape, dtype))
-
-
-def two_dots(first, second):
-  """Two independent wgmmas issued back to back, then one wait for both.
-  Each of `first`, `second` is (a_smem, b_smem_t, shape, dtype) as for `dot`."""
-  def body(ref1, ref2):
-    for ref, (a_smem, b_smem_t, _, _) in ((ref1, first), (ref2, second)):
-      plgpu.wgmma(ref, a_smem, b_smem_t.transpose((1, 0)))
-    return (plgpu.wgmma_accumulator_load(ref1, wait_n=1),
-            plgpu.wgmma_accumulator_load(ref2, wait_n=0))
-  return pl.run_scoped(body, plgpu.ACC(first[2], first[3]), plgpu.ACC(second[2], second[3]))
-
-
-def causal_mask(s, q_start, kv_start, *, transposed: bool):
-  rows = plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-  cols = plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-  q_pos, kv_pos = (cols + q_start, rows + kv_start) if transposed else (
-      rows + q_start, cols + kv_start)
-  return jnp.where(q_pos >= kv_pos, s, -jnp.inf)
+def col_vector(ref):
+  return plgpu.load(ref, layout=COL, optimized=False)

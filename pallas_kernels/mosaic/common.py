@@ -21,8 +21,10 @@ def supports(masks: Masks, config: Config, head_dim: int) -> bool:
           and config.block_kv == BLOCK)
 
 
-def check_supported(qkv: QuantizedQKV, masks: Masks, config: Config, name: str):
-  """Raises unless the Mosaic kernels take this case (`supports`, whole blocks)."""
+def check_supported(qkv: QuantizedQKV, masks: Masks, config: Config, name: str,
+                    multiple: int = BLOCK):
+  """Raises unless the Mosaic kernels take this case (`supports`, sequence
+  lengths in whole tiles of `multiple` tokens)."""
   head_dim = qkv.q8.shape[-1]
   if not supports(masks, config, head_dim):
     raise NotImplementedError(
@@ -31,8 +33,9 @@ def check_supported(qkv: QuantizedQKV, masks: Masks, config: Config, name: str):
         f"smooth_q={config.smooth_q}, blocks=({config.block_q}, {config.block_kv}), "
         f"D={head_dim}")
   q_len, kv_len = qkv.q8.shape[2], qkv.k8.shape[2]
-  if q_len % BLOCK or kv_len % BLOCK:
-    raise ValueError(f"sequence lengths {q_len}, {kv_len} must be multiples of {BLOCK}")
+  if q_len % multiple or kv_len % multiple:
+    raise ValueError(f"{name}: sequence lengths {q_len}, {kv_len} must be multiples of "
+                     f"{multiple}")
 
 
 def warp_specialized_kernel(kernel, *, scratch, barriers, out_type, grid, grid_names,

@@ -17,7 +17,7 @@ and half, a warpgroup computes
         absorbs the fp32 rounding of b_h, so P never exceeds 255);
 
 then rounds P by adding 1.5 * 2**23, packs the low bytes into wgmma's 8-bit
-register operand (`registers.p_dot_v`; V^T's keys are stored permuted to
+register operand (`registers.dot_from_registers`; V^T's keys are stored permuted to
 match), and forms PV = P_0.V8_0 + P_1.V8_1 in one int32 accumulator by
 unsigned x signed wgmmas. The output accumulates as
 acc = acc * exp2(E_prev - E) + float(PV). E is floored at the running maximum
@@ -193,8 +193,10 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
         plgpu.barrier_wait(v_bars.at[slot])
         if tuning.schedule_barrier:
           plgpu.barrier_wait(sched)
-        pv = registers.p_dot_v(tuple(bits), tuple(vt_smem.at[slot, i] for i in range(halves)),
-                               vt_transforms, head_dim)
+        pv = registers.dot_from_registers(
+            tuple(registers.pack(x) for x in bits),
+            tuple(vt_smem.at[slot, i] for i in range(halves)), vt_transforms, head_dim,
+            unsigned_a=True)
         plgpu.barrier_arrive(v_consumed.at[slot])
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv.astype(jnp.float32)
         return acc, m, e, l

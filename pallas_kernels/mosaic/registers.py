@@ -8,11 +8,12 @@ values a thread holds are packed into one 32-bit register as they are, so A's
 column 4c+i holds P's column sigma16(4c+i). The B operand's rows (keys) are
 stored in that same order (`permute_keys`), so the product is unchanged.
 
-The values arrive as the int32 bits of `p + 1.5 * 2**23` (the rounding add of
-`numerics`), whose low byte is round(p) for 0 <= p <= 255: three byte permutes
-pack four of them. jax 0.11.2's wgmma has no unsigned A operand; `p_dot_v`
-issues its instructions as `.u8.s8` (see `_unsigned_a`), so P may use all 256
-levels.
+The values arrive as the int32 bits of `x + 1.5 * 2**23` (the rounding add of
+`numerics`), whose low byte is round(x) as an unsigned byte for 0 <= x <= 255
+and as a two's-complement byte for -128 <= x <= 127: three byte permutes pack
+four of them. jax 0.11.2's wgmma has no unsigned A operand; `dot_from_registers`
+issues its instructions as `.u8.s8` when asked (see `_unsigned_a`), so P may
+use all 256 levels.
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 import jax.numpy as jnp
 from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith
 from jaxlib.mlir.dialects import llvm
 from jaxlib.mlir.dialects import vector
 import numpy as np
+
+from pallas_kernels import numerics as nm
 
 # The module, not the function of the same name that `mosaic.gpu` exports.
 mgpu_wgmma = importlib.import_module("jax.experimental.mosaic.gpu.wgmma")
@@ -88,8 +92,8 @@ class _UnsignedA:
 
 @contextlib.contextmanager
 def _unsigned_a():
-  """While lowering the wgmmas of `p_dot_v` (and nothing else), their A operand
-  is unsigned. Remove when jax's wgmma takes unsigned int8 A operands."""
+  """While lowering the wgmmas of an unsigned `dot_from_registers` (and
+  nothing else), their A operand is unsigned. Remove when jax's wgmma takes unsigned int8 A operands."""
   real = mgpu_wgmma.llvm
   mgpu_wgmma.llvm = _UnsignedA(real)
   try:
@@ -98,29 +102,49 @@ def _unsigned_a():
     mgpu_wgmma.llvm = real
 
 
-def p_dot_v(p_bits: tuple[jax.Array, ...], vt_tiles: tuple, transforms: tuple,
-            head_dim: int) -> jax.Array:
-  """int32 sum over i of P_i.V_i, P_i unsigned 8-bit from registers.
+def pack(bits: jax.Array) -> jax.Array:
+  """(64, 64) int32 rounding-add bits, WGMMA layout -> the (64, 64) int8
+  register A operand of a wgmma (WGMMA_8BIT layout) holding their low bytes.
 
-  `p_bits[i]`: (64, 64) int32, WGMMA layout, the bits of p + 1.5 * 2**23 for
-  0 <= p <= 255. `vt_tiles[i]`: a shared-memory (D, 64) int8 tile of V^T with
-  its keys in `permute_keys` order, stored with `transforms` (64-byte swizzle).
-  Issues every product, then waits for them; returns (64, D) int32, WGMMA layout.
-  """
-  swizzle = transforms[-1].swizzle
-  count = len(p_bits)
+  Packing as soon as the bits exist keeps a quarter of the registers live
+  until the product is issued."""
 
   @plgpu.inline_mgpu(
-      arg_types=((plgpu.Layout.WGMMA,) * count, (plgpu.RefType(transforms),) * count),
-      return_type=plgpu.ShapeDtypeStruct((ROWS, head_dim), jnp.int32,
-                                         layout=plgpu.Layout.WGMMA))
-  def product(ctx, bits, tiles):
+      arg_types=(plgpu.Layout.WGMMA,),
+      return_type=plgpu.ShapeDtypeStruct(bits.shape, jnp.int8, layout=plgpu.Layout.WGMMA_8BIT))
+  def packed(ctx, x):
+    del ctx
+    return _pack_low_bytes(x)
+
+  return packed(bits)
+
+
+def dot_from_registers(a_tiles: tuple[jax.Array, ...], b_tiles: tuple, transforms: tuple,
+                       n: int, *, unsigned_a: bool, biased: bool = False) -> jax.Array:
+  """int32 sum over i of A_i.B_i, each A_i 8-bit from registers.
+
+  `a_tiles[i]`: (64, 64) int8 from `pack`, its columns in `permute_keys`
+  order (read as unsigned with `unsigned_a`). `b_tiles[i]`: a shared-memory
+  (n, 64) int8 tile of B^T whose contraction axis is in `permute_keys` order,
+  stored with `transforms` (64-byte swizzle). Issues every product, then
+  waits for them; returns (64, n) int32, WGMMA layout. With `biased` the
+  accumulator starts at 0x4B400000 (the sum's bits read as fp32 are
+  1.5 * 2**23 + sum, for |sum| < 2**22).
+  """
+  swizzle = transforms[-1].swizzle
+  count = len(a_tiles)
+
+  @plgpu.inline_mgpu(
+      arg_types=((plgpu.Layout.WGMMA_8BIT,) * count, (plgpu.RefType(transforms),) * count),
+      return_type=plgpu.ShapeDtypeStruct((ROWS, n), jnp.int32, layout=plgpu.Layout.WGMMA))
+  def product(ctx, a_regs, tiles):
     del ctx
     i32 = ir.IntegerType.get_signless(32)
-    acc = mgpu.WGMMAAccumulator.zero(ROWS, head_dim, i32, is_signed=True)
-    packed = [_pack_low_bytes(x) for x in bits]
-    with _unsigned_a():
-      for a, tile in zip(packed, tiles):
+    start = arith.constant(i32, ir.IntegerAttr.get(i32, nm.ROUND_MAGIC_I32 if biased else 0))
+    acc = mgpu.WGMMAAccumulator.from_registers(
+        fa.FragmentedArray.splat(start, (ROWS, n), fa.WGMMA_LAYOUT, is_signed=True))
+    with _unsigned_a() if unsigned_a else contextlib.nullcontext():
+      for a, tile in zip(a_regs, tiles):
         acc = mgpu.wgmma(acc, a, mgpu_utils.memref_transpose(tile, (1, 0, 3, 2)),
                          swizzle=swizzle)
     void = ir.Type.parse("!llvm.void")
@@ -128,4 +152,4 @@ def p_dot_v(p_bits: tuple[jax.Array, ...], vt_tiles: tuple, transforms: tuple,
     llvm.inline_asm(void, [], "wgmma.wait_group.sync.aligned 0;", "", has_side_effects=True)
     return acc.value
 
-  return product(tuple(p_bits), tuple(vt_tiles))
+  return product(tuple(a_tiles), tuple(b_tiles))

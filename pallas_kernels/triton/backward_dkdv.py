@@ -1,7 +1,8 @@
 """dK and dV: one program per (key block, batch, query head) loops over the
 query blocks that see its keys. It works on transposed tiles (S^T = K.Q^T,
 dP^T = V.dO^T) so P^T and dS^T are the first operands of their INT8 dots and
-are quantized per key (a row here). With GQA each query head writes its own
+are quantized per key (a row here); with ds_precision="bf16" dS^T.Q runs in
+the inputs' dtype instead. With GQA each query head writes its own
 partial dK, dV; the caller sums the group."""
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ SCORE_BIT_TRICKS, DV_BIT_TRICKS, DK_BIT_TRICKS = True, True, False
 
 def _kernel(k8_ref, k_scale_ref, v_ref, kv_ids_ref, q8_ref, q8_t_ref, q_scale_ref,
             q_mean_ref, lse_ref, delta_ref, do_ref, do8_t_ref, do_scale_ref, q_ids_ref,
-            dk_ref, dv_ref, *, config: Config, num_q_blocks: int):
+            q16_ref, dk_ref, dv_ref, *, config: Config, num_q_blocks: int):
   block_q, block_kv = config.block_q, config.block_kv
   j = pl.program_id(0)
   k8, k_scale, v = k8_ref[...], common.block_scale(k_scale_ref), v_ref[...]
@@ -54,6 +55,9 @@ def _kernel(k8_ref, k_scale_ref, v_ref, kv_ids_ref, q8_ref, q8_t_ref, q_scale_re
 
     dp_t = nm.float_dot(v, do_ref[rows, :])
     ds_t = p_t * (dp_t - delta_ref[rows][None, :])
+    if q16_ref is not None:
+      return dk + jnp.dot(ds_t.astype(q16_ref.dtype), q16_ref[rows, :],
+                          preferred_element_type=jnp.float32), dv
     ds8_t, ds_scale = nm.quantize_rows(ds_t, bit_tricks=True)
     dk = dk + nm.dequantize(nm.int8_dot(ds8_t, q8_t_ref[:, rows]), ds_scale[:, None],
                             q_scale, bit_tricks=DK_BIT_TRICKS)
@@ -65,8 +69,9 @@ def _kernel(k8_ref, k_scale_ref, v_ref, kv_ids_ref, q8_ref, q8_t_ref, q_scale_re
   zeros = jnp.zeros((block_kv, head_dim), jnp.float32)
   dk, dv = common.loop_over_q_blocks(j, q_step, (zeros, zeros), config=config,
                                      num_q_blocks=num_q_blocks)
-  # Q was quantized as Q * scale * log2(e); the product above carries log2(e).
-  dk_ref[...] = (dk * nm.LN_2).astype(dk_ref.dtype)
+  # Q was quantized as Q * scale * log2(e): the int8 product carries log2(e);
+  # the 16-bit one is of Q itself.
+  dk_ref[...] = (dk * (nm.LN_2 if q16_ref is None else config.scale)).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
@@ -100,6 +105,8 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
       pl.BlockSpec((None, None, head_dim, q_len), q_full),
       pl.BlockSpec((None, None, q_len), q_rows),
       pl.BlockSpec((None, q_len), lambda j, b, h: (b, 0)) if with_ids else None,
+      (pl.BlockSpec((None, q_len, None, head_dim), lambda j, b, h: (b, 0, h, 0))
+       if qkv.q16 is not None else None),
   ]
   partial = pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, h, 0))
   shape = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim),
@@ -109,7 +116,7 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
                        out_specs=[partial, partial], out_shape=[shape, shape],
                        name="sagebwd_backward_dkdv")(
       qkv.k8, qkv.k_scale, v, masks.kv_ids, qkv.q8, qkv.q8_t, qkv.q_scale, qkv.q_mean,
-      lse, delta, do, do8_t, do_scale, masks.q_ids)
+      lse, delta, do, do8_t, do_scale, masks.q_ids, qkv.q16)
   if group > 1:
     sum_group = lambda x: x.reshape(batch, kv_len, kv_heads, group, head_dim).sum(axis=3)
     dk, dv = sum_group(dk).astype(v.dtype), sum_group(dv).astype(v.dtype)

@@ -1,6 +1,7 @@
 """dQ: one program per (query block, batch, query head) loops over the key
 blocks its queries see, recomputing P and dS like the forward; dS is the
-first operand of INT8 dS.K and is quantized per query (a row here)."""
+first operand of INT8 dS.K and is quantized per query (a row here), or with
+ds_precision="bf16" cast to the inputs' dtype for a 16-bit dS.K."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ CONVERT_BIT_TRICKS = False
 
 
 def _kernel(q8_ref, q_scale_ref, q_mean_ref, lse_ref, delta_ref, do_ref, q_ids_ref, k8_ref,
-            k8_t_ref, k_scale_ref, v_ref, kv_ids_ref, dq_ref, *, config: Config,
+            k8_t_ref, k_scale_ref, v_ref, kv_ids_ref, k16_ref, dq_ref, *, config: Config,
             num_kv_blocks: int):
   block_q, block_kv = config.block_q, config.block_kv
   i = pl.program_id(0)
@@ -41,6 +42,9 @@ def _kernel(q8_ref, q_scale_ref, q_mean_ref, lse_ref, delta_ref, do_ref, q_ids_r
                           band=band, bit_tricks=CONVERT_BIT_TRICKS)
     p = jnp.exp2(s - lse[:, None])
     ds = p * (nm.float_dot(do, v_ref[kv, :]) - delta[:, None])
+    if k16_ref is not None:
+      return dq + jnp.dot(ds.astype(k16_ref.dtype), k16_ref[kv, :],
+                          preferred_element_type=jnp.float32)
     ds8, ds_scale = nm.quantize_rows(ds, bit_tricks=True)
     return dq + nm.dequantize(nm.int8_dot(ds8, k8_t_ref[:, kv]), ds_scale[:, None], k_scale,
                               bit_tricks=CONVERT_BIT_TRICKS)
@@ -73,6 +77,8 @@ def backward_dq(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, config: Conf
       pl.BlockSpec((None, None, kv_len), lambda i, b, h: (b, kv_head(h), 0)),
       pl.BlockSpec((None, kv_len, None, head_dim), lambda i, b, h: (b, 0, kv_head(h), 0)),
       pl.BlockSpec((None, kv_len), lambda i, b, h: (b, 0)) if with_ids else None,
+      (pl.BlockSpec((None, kv_len, None, head_dim), lambda i, b, h: (b, 0, kv_head(h), 0))
+       if qkv.k16 is not None else None),
   ]
   kernel = functools.partial(_kernel, config=config, num_kv_blocks=kv_len // config.block_kv)
   return launch.call(kernel, grid=(q_len // bq, batch, heads), in_specs=in_specs,
@@ -81,4 +87,4 @@ def backward_dq(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, config: Conf
                                                     do.dtype),
                      name="sagebwd_backward_dq")(
       qkv.q8, qkv.q_scale, qkv.q_mean, lse, delta, do, masks.q_ids, qkv.k8, qkv.k8_t,
-      qkv.k_scale, v, masks.kv_ids)
+      qkv.k_scale, v, masks.kv_ids, qkv.k16)

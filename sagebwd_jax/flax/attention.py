@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sagebwd_jax.api import dot_product_attention
-from sagebwd_jax.arguments import MAX_HEAD_DIM
+from sagebwd_jax.api import DsPrecision, dot_product_attention
+from sagebwd_jax.arguments import MAX_HEAD_DIM, ds_precision as check_ds_precision
 from sagebwd_jax.sharding import check_split, shard_attention
 
 AttentionImpl = Literal["sage", "full", "reference"]
@@ -75,6 +75,7 @@ class Attention(nnx.Module):
       implementation: AttentionImpl = "sage",
       smooth_k: bool = True,
       smooth_q: bool = False,
+      ds_precision: DsPrecision = "int8",
       dtype: Any = jnp.bfloat16,
       param_dtype: Any = jnp.float32,
       kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
@@ -103,6 +104,8 @@ class Attention(nnx.Module):
         the pure-JAX reference) or "full" (full-precision jax.nn.dot_product_attention,
         cuDNN on GPU for bf16/fp16) as the baseline.
       smooth_k, smooth_q: SageBwd smoothing options (ignored by "full").
+      ds_precision: "int8" or "bf16" dS.K and dS^T.Q in SageBwd's backward
+        (`sagebwd_jax.dot_product_attention`; ignored by "full").
       dtype: compute dtype of projections and attention.
       param_dtype: dtype of the parameters.
       kernel_init: initializer of the q/k/v projections.
@@ -137,6 +140,7 @@ class Attention(nnx.Module):
     self.rope_theta = rope_theta
     self.implementation = implementation
     self.smooth_k, self.smooth_q = smooth_k, smooth_q
+    self.ds_precision = check_ds_precision(ds_precision)
     self.dtype = dtype
 
     def linear(fan_in: int, fan_out: int, init: nnx.Initializer) -> nnx.Linear:
@@ -184,4 +188,5 @@ class Attention(nnx.Module):
           q, k, v, is_causal=self.causal, implementation="cudnn" if use_cudnn else "xla")
     return dot_product_attention(
         q, k, v, is_causal=self.causal, smooth_k=self.smooth_k, smooth_q=self.smooth_q,
+        ds_precision=self.ds_precision,
         implementation="reference" if self.implementation == "reference" else None)

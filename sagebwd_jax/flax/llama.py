@@ -47,6 +47,7 @@ class LlamaConfig:
   attention: AttentionImpl = "sage"
   smooth_k: bool = True
   smooth_q: bool = False
+  ds_precision: str = "int8"
   dtype: Any = jnp.bfloat16
   param_dtype: Any = jnp.float32
 
@@ -115,7 +116,8 @@ class Block(nnx.Module):
         config.dim, config.n_heads, num_kv_heads=config.kv_heads, causal=True,
         qk_norm=config.qk_norm, norm_eps=config.norm_eps, rope_theta=config.rope_theta,
         implementation=config.attention, smooth_k=config.smooth_k,
-        smooth_q=config.smooth_q, dtype=config.dtype, param_dtype=config.param_dtype,
+        smooth_q=config.smooth_q, ds_precision=config.ds_precision, dtype=config.dtype,
+        param_dtype=config.param_dtype,
         kernel_init=nnx.initializers.normal(_STD),
         out_kernel_init=nnx.initializers.normal(_residual_std(config)), mesh=mesh,
         rngs=rngs)

@@ -1,0 +1,52 @@
+"""Training step time with SageBwd against full-precision attention.
+
+    python -m benchmarks.train_step [--preset small --seq-len 8192 --batch-size 2 --steps 20]
+
+Runs `python -m train` once per `--attention` (sage, full) with the same
+flags, in temporary run folders, and prints each one's median step time (the
+first step, which compiles, excluded), the speed ratio, and the largest
+difference between the two runs' training losses over the steps. Extra
+flags after `--` go to `train` unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+
+def run(attention: str, args: argparse.Namespace, extra: list[str], root: str) -> list[dict]:
+  out = os.path.join(root, attention)
+  cmd = [sys.executable, "-m", "train", "--preset", args.preset, "--seq-len", str(args.seq_len),
+         "--batch-size", str(args.batch_size), "--grad-accum", "1", "--steps", str(args.steps),
+         "--warmup", str(min(args.steps, 10)), "--eval-every", str(args.steps),
+         "--attention", attention, "--out", out, *extra]
+  subprocess.run(cmd, check=True)
+  with open(os.path.join(out, "metrics.jsonl")) as f:
+    return [row for row in map(json.loads, f) if "step_time" in row]
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--preset", default="small")
+  parser.add_argument("--seq-len", type=int, default=8192)
+  parser.add_argument("--batch-size", type=int, default=2)
+  parser.add_argument("--steps", type=int, default=20)
+  args, extra = parser.parse_known_args()
+  extra = [x for x in extra if x != "--"]
+  with tempfile.TemporaryDirectory() as root:
+    rows = {name: run(name, args, extra, root) for name in ("sage", "full")}
+  median = {name: statistics.median(r["step_time"] for r in rs[1:]) for name, rs in rows.items()}
+  gap = max(abs(a["loss"] - b["loss"]) for a, b in zip(rows["sage"], rows["full"]))
+  print(f"median step: sage {median['sage'] * 1e3:.1f} ms, full {median['full'] * 1e3:.1f} ms; "
+        f"sage is {median['full'] / median['sage']:.2f}x as fast; "
+        f"largest loss difference over {len(rows['sage'])} steps: {gap:.2e}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,77 @@
+"""The Triton backend: the kernels of this folder behind the `Backend` interface."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_kernels.jax_triton.backward_dkdv import backward_dkdv
+from pallas_kernels.jax_triton.backward_dq import backward_dq
+from pallas_kernels.jax_triton.backward_prepass import backward_prepass
+from pallas_kernels.jax_triton.forward import forward
+from pallas_kernels.jax_triton.launch import LaunchConfig
+from pallas_kernels.jax_triton.quantize import quantize_qkv
+from pallas_kernels.types import Config, Masks, QuantizedQKV
+
+# Tiles up to 128: every int8 product then stays below 2**22 in magnitude,
+# which the exact int32 -> fp32 reading of the accumulators needs (tiles.py).
+MAX_BLOCK = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonBackend:
+  """SageBwd on Triton kernels called through jax_triton (`interpret`: Triton's
+  interpreter on the CPU).
+
+  The forward quantizes P as `ReferenceBackend(unsigned_p=True)` does (0..255
+  per row of each key block, V's scale folded in); the quantization pass and
+  the backward are the reference's arithmetic. `forward_launch` runs the
+  quantization pass and the forward, `dq_launch` the backward pre-pass and
+  dQ, `dkdv_launch` dK/dV.
+  """
+
+  forward_launch: LaunchConfig = LaunchConfig()
+  dq_launch: LaunchConfig = LaunchConfig()
+  dkdv_launch: LaunchConfig = LaunchConfig(num_warps=8)
+
+  @classmethod
+  def tuned(cls, *, interpret: bool = False) -> "TritonBackend":
+    """The default launches, interpreted or not. Not yet timed on a GPU: 8
+    warps for dK/dV keep its two fp32 accumulators without register spills
+    at D=128 (4 warps spill, by ptxas's count for sm_90)."""
+    return cls(LaunchConfig(interpret=interpret), LaunchConfig(interpret=interpret),
+               LaunchConfig(interpret=interpret, num_warps=8))
+
+  def quantize(self, q, k, v, k_mean, config: Config) -> QuantizedQKV:
+    _check_blocks(config)
+    if config.ds_precision != "int8":  # refused in the forward, so the op tries the next
+      raise NotImplementedError(
+          f"ds_precision={config.ds_precision!r}: the Triton kernels' dS products are INT8 "
+          "only; implementation='pallas' or 'reference' run 16-bit dS")
+    if config.window is not None:
+      raise NotImplementedError(
+          f"local_window_size={config.window}: the Triton kernels mask causally only; "
+          "implementation='pallas' or 'reference' run sliding windows")
+    return quantize_qkv(q, k, v, k_mean, config, self.forward_launch)
+
+  def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype):
+    _check_blocks(config)
+    return forward(qkv, masks, config, out_dtype, self.forward_launch)
+
+  def prepass(self, o, do, config: Config):
+    """Delta = rowsum(dO * O) and psi(dO) per block_q rows, stored (B, H, D, T)."""
+    return backward_prepass(o, do, block_q=config.block_q, launch=self.dq_launch)
+
+  def backward(self, qkv: QuantizedQKV, v, o, lse, do, masks: Masks, config: Config):
+    _check_blocks(config)
+    delta, do8_t, do_scale = self.prepass(o, do, config)
+    dk, dv = backward_dkdv(qkv, v, lse, delta, do, do8_t, do_scale, masks, config,
+                           self.dkdv_launch)
+    dq = backward_dq(qkv, v, lse, delta, do, masks, config, self.dq_launch)
+    return dq, dk, dv
+
+
+def _check_blocks(config: Config) -> None:
+  if max(config.block_q, config.block_kv) > MAX_BLOCK:
+    raise NotImplementedError(
+        f"block_q={config.block_q}, block_kv={config.block_kv}: the Triton kernels take "
+        f"tiles up to {MAX_BLOCK}")

@@ -1,0 +1,132 @@
+"""dK and dV: one program per (key block, batch, key/value head) loops over
+the query heads of its group and the query blocks that see its keys. It works
+on transposed tiles (S^T = K.Q^T, dP^T = V.dO^T) so P^T and dS^T are the first
+operands of their INT8 dots and are quantized per key (a row here). The group's
+sum (GQA) stays in the program's fp32 accumulators."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from pallas_kernels import numerics as nm
+from pallas_kernels.jax_triton import tiles
+from pallas_kernels.jax_triton.backward_dq import dot_precision
+from pallas_kernels.jax_triton.interpreter import device_function
+from pallas_kernels.jax_triton.launch import LaunchConfig, batch_folded, placeholder
+from pallas_kernels.types import Config, Masks, QuantizedQKV
+
+LN_2 = tl.constexpr(nm.LN_2)
+
+
+@device_function
+def _q_step(dk, dv, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, q8_t_ptr, q_scale_ptr, q_mean_ptr,
+            lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr, q_ids_ptr, i,
+            TQ: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr,
+            BK: tl.constexpr, CAUSAL: tl.constexpr, IDS: tl.constexpr,
+            SMOOTH_Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
+  rows = i * BQ + tl.arange(0, BQ)
+  dims = tl.arange(0, D)
+  q8 = tl.load(q8_ptr + rows[:, None] * D + dims[None, :])
+  q_scale = tl.load(q_scale_ptr + i * BQ)
+  q_mean = tl.load(q_mean_ptr + i * D + dims) if SMOOTH_Q else 0.0
+  bias = tiles.q_smoothing_bias(k8, k_scale, q_mean)[:, None] if SMOOTH_Q else 0.0
+  x, c, off = tiles.score_tile(k8, q8, k_scale, q_scale, bias, SMOOTH_Q)
+  q_ids = tl.load(q_ids_ptr + rows)[None, :] if IDS else 0
+  x = tiles.masked(x, rows[None, :], kv_pos, q_ids, kv_ids, CAUSAL, IDS)
+  lse = tl.load(lse_ptr + rows)
+  p_t = tl.exp2(x * c + (off - lse)[None, :])
+
+  p8_t, p_scale = tiles.quantize_rows(p_t, True)
+  do8_t = tl.load(do8_t_ptr + dims[:, None] * TQ + rows[None, :])
+  prod = tl.dot(p8_t, tl.trans(do8_t), acc=tiles.magic_accumulator(BK, D), out_dtype=tl.int32)
+  dv += tiles.exact_float(prod) * (p_scale[:, None] * tl.load(do_scale_ptr + i * BQ))
+
+  do = tl.load(do_ptr + rows[:, None] * H * D + dims[None, :])
+  dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+  ds_t = p_t * (dp_t - tl.load(delta_ptr + rows)[None, :])
+  ds8_t, ds_scale = tiles.quantize_rows(ds_t, False)
+  q8_t = tl.load(q8_t_ptr + dims[:, None] * TQ + rows[None, :])
+  prod = tl.dot(ds8_t, tl.trans(q8_t), acc=tiles.magic_accumulator(BK, D), out_dtype=tl.int32)
+  dk += tiles.exact_float(prod) * (ds_scale[:, None] * q_scale)
+  if SMOOTH_Q:
+    dk += tl.sum(ds_t, axis=1)[:, None] * q_mean[None, :]
+  return dk, dv
+
+
+@triton.jit
+def _kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_scale_ptr, q_mean_ptr,
+            lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr, q_ids_ptr, dk_ptr, dv_ptr,
+            H: tl.constexpr, HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr,
+            D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr,
+            IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
+  j = tl.program_id(0)
+  b = tl.program_id(1).to(tl.int64)
+  kvh = tl.program_id(2)
+  kv_head = b * HKV + kvh
+  keys = j * BK + tl.arange(0, BK)
+  dims = tl.arange(0, D)
+  tokens = (b * TK + keys[:, None]) * HKV * D + kvh * D + dims[None, :]
+  k8 = tl.load(k8_ptr + kv_head * TK * D + keys[:, None] * D + dims[None, :])
+  k_scale = tl.load(k_scale_ptr + kv_head * TK + j * BK)
+  v = tl.load(v_ptr + tokens)
+  kv_ids = tl.load(kv_ids_ptr + b * TK + keys)[:, None] if IDS else 0
+  q_ids_ptr += b * TQ
+  nq = TQ // BQ
+  start = 0
+  full = 0
+  if CAUSAL:
+    start, full = tiles.causal_q_blocks(j, BQ, BK, nq)
+
+  dk = tl.full((BK, D), 0.0, tl.float32)
+  dv = tl.full((BK, D), 0.0, tl.float32)
+  for g in range(0, H // HKV):
+    h = kvh * (H // HKV) + g
+    q_head = b * H + h
+    q8_h = q8_ptr + q_head * TQ * D
+    q8_t_h = q8_t_ptr + q_head * D * TQ
+    q_scale_h = q_scale_ptr + q_head * TQ
+    q_mean_h = q_mean_ptr + q_head * nq * D
+    lse_h = lse_ptr + q_head * TQ
+    delta_h = delta_ptr + q_head * TQ
+    do_h = do_ptr + b * TQ * H * D + h * D
+    do8_t_h = do8_t_ptr + q_head * D * TQ
+    do_scale_h = do_scale_ptr + q_head * TQ
+    for i in range(start, full):
+      dk, dv = _q_step(dk, dv, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h, q_scale_h,
+                       q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, q_ids_ptr, i, TQ, H,
+                       D, BQ, BK, True, IDS, SMOOTH_Q, DOT_PRECISION)
+    for i in range(full, nq):
+      dk, dv = _q_step(dk, dv, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h, q_scale_h,
+                       q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, q_ids_ptr, i, TQ, H,
+                       D, BQ, BK, False, IDS, SMOOTH_Q, DOT_PRECISION)
+  # Q was quantized as Q * scale * log2(e); the product above carries log2(e).
+  tl.store(dk_ptr + tokens, (dk * LN_2).to(dk_ptr.dtype.element_ty))
+  tl.store(dv_ptr + tokens, dv.to(dv_ptr.dtype.element_ty))
+
+
+def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: Masks,
+                  config: Config, launch: LaunchConfig) -> tuple[jax.Array, jax.Array]:
+  """dK, dV (B, Tk, Hkv, D) in V's dtype, summed over each kv head's group."""
+
+  def run(k8, k_scale, v, kv_ids, q8, q8_t, q_scale, q_mean, lse, delta, do, do8_t, do_scale,
+          q_ids):
+    batch, heads, q_len, head_dim = q8.shape
+    kv_heads, kv_len = k8.shape[1], k8.shape[2]
+    args = [k8, k_scale, v, placeholder(kv_ids, jnp.int32), q8, q8_t, q_scale,
+            placeholder(q_mean, jnp.float32), lse, delta, do, do8_t, do_scale,
+            placeholder(q_ids, jnp.int32)]
+    shape = jax.ShapeDtypeStruct(v.shape, v.dtype)
+    dk, dv = launch.call(
+        _kernel, args, [shape, shape], grid=(kv_len // config.block_kv, batch, kv_heads),
+        name="sagebwd_triton_backward_dkdv", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
+        D=head_dim, BQ=config.block_q, BK=config.block_kv, CAUSAL=config.causal,
+        IDS=q_ids is not None, SMOOTH_Q=q_mean is not None,
+        DOT_PRECISION=dot_precision(v.dtype))
+    return dk, dv
+
+  return batch_folded(run)(qkv.k8, qkv.k_scale, v, masks.kv_ids, qkv.q8, qkv.q8_t,
+                           qkv.q_scale, qkv.q_mean, lse, delta, do, do8_t, do_scale,
+                           masks.q_ids)

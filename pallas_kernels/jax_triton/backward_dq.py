@@ -1,0 +1,113 @@
+"""dQ: one program per (query block, batch, query head) loops over the key
+blocks its queries see, recomputing P and dS like the forward; dS is the
+first operand of INT8 dS.K and is quantized per query (a row here)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from pallas_kernels.jax_triton import tiles
+from pallas_kernels.jax_triton.interpreter import device_function
+from pallas_kernels.jax_triton.launch import LaunchConfig, batch_folded, placeholder
+from pallas_kernels.types import Config, Masks, QuantizedQKV
+
+
+@device_function
+def _kv_step(dq, q8, q_scale, q_mean, q_pos, q_ids, lse, delta, do, k8_ptr, k8_t_ptr,
+             k_scale_ptr, v_ptr, kv_ids_ptr, j, TK: tl.constexpr, HKV: tl.constexpr,
+             D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr,
+             IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
+  keys = j * BK + tl.arange(0, BK)
+  dims = tl.arange(0, D)
+  k8 = tl.load(k8_ptr + keys[:, None] * D + dims[None, :])
+  k_scale = tl.load(k_scale_ptr + j * BK)
+  bias = tiles.q_smoothing_bias(k8, k_scale, q_mean)[None, :] if SMOOTH_Q else 0.0
+  x, c, off = tiles.score_tile(q8, k8, q_scale, k_scale, bias, SMOOTH_Q)
+  kv_ids = tl.load(kv_ids_ptr + keys)[None, :] if IDS else 0
+  x = tiles.masked(x, q_pos, keys[None, :], q_ids, kv_ids, CAUSAL, IDS)
+  # exp2(S - lse): rows that saw no key have lse = +inf, so P = 0 there.
+  p = tl.exp2(x * c + (off - lse)[:, None])
+
+  v = tl.load(v_ptr + keys[:, None] * HKV * D + dims[None, :])
+  dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+  ds8, ds_scale = tiles.quantize_rows(p * (dp - delta[:, None]), False)
+  k8_t = tl.load(k8_t_ptr + dims[:, None] * TK + keys[None, :])
+  prod = tl.dot(ds8, tl.trans(k8_t), acc=tiles.magic_accumulator(BQ, D), out_dtype=tl.int32)
+  return dq + tiles.exact_float(prod) * (ds_scale[:, None] * k_scale)
+
+
+@triton.jit
+def _kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_ids_ptr, k8_ptr,
+            k8_t_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, dq_ptr, H: tl.constexpr,
+            HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr,
+            BQ: tl.constexpr, BK: tl.constexpr, SCALE: tl.constexpr, CAUSAL: tl.constexpr,
+            IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
+  i = tl.program_id(0)
+  if CAUSAL:  # the longest rows first, so the last wave is of short ones
+    i = TQ // BQ - 1 - i
+  b = tl.program_id(1).to(tl.int64)
+  h = tl.program_id(2)
+  kvh = h // (H // HKV)
+  q_head = b * H + h
+  kv_head = b * HKV + kvh
+  rows = i * BQ + tl.arange(0, BQ)
+  dims = tl.arange(0, D)
+  tokens = (b * TQ + rows[:, None]) * H * D + h * D + dims[None, :]
+  q8 = tl.load(q8_ptr + q_head * TQ * D + rows[:, None] * D + dims[None, :])
+  q_scale = tl.load(q_scale_ptr + q_head * TQ + i * BQ)
+  q_mean = tl.load(q_mean_ptr + (q_head * (TQ // BQ) + i) * D + dims) if SMOOTH_Q else 0.0
+  q_ids = tl.load(q_ids_ptr + b * TQ + rows)[:, None] if IDS else 0
+  lse = tl.load(lse_ptr + q_head * TQ + rows)
+  delta = tl.load(delta_ptr + q_head * TQ + rows)
+  do = tl.load(do_ptr + tokens)
+  k8_ptr += kv_head * TK * D
+  k8_t_ptr += kv_head * D * TK
+  k_scale_ptr += kv_head * TK
+  v_ptr += b * TK * HKV * D + kvh * D
+  kv_ids_ptr += b * TK
+
+  dq = tl.full((BQ, D), 0.0, tl.float32)
+  full = TK // BK
+  end = full
+  if CAUSAL:
+    full, end = tiles.causal_kv_blocks(i, BQ, BK, TK // BK)
+  for j in range(0, full):
+    dq = _kv_step(dq, q8, q_scale, q_mean, rows[:, None], q_ids, lse, delta, do, k8_ptr,
+                  k8_t_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, j, TK, HKV, D, BQ, BK, False, IDS,
+                  SMOOTH_Q, DOT_PRECISION)
+  for j in range(full, end):
+    dq = _kv_step(dq, q8, q_scale, q_mean, rows[:, None], q_ids, lse, delta, do, k8_ptr,
+                  k8_t_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, j, TK, HKV, D, BQ, BK, True, IDS,
+                  SMOOTH_Q, DOT_PRECISION)
+  # S was formed from Q * scale * log2(e): dQ takes `scale` once.
+  tl.store(dq_ptr + tokens, (dq * SCALE).to(dq_ptr.dtype.element_ty))
+
+
+def dot_precision(dtype) -> str:
+  """tl.dot's input precision for dO.V^T: fp32 inputs get fp32 products (not
+  TF32), as the reference's; 16-bit inputs multiply as they are."""
+  return "ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32"
+
+
+def backward_dq(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, config: Config,
+                launch: LaunchConfig) -> jax.Array:
+  """dQ (B, Tq, H, D) in dO's dtype."""
+
+  def run(q8, q_scale, q_mean, lse, delta, do, q_ids, k8, k8_t, k_scale, v, kv_ids):
+    batch, heads, q_len, head_dim = q8.shape
+    kv_heads, kv_len = k8.shape[1], k8.shape[2]
+    args = [q8, q_scale, placeholder(q_mean, jnp.float32), lse, delta, do,
+            placeholder(q_ids, jnp.int32), k8, k8_t, k_scale, v, placeholder(kv_ids, jnp.int32)]
+    (dq,) = launch.call(
+        _kernel, args, [jax.ShapeDtypeStruct(do.shape, do.dtype)],
+        grid=(q_len // config.block_q, batch, heads), name="sagebwd_triton_backward_dq",
+        H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len, D=head_dim, BQ=config.block_q,
+        BK=config.block_kv, SCALE=config.scale, CAUSAL=config.causal, IDS=q_ids is not None,
+        SMOOTH_Q=q_mean is not None, DOT_PRECISION=dot_precision(v.dtype))
+    return (dq,)
+
+  return batch_folded(run)(qkv.q8, qkv.q_scale, qkv.q_mean, lse, delta, do, masks.q_ids,
+                           qkv.k8, qkv.k8_t, qkv.k_scale, v, masks.kv_ids)[0]

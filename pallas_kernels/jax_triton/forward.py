@@ -1,0 +1,158 @@
+"""The forward kernel: INT8 Q.K^T, online softmax, unsigned INT8 P, INT8 P.V.
+
+One program per (query block, batch, query head) loops over the key blocks its
+queries can see (causal block skipping; the mask only on the diagonal blocks,
+or on every block with ids). P follows numerics.folded_softmax_step with one
+key block per step and 255 levels (`ReferenceBackend(unsigned_p=True)`): V's
+block scale is folded into P, which is quantized per row of the tile against
+E, its row's largest folded score. Per score that is one multiply-add for the
+exp2 argument (the scale, the magic offset of the int32 accumulator, -E and
+log2 sV in one row constant), a clip, exp2 and one add to round.
+
+P in 0..255 enters the signed INT8 dot as P - 128 (the rounding add's
+constant is 1.5 * 2**23 - 128, so its low byte is P - 128), and the 128 * V
+that this drops comes back through the accumulator's start: 0x4B400000 plus
+128 times the column sums of the V block, so the product reads as fp32
+1.5 * 2**23 + P.V exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from pallas_kernels import numerics as nm
+from pallas_kernels.jax_triton import tiles
+from pallas_kernels.jax_triton.interpreter import device_function
+from pallas_kernels.jax_triton.launch import LaunchConfig, batch_folded, placeholder
+from pallas_kernels.types import Config, Masks, QuantizedQKV
+
+LEVELS = nm.UINT8_MAX
+LOG2_LEVELS = tl.constexpr(math.log2(LEVELS))
+P_SHIFT = tl.constexpr(128)
+E_FLOOR = tl.constexpr(nm.E_FLOOR_BELOW_MAX)
+NOTHING_SEEN = tl.constexpr(nm.NOTHING_SEEN)
+
+
+@device_function
+def _kv_step(acc, m, e, l, q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_ptr, v8_t_ptr,
+             v_scale_ptr, pv_init_ptr, kv_ids_ptr, j, TK: tl.constexpr, D: tl.constexpr,
+             BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr, IDS: tl.constexpr,
+             SMOOTH_Q: tl.constexpr):
+  keys = j * BK + tl.arange(0, BK)
+  dims = tl.arange(0, D)
+  k8 = tl.load(k8_ptr + keys[:, None] * D + dims[None, :])
+  k_scale = tl.load(k_scale_ptr + j * BK)
+  bias = tiles.q_smoothing_bias(k8, k_scale, q_mean)[None, :] if SMOOTH_Q else 0.0
+  x, c, off = tiles.score_tile(q8, k8, q_scale, k_scale, bias, SMOOTH_Q)
+  kv_ids = tl.load(kv_ids_ptr + keys)[None, :] if IDS else 0
+  x = tiles.masked(x, q_pos, keys[None, :], q_ids, kv_ids, CAUSAL, IDS)
+
+  # numerics.folded_v_scales: an all-zero V block folds with scale 1.
+  v_scale = tl.load(v_scale_ptr + j * BK)
+  v_scale = tl.where(v_scale > 0, v_scale, 1.0)
+  log2_v = tl.log2(v_scale)
+  top = tl.max(x, axis=1) * c + off + log2_v  # -inf where the row sees no key here
+  m_new = tl.maximum(m, top)
+  e_new = tl.maximum(top, m_new - E_FLOOR)
+  alpha = tl.exp2(e - e_new)
+  row = off + log2_v + LOG2_LEVELS - e_new
+  # The clip: the fp32 rounding of the folded offsets can lift the row's top
+  # a little above log2(255).
+  p = tl.exp2(tl.minimum(x * c + row[:, None], LOG2_LEVELS))
+  l = l * alpha + tl.sum(p, axis=1) * (1.0 / v_scale)
+  p8 = tiles.low_byte(p + (tiles.MAGIC_F32 - P_SHIFT))
+
+  v8 = tl.load(v8_t_ptr + dims[:, None] * TK + keys[None, :])
+  pv_init = tl.load(pv_init_ptr + j * D + dims)
+  pv = tl.dot(p8, tl.trans(v8), acc=tl.broadcast_to(pv_init[None, :], (BQ, D)),
+              out_dtype=tl.int32)
+  return acc * alpha[:, None] + tiles.exact_float(pv), m_new, e_new, l
+
+
+@triton.jit
+def _kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr,
+            pv_init_ptr, q_ids_ptr, kv_ids_ptr, o_ptr, lse_ptr, H: tl.constexpr,
+            HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr,
+            BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr, IDS: tl.constexpr,
+            SMOOTH_Q: tl.constexpr):
+  i = tl.program_id(0)
+  if CAUSAL:  # the longest rows first, so the last wave is of short ones
+    i = TQ // BQ - 1 - i
+  b = tl.program_id(1).to(tl.int64)
+  h = tl.program_id(2)
+  q_head = b * H + h
+  kv_head = b * HKV + h // (H // HKV)
+  rows = i * BQ + tl.arange(0, BQ)
+  dims = tl.arange(0, D)
+  q8 = tl.load(q8_ptr + q_head * TQ * D + rows[:, None] * D + dims[None, :])
+  q_scale = tl.load(q_scale_ptr + q_head * TQ + i * BQ)
+  q_mean = tl.load(q_mean_ptr + (q_head * (TQ // BQ) + i) * D + dims) if SMOOTH_Q else 0.0
+  q_ids = tl.load(q_ids_ptr + b * TQ + rows)[:, None] if IDS else 0
+  k8_ptr += kv_head * TK * D
+  k_scale_ptr += kv_head * TK
+  v8_t_ptr += kv_head * D * TK
+  v_scale_ptr += kv_head * TK
+  pv_init_ptr += kv_head * (TK // BK) * D
+  kv_ids_ptr += b * TK
+
+  acc = tl.zeros((BQ, D), tl.float32)
+  m = tl.full((BQ,), NOTHING_SEEN, tl.float32)
+  e = tl.full((BQ,), float("-inf"), tl.float32)
+  l = tl.zeros((BQ,), tl.float32)
+  full = TK // BK
+  end = full
+  if CAUSAL:
+    full, end = tiles.causal_kv_blocks(i, BQ, BK, TK // BK)
+  for j in range(0, full):
+    acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, rows[:, None], q_ids, k8_ptr,
+                            k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr, kv_ids_ptr, j, TK,
+                            D, BQ, BK, False, IDS, SMOOTH_Q)
+  for j in range(full, end):
+    acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, rows[:, None], q_ids, k8_ptr,
+                            k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr, kv_ids_ptr, j, TK,
+                            D, BQ, BK, True, IDS, SMOOTH_Q)
+
+  # numerics.finalize_folded_rows: rows that saw no key give O = 0, lse = +inf.
+  empty = l == 0
+  l = tl.where(empty, 1.0, l)
+  lse = tl.where(empty, float("inf"), e + tl.log2(l) - LOG2_LEVELS)
+  o = acc / l[:, None]
+  tl.store(o_ptr + (b * TQ + rows[:, None]) * H * D + h * D + dims[None, :],
+           o.to(o_ptr.dtype.element_ty))
+  tl.store(lse_ptr + q_head * TQ + rows, lse)
+
+
+def pv_accumulator_start(v8_t: jax.Array, block_kv: int) -> jax.Array:
+  """0x4B400000 + 128 * the column sums of each V block: (B, Hkv, Tk // block_kv, D)."""
+  batch, kv_heads, head_dim, kv_len = v8_t.shape
+  blocks = v8_t.reshape(batch, kv_heads, head_dim, kv_len // block_kv, block_kv)
+  sums = jnp.sum(blocks.astype(jnp.int32), axis=-1)
+  return jnp.swapaxes(nm.ROUND_MAGIC_I32 + P_SHIFT.value * sums, 2, 3)
+
+
+def forward(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
+            launch: LaunchConfig) -> tuple[jax.Array, jax.Array]:
+  """O (B, Tq, H, D) in `out_dtype` and the base-2 log-sum-exp (B, H, Tq)."""
+
+  def run(q8, q_scale, q_mean, k8, k_scale, v8_t, v_scale, q_ids, kv_ids):
+    batch, heads, q_len, head_dim = q8.shape
+    kv_heads, kv_len = k8.shape[1], k8.shape[2]
+    args = [q8, q_scale, placeholder(q_mean, jnp.float32), k8, k_scale, v8_t, v_scale,
+            pv_accumulator_start(v8_t, config.block_kv), placeholder(q_ids, jnp.int32),
+            placeholder(kv_ids, jnp.int32)]
+    out_shape = [jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), out_dtype),
+                 jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)]
+    o, lse = launch.call(
+        _kernel, args, out_shape, grid=(q_len // config.block_q, batch, heads),
+        name="sagebwd_triton_forward", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
+        D=head_dim, BQ=config.block_q, BK=config.block_kv, CAUSAL=config.causal,
+        IDS=q_ids is not None, SMOOTH_Q=q_mean is not None)
+    return o, lse
+
+  return batch_folded(run)(qkv.q8, qkv.q_scale, qkv.q_mean, qkv.k8, qkv.k_scale, qkv.v8_t,
+                           qkv.v_scale, masks.q_ids, masks.kv_ids)

@@ -1,0 +1,79 @@
+"""How the Triton kernels are launched: compiled on a GPU through
+`jax_triton.triton_call`, or on the CPU in Triton's interpreter
+(interpreter.py) through `jax.pure_callback`, from the same kernel source.
+
+numpy has no bfloat16, and the interpreter's `tl.dot` multiplies bfloat16
+operands as their raw bit patterns, so 16-bit float inputs travel to it as
+fp32 (exact) and 16-bit float outputs come back as fp32 and are rounded by
+XLA (to nearest even, as the kernel's own store would).
+
+`triton_call` has no batching rule, so every launch is wrapped in a
+`custom_vmap` that folds a mapped axis into the batch axis, which leads every
+argument and output of these kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import triton
+
+from pallas_kernels.jax_triton import interpreter
+
+_SIXTEEN_BIT_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+  """How kernels are launched (does not change results). `interpret` runs them
+  in Triton's interpreter on the CPU instead of compiling them for the GPU."""
+
+  interpret: bool = False
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def call(self, kernel: triton.JITFunction, args: Sequence[jax.Array],
+           out_shape: Sequence[jax.ShapeDtypeStruct], *, grid: tuple[int, ...], name: str,
+           **constants) -> list[jax.Array]:
+    """Launches `kernel` on `grid` with pointers to `args` then to fresh outputs
+    of `out_shape`, and `constants` as its constexpr keyword arguments."""
+    if not self.interpret:
+      import jax_triton
+      outs = jax_triton.triton_call(
+          *args, kernel=kernel, out_shape=list(out_shape), grid=grid, name=name,
+          num_warps=self.num_warps, num_stages=self.num_stages, **constants)
+      return list(outs)
+    widened = [jnp.float32 if s.dtype in _SIXTEEN_BIT_FLOATS else s.dtype for s in out_shape]
+    host_shapes = [jax.ShapeDtypeStruct(s.shape, d) for s, d in zip(out_shape, widened)]
+    args = [x.astype(jnp.float32) if x.dtype in _SIXTEEN_BIT_FLOATS else x for x in args]
+    run = functools.partial(interpreter.run, kernel, grid, constants, host_shapes)
+    outs = jax.pure_callback(run, host_shapes, *args)
+    return [y.astype(s.dtype) for y, s in zip(outs, out_shape)]
+
+
+def batch_folded(fn: Callable) -> Callable:
+  """`fn` (arrays, or None, in; a tuple of arrays out; every array with the
+  batch axis first) under `jax.vmap`: the mapped axis is folded into the batch
+  axis and `fn` runs once on the merged batch."""
+  folded = jax.custom_batching.custom_vmap(fn)
+
+  @folded.def_vmap
+  def _rule(axis_size: int, in_batched, *args):
+    args = jax.tree.map(
+        lambda x, batched: x if batched else jnp.broadcast_to(x, (axis_size, *x.shape)),
+        args, tuple(in_batched))
+    outs = folded(*jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), args))
+    outs = jax.tree.map(lambda y: y.reshape(axis_size, -1, *y.shape[1:]), outs)
+    return outs, jax.tree.map(lambda _: True, outs)
+
+  return folded
+
+
+def placeholder(x: jax.Array | None, dtype) -> jax.Array:
+  """`x`, or a one-element stand-in for an optional input the kernel does not
+  read (it takes pointers to every argument)."""
+  return jnp.zeros((1,), dtype) if x is None else x

@@ -1,0 +1,127 @@
+"""Triton helpers the kernels share: numerics.py's rules on tiles, the score
+tile of every kernel, masks and causal bounds.
+
+Every int8 product here accumulates onto 0x4B400000 (`magic_accumulator`):
+the int32 result then reads, as fp32 bits, 1.5 * 2**23 + the product exactly
+(while |product| < 2**22, which holds for tiles up to 128 and D up to 256), so
+one float subtraction, or none where it folds into the next multiply-add,
+replaces an int32 -> fp32 conversion. Rounding adds 1.5 * 2**23 and keeps the
+low byte (numerics.round_to_int8's bit trick).
+"""
+
+from __future__ import annotations
+
+import triton.language as tl
+
+from pallas_kernels import numerics as nm
+from pallas_kernels.jax_triton.interpreter import device_function
+
+MAGIC_F32 = tl.constexpr(nm.ROUND_MAGIC_F32)
+MAGIC_I32 = tl.constexpr(nm.ROUND_MAGIC_I32)
+INT8_MAX = tl.constexpr(nm.INT8_MAX)
+# The smallest normal fp32: a floor for the product of two block scales, which
+# is 0 only for an all-zero block, whose scores are 0 whatever multiplies them;
+# above 0 it keeps -inf (masked) scores -inf through the multiply.
+TINY = tl.constexpr(1.1754943508222875e-38)
+
+
+@device_function
+def magic_accumulator(M: tl.constexpr, N: tl.constexpr):
+  """The start of an int8 product's int32 accumulator (module docstring)."""
+  return tl.full((M, N), MAGIC_I32, tl.int32)
+
+
+@device_function
+def exact_float(acc):
+  """The fp32 value of an int8 product accumulated from magic_accumulator."""
+  return acc.to(tl.float32, bitcast=True) - MAGIC_F32
+
+
+@device_function
+def low_byte(x):
+  """The int8 in the low byte of an fp32 that had 1.5 * 2**23 (or that minus a
+  constant) added: round-half-even of the value added to."""
+  return x.to(tl.int32, bitcast=True).to(tl.int8)
+
+
+@device_function
+def inverse_scale(amax):
+  """127 / amax, and 0 for all-zero tiles (numerics.inverse_scale)."""
+  return tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, INT8_MAX, tl.float32),
+                                           tl.where(amax > 0, amax, 1.0)), 0.0)
+
+
+@device_function
+def quantize_rows(x, NONNEGATIVE: tl.constexpr):
+  """Per-token int8 of a tile, one scale per row (numerics.quantize_rows):
+  (int8 tile, row scales)."""
+  if NONNEGATIVE:
+    amax = tl.max(x, axis=1)
+    y = tl.minimum(x * inverse_scale(amax)[:, None], INT8_MAX)
+  else:
+    amax = tl.max(tl.abs(x), axis=1)
+    y = tl.clamp(x * inverse_scale(amax)[:, None], -INT8_MAX, INT8_MAX)
+  return low_byte(y + MAGIC_F32), amax / INT8_MAX
+
+
+@device_function
+def quantize_tile(x):
+  """psi of a tile, one scale for it (numerics.quantize_tile): (int8, scale)."""
+  amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+  y = tl.clamp(x * inverse_scale(amax), -INT8_MAX, INT8_MAX)
+  return low_byte(y + MAGIC_F32), amax / INT8_MAX
+
+
+@device_function
+def score_tile(a8, b8, a_scale, b_scale, b_bias, SMOOTH_Q: tl.constexpr):
+  """Base-2 scores of one tile as (x, c, off), S = x * c + off, so a kernel
+  folds its own per-row constant into `off` and forms its exp2 argument with
+  one multiply-add per score.
+
+  a8 (M, D) and b8 (N, D) are the int8 rows of the tile's two sides (Q and K,
+  or K and Q for a transposed tile), with block scales a_scale, b_scale.
+  Without Q-smoothing x is the magic-offset product itself. With it, S gets a
+  per-key bias `b_bias` ((1, N) or (M, 1), the side of the keys), which no
+  scalar can carry: then x is S (numerics.dequantize plus the bias) and c = 1.
+  """
+  acc = tl.dot(a8, tl.trans(b8), acc=magic_accumulator(a8.shape[0], b8.shape[0]),
+                out_dtype=tl.int32)
+  c = a_scale * b_scale
+  if SMOOTH_Q:
+    return exact_float(acc) * c + b_bias, 1.0, 0.0
+  c = tl.maximum(c, TINY)
+  return acc.to(tl.float32, bitcast=True), c, c * -MAGIC_F32
+
+
+@device_function
+def q_smoothing_bias(k8, k_scale, q_mean):
+  """q_mean . K^T for the keys of a tile (numerics.q_smoothing_bias): (N,)."""
+  return tl.sum(k8.to(tl.float32) * q_mean[None, :], axis=1) * k_scale
+
+
+@device_function
+def masked(x, q_pos, kv_pos, q_ids, kv_ids, CAUSAL: tl.constexpr, IDS: tl.constexpr):
+  """x with -inf where a query may not see a key (numerics.tile_mask).
+  Positions and ids are broadcastable to x: queries along one axis, keys along
+  the other."""
+  if IDS:
+    x = tl.where(q_ids == kv_ids, x, float("-inf"))
+  if CAUSAL:
+    x = tl.where(q_pos >= kv_pos, x, float("-inf"))
+  return x
+
+
+@device_function
+def causal_kv_blocks(i, BQ: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr):
+  """causal_blocks.kv_blocks: key blocks [0, full) whole, [full, end) masked."""
+  full = tl.minimum((i * BQ) // BK, NK)
+  end = tl.minimum(((i + 1) * BQ + BK - 1) // BK, NK)
+  return full, end
+
+
+@device_function
+def causal_q_blocks(j, BQ: tl.constexpr, BK: tl.constexpr, NQ: tl.constexpr):
+  """causal_blocks.q_blocks: query blocks [start, full) masked, [full, NQ) whole."""
+  start = tl.minimum((j * BK) // BQ, NQ)
+  full = tl.minimum(((j + 1) * BK + BQ - 2) // BQ, NQ)
+  return start, full

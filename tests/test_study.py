@@ -1,0 +1,161 @@
+"""`python -m train.study` (issue 19): the grids it names, its tables and
+plots from a tiny grid of two 3-step runs, resuming without rerunning a
+finished run, and the gap-versus-seed-spread verdict."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+
+from train import study, study_report
+from train.config import check, params_besides_embeddings
+from train.metrics import kind, read
+from train.study import SCALES, Cell, Grid, StudyError, grids, plan, run_config
+from train.study_report import Result, compare
+
+CPU = SCALES["cpu"]
+# Two cells of one seed at the larger CPU setting: two 3-step runs.
+TINY = Grid("tiny", "a test", (Cell(attention="full"), Cell(attention="full", qk_norm=False)),
+            ((1, 0),))
+
+
+def test_named_grids_and_h200_scale():
+  h200 = SCALES["h200"]
+  runs = plan(list(grids(h200).values()), h200, 2, "out", [])
+  cfg = run_config(h200, Cell(), 0, "out", [])
+  assert 20e6 <= params_besides_embeddings(cfg) <= 40e6 and 1024 <= cfg.seq_len <= 2048
+  assert len(h200.grad_accums) >= 3  # the tokens grid's settings
+  named = grids(h200)
+  assert list(named) == ["tokens", "qknorm", "smoothing", "ds"]
+  for grid in named.values():
+    for a, b in grid.comparisons:
+      assert grid.cells[a] != grid.cells[b]
+  # Same token budget at every setting; shared cells run once, two seeds each.
+  assert {c.steps * c.tokens_per_step for c in (run_config(h200, Cell(setting=s), 0, "o", [])
+                                                  for s in range(3))} == {40 * 131072}
+  outs = [cfg.out for _, cfg in runs]
+  assert len(outs) == len(set(outs)) == 26
+  for _, cfg in runs:
+    check(cfg)
+    assert 100 <= cfg.steps * (cfg.grad_accum // 16 or 1) or cfg.steps >= 40
+
+
+def test_tiny_grid_tables_plots_and_resume(tmp_path, monkeypatch):
+  out = str(tmp_path / "study")
+  data = [str(__import__("train.data").data.stdlib_dir() / "json")]
+  paths = study.run([TINY], CPU, 1, out, data, log=lambda *a: None)
+  assert sorted(p.rsplit("/", 1)[1] for p in paths) == [
+      "gaps.csv", "summary.csv", "summary.md", "tiny-curves.png"]
+  finals = {}
+  for cell in TINY.cells:
+    cfg = run_config(CPU, cell, 0, out, data)
+    assert cfg.steps == 3
+    rows = read(f"{cfg.out}/metrics.jsonl")
+    finals[cell.name(CPU)] = [r["val_loss"] for r in rows if kind(r) == "eval"][-1]
+    assert any(kind(r) == "telemetry" for r in rows)  # the largest setting records it
+  summary = (tmp_path / "study" / "summary.md").read_text()
+  for name, loss in finals.items():
+    assert f"| {name} | 3 | {loss:.4f} |" in summary
+  with open(tmp_path / "study" / "summary.csv") as f:
+    table = list(csv.DictReader(f))
+  assert {(r["cell"], float(r["final_val_loss"])) for r in table} == set(finals.items())
+  with open(tmp_path / "study" / "gaps.csv") as f:
+    (gap,) = csv.DictReader(f)
+  names = [c.name(CPU) for c in TINY.cells]
+  assert float(gap["mean_gap"]) == pytest.approx(finals[names[1]] - finals[names[0]])
+  assert gap["verdict"] == "one seed: no spread"
+  assert (tmp_path / "study" / "tiny-curves.png").read_bytes()[:4] == b"\x89PNG"
+
+  # Resuming: finished runs are not run again; an unfinished one is, resumed
+  # (it starts over: the study saves no checkpoints).
+  import train.loop
+  trained = []
+  monkeypatch.setattr(train.loop, "train",
+                      lambda cfg, dataset: trained.append(cfg) or {"val_loss": 0.0})
+  study.run([TINY], CPU, 1, out, data, log=lambda *a: None)
+  assert trained == []
+  unfinished = run_config(CPU, TINY.cells[1], 0, out, data)
+  metrics = f"{unfinished.out}/metrics.jsonl"
+  lines = open(metrics).read().splitlines()
+  open(metrics, "w").write("\n".join(lines[:4]) + "\n")  # stopped after step 1
+  study.run([TINY], CPU, 1, out, data, log=lambda *a: None)
+  assert [(c.out, c.resume) for c in trained] == [(unfinished.out, True)]
+
+  # A run that fails stops no other; the study then says which failed.
+  first = run_config(CPU, TINY.cells[0], 0, out, data)
+  open(f"{first.out}/metrics.jsonl", "w").write("\n".join(lines[:4]) + "\n")
+
+  def fail_first(cfg, dataset):
+    if cfg.out == first.out:
+      raise RuntimeError("RESOURCE_EXHAUSTED: out of memory\nmore")
+    trained.append(cfg)
+    return {"val_loss": 0.0}
+
+  trained.clear()
+  monkeypatch.setattr(train.loop, "train", fail_first)
+  logged = []
+  with pytest.raises(StudyError, match=f"1 run\\(s\\) failed: {first.name} "):
+    study.run([TINY], CPU, 1, out, data, log=logged.append)
+  assert [c.out for c in trained] == [unfinished.out]
+  assert any("FAILED: RuntimeError: RESOURCE_EXHAUSTED: out of memory (" in m for m in logged)
+
+
+def test_a_folder_of_another_study_is_refused(tmp_path):
+  cfg = run_config(CPU, Cell(), 0, str(tmp_path), [])
+  (tmp_path / cfg.name).mkdir()
+  (tmp_path / cfg.name / "config.json").write_text(json.dumps({"dim": 999, "steps": 3}))
+  with pytest.raises(StudyError, match=r"holds a run with other settings \(dim\)"):
+    study.run([Grid("g", "", (Cell(),), ())], CPU, 1, str(tmp_path), [])
+
+
+def test_a_diverged_run_is_finished(tmp_path):
+  cfg = run_config(CPU, Cell(), 0, str(tmp_path), [])
+  (tmp_path / cfg.name).mkdir()
+  (tmp_path / cfg.name / "metrics.jsonl").write_text(
+      json.dumps(dict(step=0, tokens=0, val_loss=5.5)) + "\n"
+      + json.dumps(dict(step=1, tokens=128, loss=math.nan, lr=1e-3, grad_norm=math.nan,
+                        param_norm=1.0)) + "\n")
+  assert study.run_status(cfg) == "diverged"
+  assert study_report.result(cfg, 0).diverged_at == 1
+
+
+def _results(losses, status="done"):
+  return [Result("r", s, status, val_loss=x if status == "done" else None)
+          for s, x in enumerate(losses)]
+
+
+@pytest.mark.parametrize("cell,baseline,mean,spread,verdict", [
+    ([2.10, 2.12], [2.00, 2.01], 0.105, 0.02, "exceeds the seed spread"),
+    ([2.00, 2.10], [2.01, 2.07], 0.01, 0.10, "within the seed spread"),
+    ([2.00], [1.90], 0.10, None, "one seed: no spread"),
+])
+def test_gap_against_seed_spread(cell, baseline, mean, spread, verdict):
+  c = compare(_results(cell), _results(baseline))
+  assert c["mean"] == pytest.approx(mean) and c["verdict"] == verdict
+  assert c["spread"] == (None if spread is None else pytest.approx(spread))
+
+
+def test_divergence_and_unfinished_runs_in_the_verdict():
+  diverged = [Result("r", 0, "diverged", diverged_at=7), Result("r", 1, "done", val_loss=2.0)]
+  assert compare(diverged, _results([2.0, 2.1]))["verdict"] == "cell diverged (1/2 seeds)"
+  partial = [Result("r", 0, "partial"), Result("r", 1, "done", val_loss=2.0)]
+  assert compare(_results([2.0, 2.1]), partial)["verdict"] == "unfinished"
+
+
+def test_cli_help_list_and_errors(tmp_path, capsys):
+  with pytest.raises(SystemExit):
+    study.main(["--help"])
+  text = capsys.readouterr().out
+  for grid, finding in (("tokens", "(iii)"), ("qknorm", "(i)"), ("smoothing", "(iv)"),
+                        ("ds", "(ii)")):
+    assert f"- {grid}:" in text and finding in text
+  study.main(["--scale", "cpu", "--list", "--out", str(tmp_path)])
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[-1] == "22 runs of 11 cells, 0.0M tokens"
+  assert lines[0] == "sage-tps64-s0: 6 steps x 64 tokens, lr 0.003, telemetry every -: absent"
+  with pytest.raises(SystemExit):
+    study.main(["speed", "--scale", "cpu"])
+  assert "unknown grid(s) speed" in capsys.readouterr().err

@@ -1,0 +1,189 @@
+"""The Triton kernels one by one against the pure-JAX reference backend: the
+same int8 tensors, the same forward and backward results (CI: Triton's
+interpreter; GPU: compiled through jax_triton), and, without a GPU, every
+kernel compiled by Triton for Hopper and Ampere from the arguments the op
+passes it. The op through these kernels is checked by the behaviour suite
+(tests/test_attention_triton.py, tests/test_attention_gpu.py)."""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("triton", reason="the Triton kernels need the package triton")
+
+from conftest import gaussian_qkv  # noqa: E402
+from pallas_kernels.jax_triton import launch  # noqa: E402
+from pallas_kernels.jax_triton.backend import TritonBackend  # noqa: E402
+from pallas_kernels.jax_triton.backward_prepass import backward_prepass  # noqa: E402
+from pallas_kernels.types import Config, Masks  # noqa: E402
+from sagebwd_jax import dot_product_attention, metrics  # noqa: E402
+from sagebwd_jax.reference import ReferenceBackend  # noqa: E402
+from sagebwd_jax.sagebwd import key_mean  # noqa: E402
+
+ON_GPU = jax.default_backend() == "gpu"
+TRITON = TritonBackend.tuned(interpret=not ON_GPU)
+REFERENCE = ReferenceBackend(unsigned_p=True)
+# Kernel against reference on the same int8 tensors, fp32 results: the one
+# multiply-add exp2 argument rounds the accumulator offset's product (1.5 * 2**23
+# times the block scales) in fp32, which moves a few P and dS roundings (0.8e-3
+# measured); a wrong tile, scale or mask is off by far more than this.
+TOLERANCE = 2e-3
+
+
+def _config(**overrides) -> Config:
+  return Config(**{**dict(scale=0.125, causal=False, smooth_q=False, block_q=64,
+                          block_kv=64), **overrides})
+
+
+def _masks(q_len: int, kv_len: int) -> Masks:
+  rng = np.random.default_rng(0)
+  return Masks(jnp.asarray(rng.integers(0, 3, (2, q_len)), jnp.int32),
+               jnp.asarray(rng.integers(0, 3, (2, kv_len)), jnp.int32))
+
+
+def _assert_close(ours, ref, name, *, int8_exact):
+  ours, ref = np.asarray(ours), np.asarray(ref)
+  assert ours.shape == ref.shape and ours.dtype == ref.dtype, name
+  if ours.dtype == np.int8 and not int8_exact:
+    # Compiled GPU kernels may round one ulp apart from XLA.
+    diff = np.abs(ours.astype(np.int32) - ref)
+    assert diff.max() <= 1 and np.mean(diff != 0) < 1e-4, name
+  elif ours.dtype == np.int8:
+    np.testing.assert_array_equal(ours, ref, err_msg=name)
+  else:
+    # Sums (the Q-smoothing means) may add in another order than XLA's.
+    np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max(),
+                               err_msg=name)
+
+
+@pytest.mark.parametrize("head_dim,smooth_q,smooth_k", [(64, False, True), (128, True, False)])
+def test_quantization_pass_forms_the_reference_int8_tensors(head_dim, smooth_q, smooth_k):
+  q, k, v, _ = gaussian_qkv(jax.random.key(0), 2, 128, 192, 4, 2, head_dim, sigma=2.0)
+  config = _config(smooth_q=smooth_q, scale=head_dim**-0.5)
+  k_mean = key_mean(k, None) if smooth_k else None
+  ours = TRITON.quantize(q, k, v, k_mean, config)
+  ref = REFERENCE.quantize(q, k, v, k_mean, config)
+  for name, a, b in zip(ours._fields, ours, ref):
+    assert (a is None) == (b is None), name
+    if a is not None:
+      _assert_close(a, b, name, int8_exact=not ON_GPU)
+
+
+def test_backward_prepass_matches_reference_rules():
+  _, _, o, do = gaussian_qkv(jax.random.key(1), 2, 128, 128, 2, 2, 64)
+  delta, do8_t, do_scale = backward_prepass(o, do, block_q=64, launch=TRITON.dq_launch)
+  expected = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), -1)
+  np.testing.assert_allclose(delta, jnp.swapaxes(expected, 1, 2), rtol=1e-5, atol=1e-5)
+  blocks = np.asarray(do, np.float32).reshape(2, 2, 64, 2, 64)  # (B, block, row, H, D)
+  amax = np.abs(blocks).max(axis=(2, 4))  # (B, block, H)
+  expected8 = np.rint(blocks * (np.float32(127.0) / amax)[:, :, None, :, None]).astype(np.int8)
+  np.testing.assert_array_equal(do8_t, expected8.transpose(0, 3, 4, 1, 2).reshape(2, 2, 64, 128))
+  np.testing.assert_allclose(do_scale, np.repeat(amax.transpose(0, 2, 1) / 127, 64, axis=-1),
+                             rtol=1e-7)
+
+
+@pytest.mark.parametrize("causal,smooth_q,ids", [(False, False, False), (True, True, True)])
+def test_forward_matches_reference_with_unsigned_p(causal, smooth_q, ids):
+  q, k, v, _ = gaussian_qkv(jax.random.key(3), 2, 128, 128, 4, 2, 64)
+  config = _config(causal=causal, smooth_q=smooth_q)
+  masks = _masks(128, 128) if ids else Masks()
+  qkv = REFERENCE.quantize(q, k, v, key_mean(k, None), config)
+  o, lse = TRITON.forward(qkv, masks, config, jnp.float32)
+  o_ref, lse_ref = REFERENCE.forward(qkv, masks, config, jnp.float32)
+  assert float(metrics.relative_l2(o, o_ref)) <= TOLERANCE
+  seen = np.isfinite(np.asarray(lse_ref))
+  np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), seen)
+  np.testing.assert_allclose(np.asarray(lse)[seen], np.asarray(lse_ref)[seen], atol=1e-3)
+
+
+@pytest.mark.parametrize("causal,smooth_q,ids,heads", [(True, False, False, (2, 2)),
+                                                       (False, True, True, (4, 1))])
+def test_backward_matches_reference_fp32(causal, smooth_q, ids, heads):
+  q, k, v, do = gaussian_qkv(jax.random.key(4), 2, 128, 128, *heads, 64, dtype=jnp.float32)
+  config = _config(causal=causal, smooth_q=smooth_q, block_kv=32)
+  masks = _masks(128, 128) if ids else Masks()
+  reference = ReferenceBackend()
+  qkv = reference.quantize(q, k, v, key_mean(k, None), config)
+  o, lse = reference.forward(qkv, masks, config, jnp.float32)
+  ours = TRITON.backward(qkv, v, o, lse, do, masks, config)
+  ref = reference.backward(qkv, v, o, lse, do, masks, config)
+  for name, a, b in zip(("dQ", "dK", "dV"), ours, ref):
+    assert a.shape == b.shape, name
+    assert float(metrics.relative_l2(a, b)) <= TOLERANCE, name
+
+
+def test_tiles_above_128_fall_through_to_the_next_implementation():
+  q, k, v, _ = gaussian_qkv(jax.random.key(5), 1, 256, 256, 2, 2, 64)
+  with pytest.raises(NotImplementedError, match="tiles up to 128"):
+    dot_product_attention(q, k, v, block_q=256, implementation="triton")
+  out = dot_product_attention(q, k, v, block_q=256, implementation=("triton", "reference"))
+  ref = dot_product_attention(q, k, v, block_q=256, implementation="reference")
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+
+
+def test_missing_package_names_it(monkeypatch):
+  monkeypatch.setitem(sys.modules, "pallas_kernels.jax_triton.backend", None)
+  q, k, v, _ = gaussian_qkv(jax.random.key(6), 1, 64, 64, 2, 2, 64)
+  with pytest.raises(NotImplementedError, match="needs the packages triton"):
+    dot_product_attention(q, k, v, implementation="triton")
+
+
+_TRITON_POINTER_TYPES = {jnp.dtype(jnp.int8): "*i8", jnp.dtype(jnp.int32): "*i32",
+                         jnp.dtype(jnp.float32): "*fp32", jnp.dtype(jnp.bfloat16): "*bf16",
+                         jnp.dtype(jnp.float16): "*fp16"}
+
+
+def _launches(monkeypatch, **op_kwargs) -> list:
+  """(kernel, pointer types, constants, LaunchConfig) of every kernel the op's
+  forward and backward launch, captured while tracing (nothing runs)."""
+  launches = []
+
+  def record(self, kernel, args, out_shape, *, grid, name, **constants):
+    del grid, name
+    types = [_TRITON_POINTER_TYPES[jnp.dtype(x.dtype)] for x in (*args, *out_shape)]
+    launches.append((kernel, types, constants, self))
+    return [jnp.zeros(s.shape, s.dtype) for s in out_shape]
+
+  monkeypatch.setattr(launch.LaunchConfig, "call", record)
+  q, k, v, _ = gaussian_qkv(jax.random.key(7), 2, 128, 128, 4, 2, op_kwargs.pop("head_dim"))
+  loss = lambda q, k, v: dot_product_attention(q, k, v, implementation="triton",
+                                               **op_kwargs).astype(jnp.float32).sum()
+  jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+  return launches
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU runs them compiled")
+@pytest.mark.parametrize("op_kwargs", [
+    dict(head_dim=128),
+    dict(head_dim=64, is_causal=True, smooth_q=True,
+         segment_ids=jnp.stack([jnp.arange(128) // 48, jnp.arange(128) // 80]))])
+def test_kernels_compile_for_hopper_and_ampere(monkeypatch, op_kwargs):
+  """Triton compiles every kernel launch of the op, as jax_triton would on a
+  GPU, for sm_90 and sm_80: the compiled path's only check without a GPU."""
+  from triton.backends.compiler import GPUTarget
+  from triton.compiler import ASTSource, compile as triton_compile
+  launches = _launches(monkeypatch, **op_kwargs)
+  assert len(launches) == 7  # quantize Q, K, V; forward; prepass; dK/dV; dQ
+  for kernel, types, constants, config in launches:
+    pointers = [name for name in kernel.arg_names if name not in constants]
+    signature = dict(zip(pointers, types)) | {name: "constexpr" for name in constants}
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}
+    for arch in (90, 80):
+      compiled = triton_compile(ASTSource(kernel, signature, constexprs=constants, attrs=attrs),
+                                target=GPUTarget("cuda", arch, 32),
+                                options=dict(num_warps=config.num_warps,
+                                             num_stages=config.num_stages))
+      assert compiled.asm["cubin"], (kernel.__name__, arch)
+
+
+# Compiled on a GPU (run through the device tool).
+@pytest.mark.gpu
+def test_gpu_kernels_match_reference():
+  test_quantization_pass_forms_the_reference_int8_tensors(128, True, False)
+  test_forward_matches_reference_with_unsigned_p(True, True, True)
+  test_backward_matches_reference_fp32(False, True, True, (4, 1))
