@@ -160,7 +160,7 @@ def test_linen_sow_weights_and_float64_are_refused():
                                              attention_fn=attention_fn)
     x64 = jnp.ones((1, 4, 4), jnp.float64)
     with pytest.raises(TypeError, match="float64"):
-      module.init(jax.random.key(0), x64, x64, x64)
+      module.init(jax.random.key(0), x64)
 
 
 def test_linen_dropout_disabled_does_not_depend_on_the_rng():
@@ -254,9 +254,9 @@ def test_nnx_linen_consistency(use_bias, dtype, param_dtype, precision, decode, 
   variables = linen.init(jax.random.key(42), x)
   module = nnx.MultiHeadAttention(in_features=3, rngs=nnx.Rngs(42), **kw)
   for name in ("query", "key", "value", "out"):
-    getattr(module, name).kernel.value = variables["params"][name]["kernel"]
+    getattr(module, name).kernel[...] = variables["params"][name]["kernel"]
     if use_bias:
-      getattr(module, name).bias.value = variables["params"][name]["bias"]
+      getattr(module, name).bias[...] = variables["params"][name]["bias"]
   if decode:
     module.init_cache(x.shape, dtype=dtype)
   out, _ = linen.apply(variables, x, mutable=["cache"])
