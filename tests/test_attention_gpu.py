@@ -21,6 +21,7 @@ class TestPallasGpu(AttentionTestBase):
 
 class TestTritonGpu(AttentionTestBase):
   implementation = "triton"
+  takes_windows = False
 
   def test_matches_reference_backend(self, case, monkeypatch):
     """The reference with the Triton forward's P (unsigned, per key block)."""
