@@ -38,14 +38,15 @@ def _flat(out):
   return [np.asarray(x, np.float32) for x in (out[0], *out[1])]
 
 
-def _check(implementation, where, index, value, kv_len=T, **kw):
-  q, k, v, do = gaussian_qkv(jax.random.key(0), B, T, kv_len, H, HKV, D, dtype=jnp.float32)
+def _check(implementation, where, index, value, kv_len=T, *, seq=T, head_dim=D, block=BLOCK,
+           dtype=jnp.float32, **kw):
+  q, k, v, do = gaussian_qkv(jax.random.key(0), B, seq, kv_len, H, HKV, head_dim, dtype=dtype)
   arrays = dict(q=q, k=k, v=v, do=do)
   arrays[where] = arrays[where].at[index].set(value)
   q, k, v, do = arrays["q"], arrays["k"], arrays["v"], arrays["do"]
   want = _flat(_jax_nn(q, k, v, do, **kw))
-  got = _flat(sage(q, k, v, do, implementation=implementation, block_q=BLOCK,
-                   block_kv=BLOCK, **kw))
+  got = _flat(sage(q, k, v, do, implementation=implementation, block_q=block,
+                   block_kv=block, **kw))
   group = index[2] // (H // HKV) if where in ("q", "do") else index[2]
   for name, a, b in zip(NAMES, got, want):
     missing = ~np.isfinite(b) & ~np.isnan(a)
@@ -82,3 +83,14 @@ def test_nan_reaches_keys_no_query_sees(implementation, where):
   """Causal with Tk > Tq: keys 96.. are seen by no query and no kernel program
   computes their gradients, yet jax.nn's 0 x NaN makes them NaN."""
   _check(implementation, where, (0, 20, 1, 3), np.nan, kv_len=T + 2 * BLOCK, is_causal=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", ["none", "causal"])
+@pytest.mark.parametrize("where,index", [
+    ("q", (0, 140, 1, 3)), ("k", (0, 70, 0, 5)), ("v", (0, 200, 1, 2)), ("do", (0, 40, 2, 7))])
+def test_mosaic_nan_in_is_nan_out(mask, where, index):
+  """The Hopper kernels (a shape and dtype they take: bf16, D=64, whole
+  128-token tiles, 64-token blocks)."""
+  _check("mosaic", where, index, np.nan, kv_len=256, seq=256, head_dim=64, block=64,
+         dtype=jnp.bfloat16, **MASKS[mask])

@@ -28,7 +28,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import numerics as nm
 from pallas_kernels.mosaic import registers
-from pallas_kernels.mosaic.common import BLOCK
+from pallas_kernels.mosaic.common import BLOCK, positive_scale
 
 TILE = (BLOCK, BLOCK)
 # Registers per thread of the compute and producer warpgroups (setmaxnreg):
@@ -115,10 +115,9 @@ def exponent(f, c, lse, *, along: int):
   Folding the bias into the FMA's addend would round -lse - 1.5 * 2**23 * c,
   an error of ~c in the exponent that nothing cancels here (the forward's
   row maximum does cancel it). `lse` has one value per row (`along`=0) or
-  per column (`along`=1); c > 0 keeps masked scores at -inf (-inf * 0 is NaN),
-  and a floor this small moves unmasked ones by < 2**-75."""
-  c = jnp.maximum(c, 2.0**-100)
-  return (f - nm.ROUND_MAGIC_F32) * c - lax.broadcast_in_dim(lse, f.shape, [along])
+  per column (`along`=1)."""
+  return ((f - nm.ROUND_MAGIC_F32) * positive_scale(c)
+          - lax.broadcast_in_dim(lse, f.shape, [along]))
 
 
 def causal_mask(f, *, row_start, col_start, rows_are_keys: bool):

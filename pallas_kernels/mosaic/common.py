@@ -38,6 +38,14 @@ def check_supported(qkv: QuantizedQKV, masks: Masks, config: Config, name: str,
                      f"{multiple}")
 
 
+def positive_scale(c):
+  """A score tile's scale product, floored at 2**-100 so masked scores stay
+  -inf (-inf * 0 is NaN); the floor moves an all-zero block's scores by less
+  than 2**-75. A NaN scale (a non-finite input block) stays NaN: a max would
+  drop it (PTX's max returns the other operand)."""
+  return jnp.where(c < 2.0**-100, 2.0**-100, c)
+
+
 def warp_specialized_kernel(kernel, *, scratch, barriers, out_type, grid, grid_names,
                             approx_math: bool, name: str, compute_wgs: int = COMPUTE_WGS):
   """`plgpu.kernel` with `compute_wgs` compute warpgroups and one producer.

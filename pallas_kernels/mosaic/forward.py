@@ -46,7 +46,8 @@ from jax import lax
 
 from pallas_kernels import numerics as nm
 from pallas_kernels.mosaic import registers
-from pallas_kernels.mosaic.common import BLOCK, smem_transforms, warp_specialized_kernel
+from pallas_kernels.mosaic.common import (BLOCK, positive_scale, smem_transforms,
+                                          warp_specialized_kernel)
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 KV_STEP = 2 * BLOCK  # keys per step: two quantization blocks
@@ -134,9 +135,7 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
         out = []
         for half in range(halves):
           blk = j * halves + half
-          # c > 0 keeps masked scores at -inf (-inf * 0 is NaN); a floor this
-          # small moves unmasked scores of an all-zero block by < 2**-75.
-          c = jnp.maximum(q_scale * ks_ref[b, kvh, blk], 2.0**-100)
+          c = positive_scale(q_scale * ks_ref[b, kvh, blk])
           out.append((c, lsv_ref[b, kvh, blk] - nm.ROUND_MAGIC_F32 * c, isv_ref[b, kvh, blk]))
         return tuple(out)
 
