@@ -73,16 +73,17 @@ def _group(x: jax.Array, num_kv_heads: int) -> jax.Array:
 class ReferenceBackend:
   """The algorithm of docs/algorithm.md in `jnp`; see `pallas_kernels.types.Backend`.
 
-  `p_block` and `unsigned_p` pick how P is quantized, so the reference
-  mirrors each kernel: the forward's P per row of a `p_block`-key tile
-  (default: one key block, as the portable kernels), to 0..127, or to 0..255
-  with `unsigned_p`, which also quantizes the backward's P^T (per key row of a
-  block_kv x block_q tile) to 0..255 by `numerics.unsigned_rows`. The Hopper
-  kernels: `p_block=128, unsigned_p=True`.
+  The fields pick how P is quantized, so the reference mirrors each kernel:
+  the forward's P per row of a `p_block`-key tile (default: one key block, as
+  the portable kernels), to 0..127, or to 0..255 with `unsigned_p`; the
+  backward's P^T per key row of a block_kv x block_q tile to 0..127, or to
+  0..255 by `numerics.unsigned_rows` with `unsigned_p_t`. The Hopper kernels:
+  `HOPPER_NUMERICS`; the Triton kernels: `unsigned_p=True`.
   """
 
   p_block: int | None = None
   unsigned_p: bool = False
+  unsigned_p_t: bool = False
 
   def quantize(self, q, k, v, k_mean, config: Config) -> QuantizedQKV:
     # Scores are base-2 logits: scale * log2(e) goes into Q's scale.
@@ -170,7 +171,7 @@ class ReferenceBackend:
                       preferred_element_type=_f32)
       ds = p * (dp - delta[..., None])
       # dV = P^T.dO: P^T quantized per key (a row of the dK/dV kernel's tile).
-      if self.unsigned_p:
+      if self.unsigned_p_t:
         pq_t, log2_p_scale = nm.unsigned_rows(jnp.swapaxes(s - lse[..., None], -1, -2))
         p8_t, p_scale = jnp.round(pq_t), jnp.exp2(log2_p_scale)
         # dS^T from P^T in its 0..255 units: its per-row scale absorbs them.
@@ -202,7 +203,7 @@ class ReferenceBackend:
       dq = dq + nm.dequantize(dq_tiles, ds_scale[..., None], k_scale)
 
       ds8_t, ds_t_scale = nm.quantize_rows(ds_t)
-      if self.unsigned_p:
+      if self.unsigned_p_t:
         ds_t_scale = ds_t_scale * p_scale
       dk_tiles = _int8_einsum("bhgikq,bhgiqd->bhgikd", ds8_t, tiles.q8)
       dk_tiles = nm.dequantize(dk_tiles, ds_t_scale[..., None],
@@ -222,6 +223,11 @@ class ReferenceBackend:
     dk = kv_seq(dk) * nm.LN_2
     dv = kv_seq(dv)
     return dq, dk, dv
+
+
+# The Hopper (Mosaic GPU) kernels' numerics: the forward's P per 128-key row
+# and the backward's P^T per key row, both unsigned.
+HOPPER_NUMERICS = ReferenceBackend(p_block=128, unsigned_p=True, unsigned_p_t=True)
 
 
 class _Tiles:

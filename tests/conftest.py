@@ -192,12 +192,11 @@ HOPPER_CASES = frozenset({"plain", "causal", "gqa_causal", "mqa", "no_smooth_k",
 
 
 def use_hopper_numerics(monkeypatch):
-  """The op's "reference" quantizes P as the Hopper forward does (per 128-key
-  row, unsigned), for comparisons with cases the Mosaic forward takes."""
+  """The op's "reference" quantizes P and P^T as the Hopper kernels do (per
+  128-key row, per key row, unsigned), for cases the Mosaic kernels take."""
   from sagebwd_jax import api
-  from sagebwd_jax.reference import ReferenceBackend
-  monkeypatch.setattr(api, "ReferenceBackend",
-                      lambda: ReferenceBackend(p_block=128, unsigned_p=True))
+  from sagebwd_jax.reference import HOPPER_NUMERICS
+  monkeypatch.setattr(api, "ReferenceBackend", lambda: HOPPER_NUMERICS)
 
 
 def use_triton_numerics(monkeypatch):

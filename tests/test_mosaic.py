@@ -5,7 +5,7 @@ GPU's interpret mode cannot run: on the CPU every variant is lowered for CUDA
 (`lowering_platforms=("cuda",)`, which catches most errors) and the layout
 helpers are checked against an independent construction; on a GPU
 (`@pytest.mark.gpu`) the compiled kernel is compared with
-`ReferenceBackend(p_block=128, unsigned_p=True)`, the same algorithm in plain
+`reference.HOPPER_NUMERICS`, the same algorithm in plain
 JAX, fed the same quantized tensors.
 """
 
@@ -21,10 +21,9 @@ from conftest import (CPU, assert_lowers_to_mosaic_gpu, backend_tolerance, gauss
 from pallas_kernels.mosaic import registers
 from pallas_kernels.mosaic.forward import ForwardTuning, forward_mosaic, takes
 from pallas_kernels.types import Masks
-from sagebwd_jax.reference import ReferenceBackend
+from sagebwd_jax.reference import HOPPER_NUMERICS, ReferenceBackend
 from sagebwd_jax.sagebwd import key_mean
 
-HOPPER_NUMERICS = ReferenceBackend(p_block=128, unsigned_p=True)
 TUNINGS = {"default": ForwardTuning(),
            "one_warpgroup": ForwardTuning(compute_wgs=1, schedule_barrier=False),
            "three_stages": ForwardTuning(max_concurrent_steps=3)}

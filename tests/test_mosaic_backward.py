@@ -4,7 +4,7 @@ The kernels feed P^T and dS to wgmma from registers (`plgpu.inline_mgpu`),
 which Mosaic GPU's interpret mode cannot run: on the CPU every tuning is
 lowered for CUDA (`lowering_platforms=("cuda",)`); on a GPU
 (`@pytest.mark.gpu`) the compiled kernels are compared with
-`ReferenceBackend(unsigned_p=True).backward`, the same algorithm in plain JAX,
+`reference.HOPPER_NUMERICS.backward`, the same algorithm in plain JAX,
 on the same quantized tensors, O and lse.
 """
 
@@ -22,10 +22,9 @@ from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
 from pallas_kernels.triton.backward_prepass import backward_prepass
 from pallas_kernels.triton.common import LaunchConfig
 from pallas_kernels.types import Masks
-from sagebwd_jax.reference import ReferenceBackend
+from sagebwd_jax.reference import HOPPER_NUMERICS
 from sagebwd_jax.sagebwd import key_mean
 
-HOPPER_NUMERICS = ReferenceBackend(p_block=128, unsigned_p=True)
 TUNINGS = {"default": BackwardTuning(),
            "one_warpgroup": BackwardTuning(compute_wgs=1, schedule_barrier=False),
            "three_steps": BackwardTuning(max_concurrent_steps=3)}

@@ -368,3 +368,18 @@ def test_spread_nan():
   got = np.asarray(nm.spread_nan(x))
   assert np.all(np.isnan(got[0]))
   np.testing.assert_array_equal(got[1], [1.0, np.inf, 3.0])  # +inf is a lse's "no key"
+
+
+def test_unsigned_rows():
+  """pq = 255 * exp2(a - rowmax a): the row's largest rounds to 255, every value
+  lies in [0, 255], pq * exp2(scale) is exp2(a), and a fully masked row is 0."""
+  a = jax.random.normal(jax.random.key(3), (4, 64)) * 5.0 - 20.0
+  a = a.at[2].set(-jnp.inf)
+  pq, log2_scale = nm.unsigned_rows(a)
+  pq, log2_scale = np.asarray(pq), np.asarray(log2_scale)
+  assert np.all((pq >= 0) & (np.round(pq) <= 255))
+  np.testing.assert_array_equal(np.round(pq[[0, 1, 3]]).max(axis=1), 255.0)
+  np.testing.assert_array_equal(pq[2], 0.0)
+  live = [0, 1, 3]
+  np.testing.assert_allclose(pq[live] * np.exp2(log2_scale[live])[:, None],
+                             np.exp2(np.asarray(a, np.float64)[live]), rtol=1e-5)

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import gaussian_qkv, oracle, oracle64, rel_l2
 from pallas_kernels import numerics as nm
-from pallas_kernels.types import Config
+from pallas_kernels.types import Config, Masks
 from sagebwd_jax import full_precision_attention
 from sagebwd_jax.reference import ReferenceBackend
 
@@ -118,3 +118,24 @@ def test_reference_quantize_is_numerics_rules(smooth_q, block_q, block_kv):
   _check_scale(qkv.k_scale, k_scale, block_kv)
   _check_scale(qkv.v_scale, v_scale, block_kv)
   assert q_scale[0, 0, 0] == 0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_unsigned_p_t_backward_against_fp64(causal):
+  """The Hopper backward's rule (P^T per key row to 0..255): dQ and dK within
+  the INT8 design's error of fp64 attention, and dV at least as close as with
+  P^T to 0..127 (twice the levels)."""
+  q, k, v, do = gaussian_qkv(jax.random.key(5), 1, 256, 256, 2, 2, 64, dtype=jnp.float32)
+  config = Config(scale=64**-0.5, causal=causal, smooth_q=False, block_q=64, block_kv=64)
+  _, want = oracle64(q, k, v, do, is_causal=causal)
+
+  def grads(backend):
+    qkv = backend.quantize(q, k, v, None, config)
+    o, lse = backend.forward(qkv, Masks(), config, jnp.float32)
+    return backend.backward(qkv, v, o, lse, do, Masks(), config)
+
+  unsigned = grads(ReferenceBackend(unsigned_p_t=True))
+  signed = grads(ReferenceBackend())
+  for name, got, ref in zip(("dQ", "dK"), unsigned[:2], want[:2]):
+    assert rel_l2(got, ref) < 0.03, name
+  assert rel_l2(unsigned[2], want[2]) <= rel_l2(signed[2], want[2])

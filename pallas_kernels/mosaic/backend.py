@@ -8,8 +8,9 @@ int8 tensors feed both paths). The forward runs in Mosaic GPU when
 output), quantizing P as `ReferenceBackend(p_block=128, unsigned_p=True)`
 does; the dK/dV and dQ kernels when `backward_takes` accepts it (the same, with
 queries and keys in whole CTA tiles of 128), quantizing P^T as
-`ReferenceBackend(unsigned_p=True)` does. Anything else runs in the fallback,
-call by call. The Mosaic kernels compile for an sm_90 GPU only.
+`ReferenceBackend(unsigned_p_t=True)` does (`reference.HOPPER_NUMERICS`: both).
+Anything else runs in the fallback, call by call. The Mosaic kernels compile
+for an sm_90 GPU only.
 """
 
 from __future__ import annotations
