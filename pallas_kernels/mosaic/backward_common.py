@@ -28,7 +28,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import numerics as nm
 from pallas_kernels.mosaic import registers
-from pallas_kernels.mosaic.common import BLOCK, positive_scale
+from pallas_kernels.mosaic.common import BLOCK, Tuning, positive_scale
 
 TILE = (BLOCK, BLOCK)
 # Registers per thread of the compute and producer warpgroups (setmaxnreg):
@@ -40,22 +40,11 @@ COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
 
 
 @dataclasses.dataclass(frozen=True)
-class BackwardTuning:
-  """Launch settings of the Mosaic backward (they do not change results).
-
-  `python -m benchmarks.mosaic_backward` times them (docs/performance.md)."""
-
-  compute_wgs: int = 2  # warpgroups of 64 rows (keys in dK/dV, queries in dQ) per CTA
-  max_concurrent_steps: int = 2  # depth of the ring of streamed 64-token tiles
-  schedule_barrier: bool = True  # compute warpgroups take turns on the tensor cores
-
-  def __post_init__(self):
-    if self.compute_wgs not in (1, 2):
-      raise ValueError(f"compute_wgs must be 1 or 2; got {self.compute_wgs}")
-    if self.max_concurrent_steps < 2:
-      raise ValueError(f"max_concurrent_steps must be >= 2; got {self.max_concurrent_steps}")
-    if self.schedule_barrier and self.compute_wgs != 2:
-      raise ValueError("schedule_barrier alternates two compute warpgroups")
+class BackwardTuning(Tuning):
+  """Launch settings of a Mosaic backward kernel: blocks of 64 keys (dK/dV) or
+  queries (dQ) per CTA, the ring of the other side's 64-token tiles, the
+  schedule barrier. `python -m benchmarks.mosaic_backward` times them
+  (docs/performance.md)."""
 
 
 class Schedule:

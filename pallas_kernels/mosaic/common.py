@@ -3,6 +3,8 @@ launch (compute warpgroups and a TMA producer), shared-memory layouts."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -12,6 +14,28 @@ from pallas_kernels.types import Config, Masks, QuantizedQKV
 BLOCK = 64  # rows per compute warpgroup = quantization block = key tile
 COMPUTE_WGS = 2
 HEAD_DIMS = (64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+  """Launch settings of a warp-specialized Mosaic kernel (they do not change
+  results): `compute_wgs` compute warpgroups of 64 rows each and a TMA
+  producer streaming the other side's tiles through a ring."""
+
+  compute_wgs: int = 2  # warpgroups of 64 rows per CTA
+  max_concurrent_steps: int = 2  # ring depth, in steps
+  schedule_barrier: bool = True  # compute warpgroups take turns on the tensor cores
+
+  def __post_init__(self):
+    # One or two 64-row blocks fit a 128-token step or CTA tile, so with
+    # causal masking every warpgroup of a CTA sees the same steps (forward) or
+    # releases the one it skips (backward).
+    if self.compute_wgs not in (1, 2):
+      raise ValueError(f"compute_wgs must be 1 or 2; got {self.compute_wgs}")
+    if self.max_concurrent_steps < 2:
+      raise ValueError(f"max_concurrent_steps must be >= 2; got {self.max_concurrent_steps}")
+    if self.schedule_barrier and self.compute_wgs != 2:
+      raise ValueError("schedule_barrier alternates two compute warpgroups")
 
 
 def supports(masks: Masks, config: Config, head_dim: int) -> bool:

@@ -46,7 +46,7 @@ from jax import lax
 
 from pallas_kernels import numerics as nm
 from pallas_kernels.mosaic import registers
-from pallas_kernels.mosaic.common import (BLOCK, positive_scale, smem_transforms,
+from pallas_kernels.mosaic.common import (BLOCK, Tuning, positive_scale, smem_transforms,
                                           warp_specialized_kernel)
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
@@ -55,22 +55,9 @@ _LOG2_P_LEVELS = math.log2(nm.UINT8_MAX)  # P is unsigned 8-bit
 
 
 @dataclasses.dataclass(frozen=True)
-class ForwardTuning:
-  """Launch settings of the Mosaic forward (they do not change results)."""
-
-  compute_wgs: int = 2  # warpgroups of 64 query rows per CTA
-  max_concurrent_steps: int = 2  # K/V ring depth (128 keys a slot)
-  schedule_barrier: bool = True  # compute warpgroups take turns on the tensor cores
-
-  def __post_init__(self):
-    # One or two 64-row blocks fit a 128-key step, so with causal masking every
-    # warpgroup of a CTA sees the same steps.
-    if self.compute_wgs not in (1, 2):
-      raise ValueError(f"compute_wgs must be 1 or 2; got {self.compute_wgs}")
-    if self.max_concurrent_steps < 2:
-      raise ValueError(f"max_concurrent_steps must be >= 2; got {self.max_concurrent_steps}")
-    if self.schedule_barrier and self.compute_wgs != 2:
-      raise ValueError("schedule_barrier alternates two compute warpgroups")
+class ForwardTuning(Tuning):
+  """Launch settings of the Mosaic forward: query blocks per CTA, the K/V
+  ring (128 keys a slot), the schedule barrier."""
 
 
 def takes(masks: Masks, config: Config, q_len: int, kv_len: int, head_dim: int,
