@@ -25,11 +25,11 @@ def _kv_step(dq, q8, q_scale, q_mean, q_pos, q_ids, lse, delta, do, k8_ptr, k8_t
   k8 = tl.load(k8_ptr + keys[:, None] * D + dims[None, :])
   k_scale = tl.load(k_scale_ptr + j * BK)
   bias = tiles.q_smoothing_bias(k8, k_scale, q_mean)[None, :] if SMOOTH_Q else 0.0
-  x, c, off = tiles.score_tile(q8, k8, q_scale, k_scale, bias, SMOOTH_Q)
+  x, c, _ = tiles.score_tile(q8, k8, q_scale, k_scale, bias, SMOOTH_Q)
   kv_ids = tl.load(kv_ids_ptr + keys)[None, :] if IDS else 0
   x = tiles.masked(x, q_pos, keys[None, :], q_ids, kv_ids, CAUSAL, IDS)
   # exp2(S - lse): rows that saw no key have lse = +inf, so P = 0 there.
-  p = tl.exp2(x * c + (off - lse)[:, None])
+  p = tl.exp2(tiles.minus_lse(x, c, lse[:, None], SMOOTH_Q))
 
   v = tl.load(v_ptr + keys[:, None] * HKV * D + dims[None, :])
   dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)

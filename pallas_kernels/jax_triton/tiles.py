@@ -94,6 +94,18 @@ def score_tile(a8, b8, a_scale, b_scale, b_bias, SMOOTH_Q: tl.constexpr):
 
 
 @device_function
+def minus_lse(x, c, lse, SMOOTH_Q: tl.constexpr):
+  """The backward's exp2 argument S - lse from `score_tile`'s x and c (`lse`
+  broadcastable to x). The magic offset comes off exactly before the multiply:
+  folded into the addend with -lse, its fp32 rounding (about c) would move the
+  exponent, and in the backward no row maximum cancels it (the Mosaic backward
+  measured dQ relative L2 .040 at sigma 30 that way)."""
+  if SMOOTH_Q:
+    return x - lse
+  return (x - MAGIC_F32) * c - lse
+
+
+@device_function
 def q_smoothing_bias(k8, k_scale, q_mean):
   """q_mean . K^T for the keys of a tile (numerics.q_smoothing_bias): (N,)."""
   return tl.sum(k8.to(tl.float32) * q_mean[None, :], axis=1) * k_scale
