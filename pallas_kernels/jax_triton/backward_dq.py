@@ -20,14 +20,10 @@ def _kv_step(dq, q8, q_scale, q_mean, q_pos, q_ids, lse, delta, do, k8_ptr, k8_t
              k_scale_ptr, v_ptr, kv_ids_ptr, j, TK: tl.constexpr, HKV: tl.constexpr,
              D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr,
              IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
-  keys = j * BK + tl.arange(0, BK)
+  x, c, _, keys, k_scale = tiles.key_block_scores(q8, q_scale, q_mean, q_pos, q_ids, k8_ptr,
+                                                  k_scale_ptr, kv_ids_ptr, j, D, BK, CAUSAL,
+                                                  IDS, SMOOTH_Q)
   dims = tl.arange(0, D)
-  k8 = tl.load(k8_ptr + keys[:, None] * D + dims[None, :])
-  k_scale = tl.load(k_scale_ptr + j * BK)
-  bias = tiles.q_smoothing_bias(k8, k_scale, q_mean)[None, :] if SMOOTH_Q else 0.0
-  x, c, _ = tiles.score_tile(q8, k8, q_scale, k_scale, bias, SMOOTH_Q)
-  kv_ids = tl.load(kv_ids_ptr + keys)[None, :] if IDS else 0
-  x = tiles.masked(x, q_pos, keys[None, :], q_ids, kv_ids, CAUSAL, IDS)
   # exp2(S - lse): rows that saw no key have lse = +inf, so P = 0 there.
   p = tl.exp2(tiles.minus_lse(x, c, lse[:, None], SMOOTH_Q))
 

@@ -94,6 +94,23 @@ def score_tile(a8, b8, a_scale, b_scale, b_bias, SMOOTH_Q: tl.constexpr):
 
 
 @device_function
+def key_block_scores(q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_ptr, kv_ids_ptr, j,
+                     D: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr,
+                     IDS: tl.constexpr, SMOOTH_Q: tl.constexpr):
+  """`score_tile` of a query block (rows) against key block j (columns), masked;
+  returns (x, c, off, keys, k_scale). The forward and dQ loop over key blocks
+  with it."""
+  keys = j * BK + tl.arange(0, BK)
+  k8 = tl.load(k8_ptr + keys[:, None] * D + tl.arange(0, D)[None, :])
+  k_scale = tl.load(k_scale_ptr + j * BK)
+  bias = q_smoothing_bias(k8, k_scale, q_mean)[None, :] if SMOOTH_Q else 0.0
+  x, c, off = score_tile(q8, k8, q_scale, k_scale, bias, SMOOTH_Q)
+  kv_ids = tl.load(kv_ids_ptr + keys)[None, :] if IDS else 0
+  x = masked(x, q_pos, keys[None, :], q_ids, kv_ids, CAUSAL, IDS)
+  return x, c, off, keys, k_scale
+
+
+@device_function
 def minus_lse(x, c, lse, SMOOTH_Q: tl.constexpr):
   """The backward's exp2 argument S - lse from `score_tile`'s x and c (`lse`
   broadcastable to x). The magic offset comes off exactly before the multiply:
