@@ -161,3 +161,12 @@ def test_gpu_large_logits_keep_p_in_range(sigma):
 def test_gpu_all_zero_v_block():
   qkv, config, o_ref, lse_ref = _case(1, 256, 256, 2, 1, 64, True, zero_v_block=True)
   _check(*_run(qkv, config), o_ref, lse_ref)
+
+
+def test_positive_scale_floors_and_keeps_nan():
+  """The score scale's floor keeps masked scores -inf (no 0 scale) and a NaN
+  scale NaN (a max would drop it)."""
+  from pallas_kernels.mosaic.common import positive_scale
+  got = np.asarray(positive_scale(jnp.array([0.0, 2.0**-120, 0.5, jnp.nan], jnp.float32)))
+  np.testing.assert_array_equal(got[:3], [2.0**-100, 2.0**-100, 0.5])
+  assert np.isnan(got[3])
