@@ -10,6 +10,7 @@ from pallas_kernels.jax_triton.backward_prepass import backward_prepass
 from pallas_kernels.jax_triton.forward import forward
 from pallas_kernels.jax_triton.launch import LaunchConfig
 from pallas_kernels.jax_triton.quantize import quantize_qkv
+from pallas_kernels import numerics as nm
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 # Tiles up to 128: every int8 product then stays below 2**22 in magnitude,
@@ -59,7 +60,11 @@ class TritonBackend:
 
   def prepass(self, o, do, config: Config):
     """Delta = rowsum(dO * O) and psi(dO) per block_q rows, stored (B, H, D, T)."""
-    return backward_prepass(o, do, block_q=config.block_q, launch=self.dq_launch)
+    delta, do8_t, do_scale = backward_prepass(o, do, block_q=config.block_q,
+                                              launch=self.dq_launch)
+    if config.banded:  # a NaN dO block reaches keys it never meets (reference.py says why)
+      do_scale = nm.spread_nan(do_scale)
+    return delta, do8_t, do_scale
 
   def backward(self, qkv: QuantizedQKV, v, o, lse, do, masks: Masks, config: Config):
     _check_blocks(config)

@@ -41,12 +41,14 @@ class PallasBackend:
 
   def prepass(self, o, do, config: Config):
     """Delta = rowsum(dO * O) and psi(dO) per block_q rows, stored (B, H, D, T)."""
-    return backward_prepass(o, do, block_q=config.block_q, launch=self.backward_launch)
+    delta, do8_t, do_scale = backward_prepass(o, do, block_q=config.block_q,
+                                              launch=self.backward_launch)
+    if config.banded:  # a NaN dO block reaches keys it never meets (reference.py says why)
+      do_scale = nm.spread_nan(do_scale)
+    return delta, do8_t, do_scale
 
   def backward(self, qkv: QuantizedQKV, v, o, lse, do, masks: Masks, config: Config):
     delta, do8_t, do_scale = self.prepass(o, do, config)
-    if config.banded:
-      do_scale = nm.spread_nan(do_scale)  # as the reference's backward says why
     dk, dv = backward_dkdv(qkv, v, lse, delta, do, do8_t, do_scale, masks, config,
                            self.backward_launch)
     dq = backward_dq(qkv, v, lse, delta, do, masks, config, self.backward_launch)
