@@ -132,3 +132,28 @@ def test_profile_reads_back_its_own_trace():
   """On the CPU the trace has no GPU plane: no kernels, but a trace was written and read."""
   fn = jax.jit(lambda x: jnp.sin(x) @ x)
   assert breakdown.profile(fn, (jnp.ones((64, 64)),), iters=2) == {}
+
+
+LISTING = """
+.L_x_1:
+\t//## File "/x/backward_dkdv.py", line 90
+        /*0100*/                   IGMMA.64x64x32.S8.S8 R24, R8, gdesc[UR4], RZ ;
+\t//## File "/x/backward_common.py", line 140
+        /*0110*/                   FFMA R2, R3, R4, R2 ;
+        /*0120*/              @!P0 BRA `(.L_x_1) ;
+.L_x_2:
+        /*0130*/                   F2FP.BF16.F32.PACK_AB R5, R6, R7 ;
+        /*0140*/               @P1 BRA `(.L_x_2) ;
+        /*0150*/                   BRA `(.L_x_1) ;
+        /*0160*/                   EXIT ;
+"""
+
+
+def test_sass_finds_the_innermost_wgmma_loop():
+  """The loop that issues a wgmma is found with its source lines; a loop
+  without one and a branch from the epilogue back into the loop are not."""
+  from benchmarks import sass
+  instructions, labels = sass.parse_listing(LISTING)
+  assert [i.opcode for i in instructions[:3]] == ["IGMMA.64x64x32.S8.S8", "FFMA", "BRA"]
+  assert instructions[1].line == "backward_common.py:140"
+  assert sass.wgmma_loops(instructions, labels) == [range(0, 3)]
