@@ -131,11 +131,16 @@ def _results(losses, status="done"):
     ([2.10, 2.12], [2.00, 2.01], 0.105, 0.02, "exceeds the seed spread"),
     ([2.00, 2.10], [2.01, 2.07], 0.01, 0.10, "within the seed spread"),
     ([2.00], [1.90], 0.10, None, "one seed: no spread"),
+    # The H200 study's 8K-token cells (sage, full): paired gaps +.0131, +.0163.
+    ([1.3119, 1.2539], [1.2988, 1.2376], 0.0147, 0.0612,
+     "within the seed spread; one sign in every seed, beyond the gaps' range"),
 ])
 def test_gap_against_seed_spread(cell, baseline, mean, spread, verdict):
   c = compare(_results(cell), _results(baseline))
   assert c["mean"] == pytest.approx(mean) and c["verdict"] == verdict
   assert c["spread"] == (None if spread is None else pytest.approx(spread))
+  gaps = [a - b for a, b in zip(cell, baseline)]
+  assert c["gap_range"] == (pytest.approx(max(gaps) - min(gaps)) if len(gaps) > 1 else None)
 
 
 def test_divergence_and_unfinished_runs_in_the_verdict():
