@@ -1,18 +1,21 @@
-"""Where the instructions of the Mosaic GPU kernels' inner loops go, from the
-PTX the GPU machine dumps: ptxas's register and spill report, then each
-innermost loop that issues wgmmas, its instructions by opcode and by source
-line, per score.
+"""Where the instructions of the kernels' inner loops go, read from their
+SASS without a GPU: ptxas's register and spill report, then each innermost
+loop that issues wgmmas, its instructions by opcode and by source line, per
+score.
 
-    # on the GPU machine (any run that compiles the kernels):
+    # Mosaic GPU kernels: their PTX, dumped on the GPU machine by any run
     MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=dump python -m benchmarks.mosaic_backward --seq 1024
-    # anywhere, GPU or not:
     python -m benchmarks.sass dump/*.ptx [--lines 20]
+    # Triton kernels (implementation="triton"): compiled here for sm_90 by
+    # Triton itself, under each launch setting
+    python -m benchmarks.sass --triton [--causal] [--lines 0]
 
 Needs ptxas and nvdisasm (CUDA 13, for the PTX 9.0 that jax 0.11.2 emits):
-on PATH, or `pip install nvidia-cuda-nvcc nvidia-cuda-nvdisasm`. The counts
-are static (one pass through the loop body, both branches of a select); a
-loop's instructions per score assume one 64 x 64 score tile per 128-thread
-warpgroup and iteration (`--scores-per-thread`), as in the backward kernels.
+on PATH, or `pip install nvidia-cuda-nvcc nvidia-cuda-nvdisasm`; `--triton`
+needs triton too. The counts are static (one pass through the loop body, both
+branches of a select). Per score: a Mosaic loop does one 64 x 64 score tile
+per 128-thread warpgroup (`--scores-per-thread`), a Triton loop one
+block_q x block_kv tile over all the program's threads.
 """
 
 from __future__ import annotations
@@ -42,6 +45,60 @@ def tool(name: str) -> str:
                    "nvidia-cuda-nvdisasm` (CUDA 13)")
 
 
+TRITON_POINTER_TYPES = {"int8": "*i8", "int32": "*i32", "float32": "*fp32",
+                        "bfloat16": "*bf16", "float16": "*fp16"}
+
+
+@dataclasses.dataclass
+class TritonLaunch:
+  """One Triton kernel launch of the op, as `LaunchConfig.call` received it."""
+  name: str
+  kernel: object  # triton.JITFunction
+  types: list[str]  # Triton's pointer type of each argument, then of each output
+  constants: dict
+  num_warps: int
+  num_stages: int
+
+  def compile(self, arch: int, num_warps: int | None = None,
+              num_stages: int | None = None) -> bytes:
+    """The launch's cubin for sm_`arch`, by Triton's own compiler (no GPU)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile as triton_compile
+    pointers = [n for n in self.kernel.arg_names if n not in self.constants]
+    signature = dict(zip(pointers, self.types)) | {n: "constexpr" for n in self.constants}
+    attrs = {(self.kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in pointers}
+    options = dict(num_warps=num_warps or self.num_warps,
+                   num_stages=num_stages or self.num_stages)
+    compiled = triton_compile(ASTSource(self.kernel, signature, constexprs=self.constants,
+                                        attrs=attrs),
+                              target=GPUTarget("cuda", arch, 32), options=options)
+    return compiled.asm["cubin"]
+
+
+def triton_launches(fn, *args) -> list[TritonLaunch]:
+  """Every Triton kernel launch in the trace of `fn(*args)` (nothing runs)."""
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels.jax_triton import launch
+
+  launches = []
+
+  def record(config, kernel, args, out_shape, *, grid, name, **constants):
+    del grid
+    types = [TRITON_POINTER_TYPES[jnp.dtype(x.dtype).name] for x in (*args, *out_shape)]
+    launches.append(TritonLaunch(name, kernel, types, constants, config.num_warps,
+                                 config.num_stages))
+    return [jnp.zeros(s.shape, s.dtype) for s in out_shape]
+
+  original = launch.LaunchConfig.call
+  launch.LaunchConfig.call = record
+  try:
+    jax.eval_shape(fn, *args)
+  finally:
+    launch.LaunchConfig.call = original
+  return launches
+
+
 @dataclasses.dataclass
 class Instruction:
   opcode: str
@@ -55,9 +112,13 @@ def disassemble(ptx: str, arch: str) -> tuple[str, str]:
     cubin = os.path.join(tmp, "kernel.cubin")
     report = subprocess.run([tool("ptxas"), f"-arch={arch}", "-O3", "-v", ptx, "-o", cubin],
                             capture_output=True, text=True, check=True).stderr
-    listing = subprocess.run([tool("nvdisasm"), "-c", "-g", cubin], capture_output=True,
-                             text=True, check=True).stdout
-  return report, listing
+    return report, listing(cubin)
+
+
+def listing(cubin_path: str) -> str:
+  """nvdisasm's listing of a cubin, with source lines."""
+  return subprocess.run([tool("nvdisasm"), "-c", "-g", cubin_path], capture_output=True,
+                        text=True, check=True).stdout
 
 
 def parse_listing(listing: str) -> tuple[list[Instruction], dict[str, int]]:
@@ -90,30 +151,64 @@ def wgmma_loops(instructions: list[Instruction], labels: dict[str, int]) -> list
           if not any(other.stop - 1 in span for other in spans if other != span)]
 
 
+def report_loops(instructions: list[Instruction], labels: dict[str, int],
+                 scores_per_thread: float, lines: int) -> None:
+  for body in wgmma_loops(instructions, labels):
+    loop = [instructions[j] for j in body]
+    ops = collections.Counter(i.opcode for i in loop)
+    spills = sum(n for op, n in ops.items() if op.startswith(("STL", "LDL")))
+    print(f"  loop of {len(loop)} instructions = {len(loop) / scores_per_thread:.1f} per "
+          f"score ({spills} spill loads/stores)")
+    print("    " + ", ".join(f"{k} {v}" for k, v in ops.most_common(16)))
+    for line, n in collections.Counter(i.line for i in loop).most_common(lines):
+      mix = collections.Counter(i.opcode for i in loop if i.line == line)
+      print(f"    {n / scores_per_thread:5.2f}/score {n:4d} {line}: "
+            + ", ".join(f"{k} {v}" for k, v in mix.most_common(5)))
+
+
+def _triton(args) -> None:
+  import jax
+  import jax.numpy as jnp
+  from sagebwd_jax import dot_product_attention
+
+  shape = jax.ShapeDtypeStruct((1, 4096, 2, args.head_dim), jnp.bfloat16)
+  loss = lambda q, k, v: dot_product_attention(
+      q, k, v, implementation="triton", is_causal=args.causal).astype(jnp.float32).sum()
+  for launch in triton_launches(jax.grad(loss, argnums=(0, 1, 2)), shape, shape, shape):
+    if "quantize" in launch.name or "prepass" in launch.name:
+      continue  # no loop over score tiles
+    tile = launch.constants["BQ"] * launch.constants.get("BK", launch.constants["BQ"])
+    for warps, stages in ((4, 1), (4, 2), (4, 3), (8, 1), (8, 2), (8, 3)):
+      with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "kernel.cubin")
+        with open(cubin, "wb") as f:
+          f.write(launch.compile(90, warps, stages))
+        instructions, labels = parse_listing(listing(cubin))
+      print(f"## {launch.name} num_warps={warps} num_stages={stages}")
+      report_loops(instructions, labels, tile / (32 * warps), args.lines)
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("ptx", nargs="+", help="PTX files (MOSAIC_GPU_DUMP_PTX=1's *.ptx)")
+  parser.add_argument("ptx", nargs="*", help="PTX files (MOSAIC_GPU_DUMP_PTX=1's *.ptx)")
   parser.add_argument("--arch", default="sm_90a")
   parser.add_argument("--lines", type=int, default=15, help="source lines to list per loop")
   parser.add_argument("--scores-per-thread", type=float, default=64 * 64 / 128)
+  parser.add_argument("--triton", action="store_true",
+                      help="the Triton kernels instead (T=4096, 2 heads, compiled for sm_90)")
+  parser.add_argument("--causal", action="store_true", help="with --triton: causal masking")
+  parser.add_argument("--head-dim", type=int, default=128, help="with --triton")
   args = parser.parse_args(argv)
+  if args.triton:
+    return _triton(args)
+  if not args.ptx:
+    parser.error("give PTX files, or --triton")
   for path in args.ptx:
-    report, listing = disassemble(path, args.arch)
-    instructions, labels = parse_listing(listing)
+    report, text = disassemble(path, args.arch)
     print(f"## {os.path.basename(path)}")
     print("\n".join("  " + r.strip() for r in report.splitlines()
                     if "spill" in r or "Used" in r))
-    for body in wgmma_loops(instructions, labels):
-      loop = [instructions[j] for j in body]
-      ops = collections.Counter(i.opcode for i in loop)
-      print(f"  loop of {len(loop)} instructions = "
-            f"{len(loop) / args.scores_per_thread:.1f} per score")
-      print("    " + ", ".join(f"{k} {v}" for k, v in ops.most_common(16)))
-      lines = collections.Counter(i.line for i in loop)
-      for line, n in lines.most_common(args.lines):
-        mix = collections.Counter(i.opcode for i in loop if i.line == line)
-        print(f"    {n / args.scores_per_thread:5.2f}/score {n:4d} {line}: "
-              + ", ".join(f"{k} {v}" for k, v in mix.most_common(5)))
+    report_loops(*parse_listing(text), args.scores_per_thread, args.lines)
 
 
 if __name__ == "__main__":

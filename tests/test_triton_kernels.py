@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("triton", reason="the Triton kernels need the package triton")
 
 from conftest import gaussian_qkv  # noqa: E402
-from pallas_kernels.jax_triton import launch  # noqa: E402
+from benchmarks import sass  # noqa: E402
 from pallas_kernels.jax_triton.backend import TritonBackend  # noqa: E402
 from pallas_kernels.jax_triton.backward_prepass import backward_prepass  # noqa: E402
 from pallas_kernels.types import Config, Masks  # noqa: E402
@@ -133,52 +133,23 @@ def test_missing_package_names_it(monkeypatch):
     dot_product_attention(q, k, v, implementation="triton")
 
 
-_TRITON_POINTER_TYPES = {jnp.dtype(jnp.int8): "*i8", jnp.dtype(jnp.int32): "*i32",
-                         jnp.dtype(jnp.float32): "*fp32", jnp.dtype(jnp.bfloat16): "*bf16",
-                         jnp.dtype(jnp.float16): "*fp16"}
-
-
-def _launches(monkeypatch, **op_kwargs) -> list:
-  """(kernel, pointer types, constants, LaunchConfig) of every kernel the op's
-  forward and backward launch, captured while tracing (nothing runs)."""
-  launches = []
-
-  def record(self, kernel, args, out_shape, *, grid, name, **constants):
-    del grid, name
-    types = [_TRITON_POINTER_TYPES[jnp.dtype(x.dtype)] for x in (*args, *out_shape)]
-    launches.append((kernel, types, constants, self))
-    return [jnp.zeros(s.shape, s.dtype) for s in out_shape]
-
-  monkeypatch.setattr(launch.LaunchConfig, "call", record)
-  q, k, v, _ = gaussian_qkv(jax.random.key(7), 2, 128, 128, 4, 2, op_kwargs.pop("head_dim"))
-  loss = lambda q, k, v: dot_product_attention(q, k, v, implementation="triton",
-                                               **op_kwargs).astype(jnp.float32).sum()
-  jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
-  return launches
-
-
 @pytest.mark.skipif(ON_GPU, reason="the GPU runs them compiled")
 @pytest.mark.parametrize("op_kwargs", [
     dict(head_dim=128),
     dict(head_dim=64, is_causal=True, smooth_q=True,
          segment_ids=jnp.stack([jnp.arange(128) // 48, jnp.arange(128) // 80]))])
-def test_kernels_compile_for_hopper_and_ampere(monkeypatch, op_kwargs):
+def test_kernels_compile_for_hopper_and_ampere(op_kwargs):
   """Triton compiles every kernel launch of the op, as jax_triton would on a
   GPU, for sm_90 and sm_80: the compiled path's only check without a GPU."""
-  from triton.backends.compiler import GPUTarget
-  from triton.compiler import ASTSource, compile as triton_compile
-  launches = _launches(monkeypatch, **op_kwargs)
+  op_kwargs = dict(op_kwargs)
+  q, k, v, _ = gaussian_qkv(jax.random.key(7), 2, 128, 128, 4, 2, op_kwargs.pop("head_dim"))
+  loss = lambda q, k, v: dot_product_attention(q, k, v, implementation="triton",
+                                               **op_kwargs).astype(jnp.float32).sum()
+  launches = sass.triton_launches(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
   assert len(launches) == 7  # quantize Q, K, V; forward; prepass; dK/dV; dQ
-  for kernel, types, constants, config in launches:
-    pointers = [name for name in kernel.arg_names if name not in constants]
-    signature = dict(zip(pointers, types)) | {name: "constexpr" for name in constants}
-    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}
+  for captured in launches:
     for arch in (90, 80):
-      compiled = triton_compile(ASTSource(kernel, signature, constexprs=constants, attrs=attrs),
-                                target=GPUTarget("cuda", arch, 32),
-                                options=dict(num_warps=config.num_warps,
-                                             num_stages=config.num_stages))
-      assert compiled.asm["cubin"], (kernel.__name__, arch)
+      assert captured.compile(arch), (captured.name, arch)
 
 
 # Compiled on a GPU (run through the device tool).
