@@ -1,16 +1,22 @@
 """`python -m train.study` (issue 19): the grids it names, its tables and
-plots from a tiny grid of two 3-step runs, resuming without rerunning a
-finished run, and the gap-versus-seed-spread verdict."""
+plots from a tiny grid of two 3-step runs, each in a process of its own,
+resuming without rerunning a finished run, the compile cache reaching the
+runs, and the gap-versus-seed-spread verdict."""
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
-from train import study, study_report
+from train import study, study_child, study_report
 from train.config import check, params_besides_embeddings
 from train.metrics import kind, read
 from train.study import SCALES, Cell, Grid, StudyError, grids, plan, run_config
@@ -43,10 +49,26 @@ def test_named_grids_and_h200_scale():
     assert 100 <= cfg.steps * (cfg.grad_accum // 16 or 1) or cfg.steps >= 40
 
 
+def _json_data() -> list[str]:
+  return [str(__import__("train.data").data.stdlib_dir() / "json")]
+
+
 def test_tiny_grid_tables_plots_and_resume(tmp_path, monkeypatch):
+  """The study's own process, a fresh one here, runs the tiny grid without
+  importing jax (on a GPU a backend there would take the runs' memory)."""
   out = str(tmp_path / "study")
-  data = [str(__import__("train.data").data.stdlib_dir() / "json")]
-  paths = study.run([TINY], CPU, 1, out, data, log=lambda *a: None)
+  data = _json_data()
+  code = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+          f"from test_study import CPU, TINY; from train import study; "
+          f"paths = study.run([TINY], CPU, 1, {out!r}, {data!r}, log=lambda *a: None); "
+          f"print(*paths, sep=chr(10)); print('jax imported:', 'jax' in sys.modules)")
+  # The runs on the CPU: on a GPU this test's process already holds the memory.
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                        text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  *paths, imported = proc.stdout.strip().splitlines()[-5:]
+  assert imported == "jax imported: False"
   assert sorted(p.rsplit("/", 1)[1] for p in paths) == [
       "gaps.csv", "summary.csv", "summary.md", "tiny-curves.png"]
   finals = {}
@@ -71,10 +93,9 @@ def test_tiny_grid_tables_plots_and_resume(tmp_path, monkeypatch):
 
   # Resuming: finished runs are not run again; an unfinished one is, resumed
   # (it starts over: the study saves no checkpoints).
-  import train.loop
   trained = []
-  monkeypatch.setattr(train.loop, "train",
-                      lambda cfg, dataset: trained.append(cfg) or {"val_loss": 0.0})
+  monkeypatch.setattr(study_child, "train",
+                      lambda cfg, cache: trained.append(cfg) or {"val_loss": 0.0})
   study.run([TINY], CPU, 1, out, data, log=lambda *a: None)
   assert trained == []
   unfinished = run_config(CPU, TINY.cells[1], 0, out, data)
@@ -88,19 +109,70 @@ def test_tiny_grid_tables_plots_and_resume(tmp_path, monkeypatch):
   first = run_config(CPU, TINY.cells[0], 0, out, data)
   open(f"{first.out}/metrics.jsonl", "w").write("\n".join(lines[:4]) + "\n")
 
-  def fail_first(cfg, dataset):
+  def fail_first(cfg, cache):
     if cfg.out == first.out:
-      raise RuntimeError("RESOURCE_EXHAUSTED: out of memory\nmore")
+      raise study_child.Failed("RuntimeError: RESOURCE_EXHAUSTED: out of memory")
     trained.append(cfg)
     return {"val_loss": 0.0}
 
   trained.clear()
-  monkeypatch.setattr(train.loop, "train", fail_first)
+  monkeypatch.setattr(study_child, "train", fail_first)
   logged = []
   with pytest.raises(StudyError, match=f"1 run\\(s\\) failed: {first.name} "):
     study.run([TINY], CPU, 1, out, data, log=logged.append)
   assert [c.out for c in trained] == [unfinished.out]
   assert any("FAILED: RuntimeError: RESOURCE_EXHAUSTED: out of memory (" in m for m in logged)
+
+
+def _exit_slowly(path: str) -> tuple[str, None]:
+  import atexit
+  import time
+  atexit.register(lambda: time.sleep(0.5) or open(path, "w").close())
+  return "done", None
+
+
+def test_a_run_ends_with_its_process(tmp_path):
+  """The next run starts once the last one's process has exited (on a GPU,
+  freeing its memory), its exit not cut short."""
+  assert study_child.in_child(_exit_slowly, str(tmp_path / "exited")) == ("done", None)
+  assert (tmp_path / "exited").exists()
+
+
+def test_a_run_that_raises_or_dies_fails_and_one_that_diverges_is_told_apart(monkeypatch):
+  assert study_child.in_child(int, "x") == (
+      "failed", "ValueError: invalid literal for int() with base 10: 'x'")
+  assert study_child.in_child(os._exit, 3) == (
+      "failed", "its process exited with status 3 before reporting")
+  assert study_child.in_child(signal.raise_signal, signal.SIGKILL) == (
+      "failed", "its process was killed by SIGKILL")
+  import train.loop
+
+  def diverge(cfg):
+    raise train.loop.NonFiniteError("non-finite loss at step 2")
+
+  monkeypatch.setattr(train.loop, "train", diverge)
+  assert study_child._train(run_config(CPU, Cell(), 0, "o", []), None) == (
+      "diverged", "non-finite loss at step 2")
+
+
+def test_the_second_seed_compiles_its_train_step_from_the_cache(tmp_path, monkeypatch):
+  """Each run's process gets --compile-cache before its first compile, and a
+  cell's second seed, in a fresh process (a resumed study), adds no train step
+  to the cache: it hit. On the CPU the runs take the reference backend,
+  without the Mosaic kernels whose per-process counter made a second run in
+  one process miss (train/study_child.py), so this tests the plumbing only."""
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # a toy compiles fast
+  scale = dataclasses.replace(CPU, steps_at_largest=1)  # 2 steps, no telemetry, at setting 0
+  grid = Grid("one", "a test", (Cell(setting=0),), ())
+  out, cache = str(tmp_path / "study"), tmp_path / "cache"
+  steps = lambda: sorted(p.name for p in cache.iterdir() if "train_step" in p.name)
+  study.run([grid], scale, 1, out, _json_data(), log=lambda *a: None, compile_cache=str(cache))
+  assert len(steps()) == 1
+  first = steps()
+  study.run([grid], scale, 2, out, _json_data(), log=lambda *a: None, compile_cache=str(cache))
+  assert study.run_status(run_config(scale, grid.cells[0], 1, out, _json_data())) == "done"
+  assert steps() == first
 
 
 def test_a_folder_of_another_study_is_refused(tmp_path):

@@ -23,7 +23,8 @@ share runs once):
   Finding (ii): the error comes mainly from dS.
 
 Every run is an ordinary run folder, <out>/<cell>-s<seed> (`python -m
-train.plot` draws it), trained in this process by `train.loop.train`, without
+train.plot` draws it), trained by `train.loop.train` in a fresh process of
+its own (train/study_child.py says why: mostly the compile cache), without
 checkpoints. Runs at the largest setting record telemetry four times
 (`--telemetry-every`). A run that finished or diverged is never run again, so
 the same command resumes a stopped study; an unfinished one starts over.
@@ -213,11 +214,13 @@ def plan(chosen: list[Grid], scale: Scale, seeds: int, out: str,
 
 
 def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
-        log=print) -> list[str]:
-  """Runs what is missing of the chosen grids, rewriting the summary after
-  each run; returns the paths of the summary files and plots. A run that
-  fails is logged and the others go on; StudyError at the end names it."""
-  from train import data as train_data, loop, study_report  # jax: when a study runs
+        log=print, compile_cache: str | None = None) -> list[str]:
+  """Runs what is missing of the chosen grids, each run in a fresh process
+  with jax's persistent compilation cache in `compile_cache` (None: none),
+  rewriting the summary after each run; returns the paths of the summary
+  files and plots. A run that fails is logged and the others go on;
+  StudyError at the end names it. This process imports no jax."""
+  from train import data as train_data, study_child, study_report
 
   runs = plan(chosen, scale, seeds, out, data)
   for _, cfg in runs:
@@ -228,9 +231,8 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
   log(f"study {out}: {len(runs)} runs, {len(runs) - len(todo)} already finished; "
       f"{len(todo)} to run, {tokens / 1e6:.1f}M tokens")
   os.makedirs(out, exist_ok=True)
-  # One load for every run: they share the data, its split and the context.
-  dataset = (train_data.load(todo[0][1].data, todo[0][1].val_fraction, todo[0][1].seq_len)
-             if todo else None)
+  if todo:  # a bad --data ends the study here, not each run; the runs read it again
+    train_data.load(todo[0][1].data, todo[0][1].val_fraction, todo[0][1].seq_len)
   drawn = {g.name for g in chosen if _finished(g, scale, seeds, out, data)}
   failed = []
   for i, (_, cfg) in enumerate(todo, 1):
@@ -239,13 +241,13 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
     log(f"[{i}/{len(todo)}] {os.path.basename(cfg.out)}: {cfg.steps} steps of "
         f"{cfg.tokens_per_step:,} tokens" + (" (starting over: unfinished)" if resume else ""))
     try:
-      result = loop.train(dataclasses.replace(cfg, resume=resume), dataset)
+      result = study_child.train(dataclasses.replace(cfg, resume=resume), compile_cache)
       outcome = f"val_loss {result['val_loss']:.4f}"
-    except loop.NonFiniteError as e:
+    except study_child.Diverged as e:
       outcome = f"diverged: {e}"
-    except Exception as e:  # noqa: BLE001  (one failed run, out of memory say, stops no other)
+    except study_child.Failed as e:  # one failed run, out of memory say, stops no other
       failed.append(os.path.basename(cfg.out))
-      outcome = f"FAILED: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+      outcome = f"FAILED: {e}"
     log(f"[{i}/{len(todo)}] {os.path.basename(cfg.out)}: {outcome} "
         f"({time.perf_counter() - t0:.0f}s)")
     study_report.write_tables(chosen, scale, seeds, out, data)
@@ -316,11 +318,9 @@ def main(argv: list[str] | None = None) -> None:
           f"{sum(c.steps * c.tokens_per_step for _, c in runs) / 1e6:.1f}M tokens")
     return
   cache = args.compile_cache or os.path.join(out, "jax-cache")
-  if cache != "none":
-    import jax
-    jax.config.update("jax_compilation_cache_dir", cache)
   try:
-    paths = run(chosen, scale, args.seeds, out, args.data)
+    paths = run(chosen, scale, args.seeds, out, args.data,
+                compile_cache=None if cache == "none" else cache)
   except (StudyError, RunError, ValueError) as e:
     raise SystemExit(f"error: {e}")
   print("\n".join(paths), file=sys.stderr)
