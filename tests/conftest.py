@@ -18,6 +18,11 @@ os.environ.setdefault("JAX_NUMPY_RANK_PROMOTION", "raise")
 # tiles with numpy, where OpenBLAS's threads, contending with XLA's on two
 # cores, made each product about 100x slower. Read when numpy loads.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# pytest-xdist workers share one GPU (`pytest -m gpu -n 4`: compiling, not the
+# GPU, bounds the GPU suite): each takes memory as it needs it instead of
+# XLA's default 75% of the device, which would leave the next worker none.
+if "PYTEST_XDIST_WORKER" in os.environ:
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402  (after the variable, which jax reads at import)
 import jax.numpy as jnp  # noqa: E402
