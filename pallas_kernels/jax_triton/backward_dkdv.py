@@ -68,7 +68,7 @@ def _kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_scale_pt
   kv_head = b * HKV + kvh
   keys = j * BK + tl.arange(0, BK)
   dims = tl.arange(0, D)
-  tokens = (b * TK + keys[:, None]) * HKV * D + kvh * D + dims[None, :]
+  tokens = tiles.token_offsets(b, keys, kvh, TK, HKV, D)
   k8 = tl.load(k8_ptr + kv_head * TK * D + keys[:, None] * D + dims[None, :])
   k_scale = tl.load(k_scale_ptr + kv_head * TK + j * BK)
   v = tl.load(v_ptr + tokens)

@@ -51,7 +51,7 @@ def _kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_ids_p
   kv_head = b * HKV + kvh
   rows = i * BQ + tl.arange(0, BQ)
   dims = tl.arange(0, D)
-  tokens = (b * TQ + rows[:, None]) * H * D + h * D + dims[None, :]
+  tokens = tiles.token_offsets(b, rows, h, TQ, H, D)
   q8 = tl.load(q8_ptr + q_head * TQ * D + rows[:, None] * D + dims[None, :])
   q_scale = tl.load(q_scale_ptr + q_head * TQ + i * BQ)
   q_mean = tl.load(q_mean_ptr + (q_head * (TQ // BQ) + i) * D + dims) if SMOOTH_Q else 0.0

@@ -21,7 +21,7 @@ def _kernel(o_ptr, do_ptr, delta_ptr, do8_t_ptr, do_scale_ptr, T: tl.constexpr,
   head = b * H + h
   rows = t * BQ + tl.arange(0, BQ)
   dims = tl.arange(0, D)
-  tokens = (b * T + rows[:, None]) * H * D + h * D + dims[None, :]
+  tokens = tiles.token_offsets(b, rows, h, T, H, D)
   do = tl.load(do_ptr + tokens).to(tl.float32)
   o = tl.load(o_ptr + tokens).to(tl.float32)
   tl.store(delta_ptr + head * T + rows, tl.sum(do * o, axis=1))

@@ -118,7 +118,7 @@ def _kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_ptr, v_sc
   l = tl.where(empty, 1.0, l)
   lse = tl.where(empty, float("inf"), e + tl.log2(l) - LOG2_LEVELS)
   o = acc / l[:, None]
-  tl.store(o_ptr + (b * TQ + rows[:, None]) * H * D + h * D + dims[None, :],
+  tl.store(o_ptr + tiles.token_offsets(b, rows, h, TQ, H, D),
            o.to(o_ptr.dtype.element_ty))
   tl.store(lse_ptr + q_head * TQ + rows, lse)
 

@@ -25,7 +25,7 @@ def _kernel(x_ptr, mean_ptr, x8_ptr, x8_t_ptr, scale_ptr, row_mean_ptr, T: tl.co
   head = b * H + h
   rows = t * BLOCK + tl.arange(0, BLOCK)
   dims = tl.arange(0, D)
-  x = tl.load(x_ptr + (b * T + rows[:, None]) * H * D + h * D + dims[None, :]).to(tl.float32)
+  x = tl.load(x_ptr + tiles.token_offsets(b, rows, h, T, H, D)).to(tl.float32)
   if HAS_MEAN:
     x = x - tl.load(mean_ptr + head * D + dims)[None, :]
   if SMOOTH_ROWS:

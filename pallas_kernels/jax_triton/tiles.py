@@ -129,6 +129,13 @@ def q_smoothing_bias(k8, k_scale, q_mean):
 
 
 @device_function
+def token_offsets(b, rows, h, T: tl.constexpr, H: tl.constexpr, D: tl.constexpr):
+  """Offsets of tokens `rows` of head h, batch b, in a (B, T, H, D) array (the
+  op's q, k, v, o, dO layout): (len(rows), D)."""
+  return (b * T + rows[:, None]) * H * D + h * D + tl.arange(0, D)[None, :]
+
+
+@device_function
 def masked(x, q_pos, kv_pos, q_ids, kv_ids, CAUSAL: tl.constexpr, IDS: tl.constexpr):
   """x with -inf where a query may not see a key (numerics.tile_mask).
   Positions and ids are broadcastable to x: queries along one axis, keys along
