@@ -128,8 +128,42 @@ def oracle64(q, k, v, do, **kwargs):
 
 def mosaic_config(head_dim: int, causal: bool, **overrides) -> Config:
   """A kernel Config the Mosaic GPU kernels take (64 x 64 blocks, no Q-smoothing)."""
-  return Config(**{**dict(scale=head_dim**-0.5, causal=causal, smooth_q=False, block_q=64,
+  return kernel_config(**{**dict(scale=head_dim**-0.5, causal=causal), **overrides})
+
+
+def kernel_config(**overrides) -> Config:
+  """A kernel Config: scale 1/8, not causal, no Q-smoothing, 64 x 64 blocks."""
+  return Config(**{**dict(scale=0.125, causal=False, smooth_q=False, block_q=64,
                           block_kv=64), **overrides})
+
+
+def check_quantization_pass(backend, reference, head_dim: int, smooth_q: bool,
+                            smooth_k: bool, *, int8_exact: bool, sum_atol: float = 0.0):
+  """`backend.quantize` forms `reference.quantize`'s tensors: int8 equal
+  (or, compiled, at most one apart in under 1e-4 of the elements), scales and
+  means to fp32 rounding (`sum_atol` times the largest: for kernels that add
+  the Q-smoothing means in another order)."""
+  from sagebwd_jax.sagebwd import key_mean
+  q, k, v, _ = gaussian_qkv(jax.random.key(0), 2, 128, 192, 4, 2, head_dim, sigma=2.0)
+  config = kernel_config(smooth_q=smooth_q, scale=head_dim**-0.5)
+  k_mean = key_mean(k, None) if smooth_k else None
+  ours = backend.quantize(q, k, v, k_mean, config)
+  ref = reference.quantize(q, k, v, k_mean, config)
+  for name, a, b in zip(ours._fields, ours, ref):
+    assert (a is None) == (b is None), name
+    if a is None:
+      continue
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape and a.dtype == b.dtype, name
+    if a.dtype == np.int8 and not int8_exact:
+      # Compiled GPU kernels may divide or round one ulp apart from XLA.
+      diff = np.abs(a.astype(np.int32) - b)
+      assert diff.max() <= 1 and np.mean(diff != 0) < 1e-4, name
+    elif a.dtype == np.int8:
+      np.testing.assert_array_equal(a, b, err_msg=name)
+    else:
+      np.testing.assert_allclose(a, b, rtol=1e-6, atol=sum_atol * np.abs(b).max(),
+                                 err_msg=name)
 
 
 def assert_lowers_to_mosaic_gpu(fn, *args):

@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import CPU, backend_tolerance, gaussian_qkv, sage
+from conftest import (CPU, backend_tolerance, check_quantization_pass, gaussian_qkv,
+                      kernel_config, sage)
 from pallas_kernels.triton.backend import PallasBackend
 from pallas_kernels.triton.backward_prepass import backward_prepass
-from pallas_kernels.types import Config, Masks
+from pallas_kernels.types import Masks
 from sagebwd_jax import dot_product_attention, metrics
 from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import key_mean
@@ -25,34 +26,8 @@ PALLAS = PallasBackend.tuned(causal=False, interpret=not ON_GPU)
 REFERENCE = ReferenceBackend()
 
 
-def _config(**overrides):
-  return Config(**{**dict(scale=0.125, causal=False, smooth_q=False, block_q=64,
-                          block_kv=64), **overrides})
-
-
-def _assert_int8_equal(ours, ref, name, *, exact):
-  ours, ref = np.asarray(ours), np.asarray(ref)
-  assert ours.shape == ref.shape, name
-  if ours.dtype == np.int8 and not exact:
-    # Compiled GPU kernels may divide or round one ulp apart from XLA.
-    diff = np.abs(ours.astype(np.int32) - ref)
-    assert diff.max() <= 1 and np.mean(diff != 0) < 1e-4, name
-  elif ours.dtype == np.int8:
-    np.testing.assert_array_equal(ours, ref, err_msg=name)
-  else:
-    np.testing.assert_allclose(ours, ref, rtol=1e-6, err_msg=name)
-
-
 def _check_quantize(head_dim, smooth_q, smooth_k, exact):
-  q, k, v, _ = gaussian_qkv(jax.random.key(0), 2, 128, 192, 4, 2, head_dim, sigma=2.0)
-  config = _config(smooth_q=smooth_q, scale=head_dim**-0.5)
-  k_mean = key_mean(k, None) if smooth_k else None
-  ours = PALLAS.quantize(q, k, v, k_mean, config)
-  ref = REFERENCE.quantize(q, k, v, k_mean, config)
-  for name, a, b in zip(ours._fields, ours, ref):
-    assert (a is None) == (b is None), name
-    if a is not None:
-      _assert_int8_equal(a, b, name, exact=exact)
+  check_quantization_pass(PALLAS, REFERENCE, head_dim, smooth_q, smooth_k, int8_exact=exact)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -81,7 +56,7 @@ def test_backward_prepass_matches_reference_rules():
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_lse_matches_reference(causal):
   q, k, v, _ = gaussian_qkv(jax.random.key(3), 1, 128, 128, 2, 1, 64)
-  config = _config(causal=causal)
+  config = kernel_config(causal=causal)
   qkv = REFERENCE.quantize(q, k, v, key_mean(k, None), config)
   o, lse = PALLAS.forward(qkv, Masks(), config, jnp.float32)
   o_ref, lse_ref = REFERENCE.forward(qkv, Masks(), config, jnp.float32)
@@ -119,7 +94,7 @@ def test_pallas_equals_reference_at_saturating_logits(causal):
 
 def test_backward_kernels_match_reference_fp32():
   q, k, v, do = gaussian_qkv(jax.random.key(4), 1, 128, 128, 2, 2, 64, dtype=jnp.float32)
-  config = _config(causal=True)
+  config = kernel_config(causal=True)
   qkv = REFERENCE.quantize(q, k, v, key_mean(k, None), config)
   o, lse = REFERENCE.forward(qkv, Masks(), config, jnp.float32)
   ours = PALLAS.backward(qkv, v, o, lse, do, Masks(), config)

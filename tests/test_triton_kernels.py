@@ -16,11 +16,11 @@ import pytest
 
 pytest.importorskip("triton", reason="the Triton kernels need the package triton")
 
-from conftest import gaussian_qkv  # noqa: E402
+from conftest import check_quantization_pass, gaussian_qkv, kernel_config  # noqa: E402
 from benchmarks import sass  # noqa: E402
 from pallas_kernels.jax_triton.backend import TritonBackend  # noqa: E402
 from pallas_kernels.jax_triton.backward_prepass import backward_prepass  # noqa: E402
-from pallas_kernels.types import Config, Masks  # noqa: E402
+from pallas_kernels.types import Masks  # noqa: E402
 from sagebwd_jax import dot_product_attention, metrics  # noqa: E402
 from sagebwd_jax.reference import ReferenceBackend  # noqa: E402
 from sagebwd_jax.sagebwd import key_mean  # noqa: E402
@@ -35,43 +35,17 @@ REFERENCE = ReferenceBackend(unsigned_p=True)
 TOLERANCE = 2e-3
 
 
-def _config(**overrides) -> Config:
-  return Config(**{**dict(scale=0.125, causal=False, smooth_q=False, block_q=64,
-                          block_kv=64), **overrides})
-
-
 def _masks(q_len: int, kv_len: int) -> Masks:
   rng = np.random.default_rng(0)
   return Masks(jnp.asarray(rng.integers(0, 3, (2, q_len)), jnp.int32),
                jnp.asarray(rng.integers(0, 3, (2, kv_len)), jnp.int32))
 
 
-def _assert_close(ours, ref, name, *, int8_exact):
-  ours, ref = np.asarray(ours), np.asarray(ref)
-  assert ours.shape == ref.shape and ours.dtype == ref.dtype, name
-  if ours.dtype == np.int8 and not int8_exact:
-    # Compiled GPU kernels may round one ulp apart from XLA.
-    diff = np.abs(ours.astype(np.int32) - ref)
-    assert diff.max() <= 1 and np.mean(diff != 0) < 1e-4, name
-  elif ours.dtype == np.int8:
-    np.testing.assert_array_equal(ours, ref, err_msg=name)
-  else:
-    # Sums (the Q-smoothing means) may add in another order than XLA's.
-    np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max(),
-                               err_msg=name)
-
-
 @pytest.mark.parametrize("head_dim,smooth_q,smooth_k", [(64, False, True), (128, True, False)])
 def test_quantization_pass_forms_the_reference_int8_tensors(head_dim, smooth_q, smooth_k):
-  q, k, v, _ = gaussian_qkv(jax.random.key(0), 2, 128, 192, 4, 2, head_dim, sigma=2.0)
-  config = _config(smooth_q=smooth_q, scale=head_dim**-0.5)
-  k_mean = key_mean(k, None) if smooth_k else None
-  ours = TRITON.quantize(q, k, v, k_mean, config)
-  ref = REFERENCE.quantize(q, k, v, k_mean, config)
-  for name, a, b in zip(ours._fields, ours, ref):
-    assert (a is None) == (b is None), name
-    if a is not None:
-      _assert_close(a, b, name, int8_exact=not ON_GPU)
+  # Sums (the Q-smoothing means) may add in another order than XLA's.
+  check_quantization_pass(TRITON, REFERENCE, head_dim, smooth_q, smooth_k,
+                          int8_exact=not ON_GPU, sum_atol=1e-6)
 
 
 def test_backward_prepass_matches_reference_rules():
@@ -90,7 +64,7 @@ def test_backward_prepass_matches_reference_rules():
 @pytest.mark.parametrize("causal,smooth_q,ids", [(False, False, False), (True, True, True)])
 def test_forward_matches_reference_with_unsigned_p(causal, smooth_q, ids):
   q, k, v, _ = gaussian_qkv(jax.random.key(3), 2, 128, 128, 4, 2, 64)
-  config = _config(causal=causal, smooth_q=smooth_q)
+  config = kernel_config(causal=causal, smooth_q=smooth_q)
   masks = _masks(128, 128) if ids else Masks()
   qkv = REFERENCE.quantize(q, k, v, key_mean(k, None), config)
   o, lse = TRITON.forward(qkv, masks, config, jnp.float32)
@@ -105,7 +79,7 @@ def test_forward_matches_reference_with_unsigned_p(causal, smooth_q, ids):
                                                        (False, True, True, (4, 1))])
 def test_backward_matches_reference_fp32(causal, smooth_q, ids, heads):
   q, k, v, do = gaussian_qkv(jax.random.key(4), 2, 128, 128, *heads, 64, dtype=jnp.float32)
-  config = _config(causal=causal, smooth_q=smooth_q, block_kv=32)
+  config = kernel_config(causal=causal, smooth_q=smooth_q, block_kv=32)
   masks = _masks(128, 128) if ids else Masks()
   reference = ReferenceBackend()
   qkv = reference.quantize(q, k, v, key_mean(k, None), config)
