@@ -203,6 +203,9 @@ def main(argv: list[str] | None = None) -> None:
     return _triton(args)
   if not args.ptx:
     parser.error("give PTX files, or --triton")
+  missing = [p for p in args.ptx if not os.path.isfile(p)]
+  if missing:
+    parser.error(f"no such PTX file: {', '.join(missing)}")
   for path in args.ptx:
     report, text = disassemble(path, args.arch)
     print(f"## {os.path.basename(path)}")

@@ -157,3 +157,17 @@ def test_sass_finds_the_innermost_wgmma_loop():
   assert [i.opcode for i in instructions[:3]] == ["IGMMA.64x64x32.S8.S8", "FFMA", "BRA"]
   assert instructions[1].line == "backward_common.py:140"
   assert sass.wgmma_loops(instructions, labels) == [range(0, 3)]
+
+
+def test_sass_counts_a_loop_per_score_and_refuses_missing_files(capsys, tmp_path):
+  from benchmarks import sass
+  instructions, labels = sass.parse_listing(LISTING)
+  sass.report_loops(instructions, labels, scores_per_thread=1.5, lines=2)
+  out = capsys.readouterr().out
+  assert "loop of 3 instructions = 2.0 per score (0 spill loads/stores)" in out
+  assert " 1.33/score    2 backward_common.py:140: FFMA 1, BRA 1" in out
+  assert " 0.67/score    1 backward_dkdv.py:90: IGMMA.64x64x32.S8.S8 1" in out
+  for argv in ([], [str(tmp_path / "absent.ptx")]):
+    with pytest.raises(SystemExit):
+      sass.main(argv)
+  assert "absent.ptx" in capsys.readouterr().err
