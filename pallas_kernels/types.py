@@ -21,7 +21,8 @@ class Config:
   `block_q` (queries) and `block_kv` (keys) when a backend sees them.
   `ds_precision`: "int8" (dQ = dS.K and dK = dS^T.Q in INT8) or "bf16"
   (both in the inputs' dtype with fp32 accumulation, like dP, from
-  `QuantizedQKV.q16` and `k16`). `window` (left, right): query i sees only
+  `QuantizedQKV.q16` and `k16`; Q is then quantized per token,
+  `q_per_token`). `window` (left, right): query i sees only
   keys i - left .. i + right (jax.nn's `local_window_size`), besides
   causality.
   """
@@ -39,6 +40,17 @@ class Config:
     """Whether causality or a window limits the keys a query sees, so that
     the kernels skip blocks (`causal_blocks`)."""
     return self.causal or self.window is not None
+
+  @property
+  def q_per_token(self) -> bool:
+    """Whether Q's int8 scale is per token rather than per `block_q` rows.
+
+    A row scale factors out of Q.K^T (Q is its first operand) but not out of
+    the int8 dS^T.Q, which contracts over Q's rows; with 16-bit dS products
+    Q8 enters no other product, so the finer scale costs nothing and lowers
+    the error of S, hence of P and every gradient.
+    """
+    return self.ds_precision == "bf16"
 
 
 class Masks(NamedTuple):
@@ -67,7 +79,7 @@ class QuantizedQKV(NamedTuple):
 
   q8: jax.Array  # (B, H, Tq, D) int8
   q8_t: jax.Array  # (B, H, D, Tq) int8
-  q_scale: jax.Array  # (B, H, Tq) fp32, each block's scale on each of its rows
+  q_scale: jax.Array  # (B, H, Tq) fp32: each row's, or its block's (`Config.q_per_token`)
   q_mean: jax.Array | None  # (B, H, Tq // block_q, D) fp32, Q-smoothing only
   k8: jax.Array  # (B, Hkv, Tk, D) int8
   k8_t: jax.Array  # (B, Hkv, D, Tk) int8

@@ -118,11 +118,12 @@ def dot_product_attention(
     ds_precision: "int8" (default): the backward's dQ = dS.K and
       dK = dS^T.Q are INT8 products, dS quantized per token. "bf16": those
       two run in 16 bits, like dP (dS, Q and the smoothed K in the inputs'
-      dtype, fp32 accumulation), so four of the seven products are INT8:
-      dQ and dK come close to a bf16 backward's error, at the cost of the
-      two products' speed and of saving Q and K for the backward. The Hopper
-      backend then runs its portable kernels' backward; "triton" refuses it
-      (NotImplementedError, so the next implementation runs).
+      dtype, fp32 accumulation), so four of the seven products are INT8,
+      and Q is quantized per token (free once Q8 enters only Q.K^T): dQ and
+      dK lose the INT8 dS error, and every output some of the scores', at
+      the cost of the two products' speed and of saving Q and K for the
+      backward. The Hopper backend then runs its portable kernels; "triton"
+      refuses it (NotImplementedError, so the next implementation runs).
 
   Returns:
     The attention output, shaped and typed like `query` (and the residual

@@ -94,8 +94,12 @@ class ReferenceBackend:
       q_mean = jnp.mean(q_blocks, axis=-2)
       q_blocks = q_blocks - q_mean[..., None, :]
       q_mean = q_mean * multiplier
-    q8, q_scale = _quantize_blocks(q_blocks)
-    q_scale = _per_token(q_scale * multiplier, config.block_q)
+    if config.q_per_token:
+      q8, q_scale = nm.quantize_rows(q_blocks)
+      q_scale = q_scale.reshape(*q_scale.shape[:-2], -1) * multiplier
+    else:
+      q8, q_scale = _quantize_blocks(q_blocks)
+      q_scale = _per_token(q_scale * multiplier, config.block_q)
 
     k_heads = _heads(k).astype(_f32)
     if k_mean is not None:

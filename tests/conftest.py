@@ -138,14 +138,16 @@ def kernel_config(**overrides) -> Config:
 
 
 def check_quantization_pass(backend, reference, head_dim: int, smooth_q: bool,
-                            smooth_k: bool, *, int8_exact: bool, sum_atol: float = 0.0):
+                            smooth_k: bool, *, int8_exact: bool, sum_atol: float = 0.0,
+                            ds_precision: str = "int8"):
   """`backend.quantize` forms `reference.quantize`'s tensors: int8 equal
   (or, compiled, at most one apart in under 1e-4 of the elements), scales and
   means to fp32 rounding (`sum_atol` times the largest: for kernels that add
-  the Q-smoothing means in another order)."""
+  the Q-smoothing means in another order). `ds_precision="bf16"` quantizes Q
+  per token."""
   from sagebwd_jax.sagebwd import key_mean
   q, k, v, _ = gaussian_qkv(jax.random.key(0), 2, 128, 192, 4, 2, head_dim, sigma=2.0)
-  config = kernel_config(smooth_q=smooth_q, scale=head_dim**-0.5)
+  config = kernel_config(smooth_q=smooth_q, scale=head_dim**-0.5, ds_precision=ds_precision)
   k_mean = key_mean(k, None) if smooth_k else None
   ours = backend.quantize(q, k, v, k_mean, config)
   ref = reference.quantize(q, k, v, k_mean, config)

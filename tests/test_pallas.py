@@ -26,14 +26,20 @@ PALLAS = PallasBackend.tuned(causal=False, interpret=not ON_GPU)
 REFERENCE = ReferenceBackend()
 
 
-def _check_quantize(head_dim, smooth_q, smooth_k, exact):
-  check_quantization_pass(PALLAS, REFERENCE, head_dim, smooth_q, smooth_k, int8_exact=exact)
+def _check_quantize(head_dim, smooth_q, smooth_k, exact, ds_precision="int8"):
+  check_quantization_pass(PALLAS, REFERENCE, head_dim, smooth_q, smooth_k, int8_exact=exact,
+                          ds_precision=ds_precision)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("smooth_q,smooth_k", [(False, True), (True, False)])
 def test_quantization_pass_forms_the_reference_int8_tensors(head_dim, smooth_q, smooth_k):
   _check_quantize(head_dim, smooth_q, smooth_k, exact=True)
+
+
+@pytest.mark.parametrize("smooth_q", [False, True])
+def test_quantization_pass_scales_q_per_token_with_bf16_ds(smooth_q):
+  _check_quantize(64, smooth_q, smooth_k=True, exact=True, ds_precision="bf16")
 
 
 def test_backward_prepass_matches_reference_rules():
@@ -109,3 +115,4 @@ def test_backward_kernels_match_reference_fp32():
 def test_gpu_quantization_pass(head_dim):
   _check_quantize(head_dim, smooth_q=True, smooth_k=False, exact=False)
   _check_quantize(head_dim, smooth_q=False, smooth_k=True, exact=False)
+  _check_quantize(head_dim, smooth_q=False, smooth_k=True, exact=False, ds_precision="bf16")

@@ -3,7 +3,8 @@ backend's (`fallback`) everywhere else.
 
 The quantization pass and the backward pre-pass are the fallback's (the same
 int8 tensors feed both paths). The forward runs in Mosaic GPU when
-`forward.takes` accepts the case (no masks but causality, no Q-smoothing, D in
+`forward.takes` accepts the case (no masks but causality, no Q-smoothing,
+ds_precision="int8", whose Q scales are per block, D in
 {64, 128}, 64 x 64 blocks, whole 128-key steps, Tq == Tk when causal, 16-bit
 output), quantizing P as `ReferenceBackend(p_block=128, unsigned_p=True)`
 does; the dK/dV and dQ kernels when `backward_takes` accepts it (the same, with

@@ -47,7 +47,7 @@ from jax import lax
 from pallas_kernels import numerics as nm
 from pallas_kernels.mosaic import registers
 from pallas_kernels.mosaic.common import (BLOCK, Tuning, positive_scale, smem_transforms,
-                                          warp_specialized_kernel)
+                                          supports, warp_specialized_kernel)
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 KV_STEP = 2 * BLOCK  # keys per step: two quantization blocks
@@ -63,9 +63,8 @@ class ForwardTuning(Tuning):
 def takes(masks: Masks, config: Config, q_len: int, kv_len: int, head_dim: int,
           dtype) -> bool:
   """Whether `forward_mosaic` computes this case (else the fallback does)."""
-  return (masks.q_ids is None and masks.kv_ids is None and not config.smooth_q
-          and head_dim in (64, 128) and config.block_q == BLOCK
-          and config.block_kv == BLOCK and q_len % BLOCK == 0 and kv_len % KV_STEP == 0
+  return (supports(masks, config, head_dim)
+          and q_len % BLOCK == 0 and kv_len % KV_STEP == 0
           and (not config.causal or q_len == kv_len) and config.window is None
           and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
@@ -284,7 +283,8 @@ def forward_mosaic(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
   kv_heads, kv_len = qkv.k8.shape[1], qkv.k8.shape[2]
   if not takes(masks, config, q_len, kv_len, head_dim, out_dtype):
     raise NotImplementedError(
-        "forward_mosaic takes no masks but causality, smooth_q=False, 64 x 64 blocks, "
+        "forward_mosaic takes no masks but causality, smooth_q=False, ds_precision='int8', "
+        "64 x 64 blocks, "
         f"D in (64, 128), Tq % 64 == 0, Tk % {KV_STEP} == 0, Tq == Tk when causal, 16-bit "
         f"output; got D={head_dim}, Tq={q_len}, Tk={kv_len}, config={config}, "
         f"masks={masks.q_ids is not None}, dtype={jnp.dtype(out_dtype)}")

@@ -40,7 +40,7 @@ def _kernel(k8_ref, k_scale_ref, v_ref, kv_ids_ref, q8_ref, q8_t_ref, q_scale_re
     dk, dv = carry
     rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
     q_mean = None if q_mean_ref is None else q_mean_ref[i, :]
-    q_scale = common.block_scale(q_scale_ref, i * block_q)
+    q_scale = common.q_scales(q_scale_ref, rows, config, transposed=True)
     s_t = common.score_tile(q8_ref[rows, :], q_scale, k8, k_scale, q_mean,
                             q_start=i * block_q, kv_start=j * block_kv,
                             q_ids=None if q_ids_ref is None else q_ids_ref[rows],

@@ -28,7 +28,7 @@ def _kernel(q8_ref, q_scale_ref, q_mean_ref, lse_ref, delta_ref, do_ref, q_ids_r
             num_kv_blocks: int):
   block_q, block_kv = config.block_q, config.block_kv
   i = pl.program_id(0)
-  q8, q_scale = q8_ref[...], common.block_scale(q_scale_ref)
+  q8, q_scale = q8_ref[...], common.q_scales(q_scale_ref, None, config)
   q_mean = None if q_mean_ref is None else q_mean_ref[...]
   lse, delta, do = lse_ref[...], delta_ref[...], do_ref[...]
   q_ids = None if q_ids_ref is None else q_ids_ref[...]

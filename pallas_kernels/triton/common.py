@@ -38,7 +38,8 @@ def score_tile(q8, q_scale, k8, k_scale, q_mean, *, q_start, kv_start, q_ids, kv
 
   (block_q, block_kv), or with `transposed` (block_kv, block_q) computed as
   K.Q^T, so every int8 operand keeps its contraction dimension contiguous.
-  The scales are the blocks' scalars (one multiply per score); ids are the
+  The scales are the blocks' scalars or Q's per-query vector (`q_scales`;
+  one multiply per score); ids are the
   tile's per-token ids (1-D) or None; `band`: the config whose causality and
   window mask this tile, or None where the tile is seen whole. Masked scores
   are -inf. `bit_tricks` picks the int32 -> fp32 instructions
@@ -79,6 +80,17 @@ def block_scale(scale_ref, start=0):
   cross-thread max per key block.
   """
   return scale_ref[start]
+
+
+def q_scales(q_scale_ref, rows, config: Config, *, transposed: bool = False):
+  """Q's scales for the query block at `rows` (a slice of `q_scale_ref`, or
+  None for the whole ref): its block scalar, or with `config.q_per_token` the
+  per-query vector laid along a score tile's query axis (`score_tile`'s
+  `transposed`)."""
+  if not config.q_per_token:
+    return block_scale(q_scale_ref, 0 if rows is None else rows.start)
+  along_q, _ = _axes(transposed)
+  return along_q(q_scale_ref[...] if rows is None else q_scale_ref[rows])
 
 
 def loop_over_kv_blocks(i, kv_step, carry, *, config: Config, num_kv_blocks: int):

@@ -14,10 +14,12 @@ from pallas_kernels.triton.common import LaunchConfig
 from pallas_kernels.types import Config, QuantizedQKV
 
 
-def quantize_block(x, *, multiplier: float = 1.0, mean=None, smooth_rows: bool = False):
+def quantize_block(x, *, multiplier: float = 1.0, mean=None, smooth_rows: bool = False,
+                   per_row: bool = False):
   """psi of one (block, D) tile of `x * multiplier` after optional centering.
 
-  Returns (x8, scale, row_mean); row_mean (in multiplied units) is the
+  Returns (x8, scale, row_mean): one scale for the tile, or with `per_row`
+  one per row (block,); row_mean (in multiplied units) is the
   block's mean row when `smooth_rows` (Q-smoothing), else None. The
   multiplier goes into the scale, not the values: one multiply per element
   leaves no product that a compiler could fuse or reassociate differently
@@ -31,15 +33,16 @@ def quantize_block(x, *, multiplier: float = 1.0, mean=None, smooth_rows: bool =
     row_mean = jnp.mean(x, axis=0)
     x = x - row_mean[None, :]
     row_mean = row_mean * multiplier
-  x8, scale = nm.quantize_tile(x, bit_tricks=True)
+  quantize = nm.quantize_rows if per_row else nm.quantize_tile
+  x8, scale = quantize(x, bit_tricks=True)
   return x8, scale * multiplier, row_mean
 
 
-def _kernel(x_ref, *refs, multiplier, has_mean, smooth_rows, natural, transposed):
+def _kernel(x_ref, *refs, multiplier, has_mean, smooth_rows, per_row, natural, transposed):
   refs = list(refs)
   mean = refs.pop(0)[...] if has_mean else None
   x8, scale, row_mean = quantize_block(x_ref[...], multiplier=multiplier, mean=mean,
-                                       smooth_rows=smooth_rows)
+                                       smooth_rows=smooth_rows, per_row=per_row)
   if natural:
     refs.pop(0)[...] = x8
   if transposed:
@@ -51,9 +54,11 @@ def _kernel(x_ref, *refs, multiplier, has_mean, smooth_rows, natural, transposed
 
 
 def quantize(x, *, block: int, launch: LaunchConfig, multiplier: float = 1.0, mean=None,
-             smooth_rows: bool = False, natural: bool = True, transposed: bool = True):
-  """psi per `block` tokens of x (B, T, H, D) -> int8 (B, H, T, D) and/or
-  (B, H, D, T), scales (B, H, T), and block means (B, H, T // block, D)."""
+             smooth_rows: bool = False, per_row: bool = False, natural: bool = True,
+             transposed: bool = True):
+  """psi per `block` tokens (or per token, `per_row`) of x (B, T, H, D) ->
+  int8 (B, H, T, D) and/or (B, H, D, T), scales (B, H, T), and block means
+  (B, H, T // block, D)."""
   batch, seq_len, heads, head_dim = x.shape
   grid = (seq_len // block, batch, heads)
   in_specs = [pl.BlockSpec((None, block, None, head_dim), lambda t, b, h: (b, t, h, 0))]
@@ -73,7 +78,8 @@ def quantize(x, *, block: int, launch: LaunchConfig, multiplier: float = 1.0, me
     out_shape.append(
         jax.ShapeDtypeStruct((batch, heads, seq_len // block, head_dim), jnp.float32))
   kernel = functools.partial(_kernel, multiplier=multiplier, has_mean=mean is not None,
-                             smooth_rows=smooth_rows, natural=natural, transposed=transposed)
+                             smooth_rows=smooth_rows, per_row=per_row, natural=natural,
+                             transposed=transposed)
   args = (x,) if mean is None else (x, mean)
   return launch.call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
                      out_shape=out_shape, name="sagebwd_quantize")(*args)
@@ -82,7 +88,8 @@ def quantize(x, *, block: int, launch: LaunchConfig, multiplier: float = 1.0, me
 def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig) -> QuantizedQKV:
   """The forward's quantization pass (docs/algorithm.md, forward steps 1-3)."""
   q_out = quantize(q, block=config.block_q, launch=launch,
-                   multiplier=config.scale * nm.LOG2_E, smooth_rows=config.smooth_q)
+                   multiplier=config.scale * nm.LOG2_E, smooth_rows=config.smooth_q,
+                   per_row=config.q_per_token)
   q8, q8_t, q_scale = q_out[:3]
   q_mean = q_out[3] if config.smooth_q else None
   k8, k8_t, k_scale = quantize(k, block=config.block_kv, launch=launch, mean=k_mean)
