@@ -39,15 +39,15 @@ def _q_step(dk, dv, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, q8_t_ptr, q_scale_pt
   lse = tl.load(lse_ptr + rows)
   p_t = tl.exp2(tiles.minus_lse(x, c, lse[None, :], SMOOTH_Q))
 
-  p8_t, p_scale = tiles.quantize_rows(p_t, True)
-  do8_t = tl.load(do8_t_ptr + dims[:, None] * TQ + rows[None, :])
-  prod = tl.dot(p8_t, tl.trans(do8_t), acc=tiles.magic_accumulator(BK, D), out_dtype=tl.int32)
-  dv += tiles.exact_float(prod) * (p_scale[:, None] * tl.load(do_scale_ptr + i * BQ))
-
   do = tl.load(do_ptr + rows[:, None] * H * D + dims[None, :])
   dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
   ds_t = p_t * (dp_t - tl.load(delta_ptr + rows)[None, :])
+  p8_t, p_scale = tiles.quantize_rows(p_t, True)
   ds8_t, ds_scale = tiles.quantize_rows(ds_t, False)
+
+  do8_t = tl.load(do8_t_ptr + dims[:, None] * TQ + rows[None, :])
+  prod = tl.dot(p8_t, tl.trans(do8_t), acc=tiles.magic_accumulator(BK, D), out_dtype=tl.int32)
+  dv += tiles.exact_float(prod) * (p_scale[:, None] * tl.load(do_scale_ptr + i * BQ))
   q8_t = tl.load(q8_t_ptr + dims[:, None] * TQ + rows[None, :])
   prod = tl.dot(ds8_t, tl.trans(q8_t), acc=tiles.magic_accumulator(BK, D), out_dtype=tl.int32)
   dk += tiles.exact_float(prod) * (ds_scale[:, None] * q_scale)
