@@ -75,12 +75,15 @@ def test_forward_matches_reference_with_unsigned_p(causal, smooth_q, ids):
   np.testing.assert_allclose(np.asarray(lse)[seen], np.asarray(lse_ref)[seen], atol=1e-3)
 
 
-@pytest.mark.parametrize("causal,smooth_q,ids,heads", [(True, False, False, (2, 2)),
-                                                       (False, True, True, (4, 1))])
-def test_backward_matches_reference_fp32(causal, smooth_q, ids, heads):
-  q, k, v, do = gaussian_qkv(jax.random.key(4), 2, 128, 128, *heads, 64, dtype=jnp.float32)
+# dK/dV's programs take 128 keys (four of these 32-key K blocks) where they
+# tile T, and 32 at T=192; causal at 256 puts the diagonal in two query blocks.
+@pytest.mark.parametrize("causal,smooth_q,ids,heads,seq", [
+    (True, False, False, (2, 2), 256), (False, True, True, (4, 1), 128),
+    (True, False, True, (2, 1), 192)])
+def test_backward_matches_reference_fp32(causal, smooth_q, ids, heads, seq):
+  q, k, v, do = gaussian_qkv(jax.random.key(4), 2, seq, seq, *heads, 64, dtype=jnp.float32)
   config = kernel_config(causal=causal, smooth_q=smooth_q, block_kv=32)
-  masks = _masks(128, 128) if ids else Masks()
+  masks = _masks(seq, seq) if ids else Masks()
   reference = ReferenceBackend()
   qkv = reference.quantize(q, k, v, key_mean(k, None), config)
   o, lse = reference.forward(qkv, masks, config, jnp.float32)
@@ -131,4 +134,4 @@ def test_kernels_compile_for_hopper_and_ampere(op_kwargs):
 def test_gpu_kernels_match_reference():
   test_quantization_pass_forms_the_reference_int8_tensors(128, True, False)
   test_forward_matches_reference_with_unsigned_p(True, True, True)
-  test_backward_matches_reference_fp32(False, True, True, (4, 1))
+  test_backward_matches_reference_fp32(False, True, True, (4, 1), 128)

@@ -32,15 +32,17 @@ class TritonBackend:
 
   forward_launch: LaunchConfig = LaunchConfig()
   dq_launch: LaunchConfig = LaunchConfig()
-  dkdv_launch: LaunchConfig = LaunchConfig(num_warps=8)
+  dkdv_launch: LaunchConfig = LaunchConfig(num_warps=8, block_rows=128)
 
   @classmethod
   def tuned(cls, *, interpret: bool = False) -> "TritonBackend":
-    """The default launches, interpreted or not. Not yet timed on a GPU: 8
-    warps for dK/dV keep its two fp32 accumulators without register spills
-    at D=128 (4 warps spill, by ptxas's count for sm_90)."""
+    """The default launches, interpreted or not. dK/dV's is chosen from the
+    sm_90 SASS (`python -m benchmarks.sass --triton`), not yet timed: 128 keys
+    at 8 warps give each warpgroup whole 64-key rows (64 keys at 8 warps split
+    every tile's columns between the warpgroups, ~1.7x the instructions per
+    score) and share each query block's loads between the two."""
     return cls(LaunchConfig(interpret=interpret), LaunchConfig(interpret=interpret),
-               LaunchConfig(interpret=interpret, num_warps=8))
+               LaunchConfig(interpret=interpret, num_warps=8, block_rows=128))
 
   def quantize(self, q, k, v, k_mean, config: Config) -> QuantizedQKV:
     _check_blocks(config)

@@ -1,8 +1,12 @@
-"""dK and dV: one program per (key block, batch, key/value head) loops over
+"""dK and dV: one program per (key tile, batch, key/value head) loops over
 the query heads of its group and the query blocks that see its keys. It works
 on transposed tiles (S^T = K.Q^T, dP^T = V.dO^T) so P^T and dS^T are the first
 operands of their INT8 dots and are quantized per key (a row here). The group's
-sum (GQA) stays in the program's fp32 accumulators."""
+sum (GQA) stays in the program's fp32 accumulators.
+
+The key tile (`BK`, the launch's `block_rows`) need not be K's quantization
+block: K's scales are read per key, so 128 keys at 8 warps put two 64-key
+warpgroups on each query block's loads with the results of 64-key programs."""
 
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ def _q_step(dk, dv, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, q8_t_ptr, q_scale_pt
   q_scale = tl.load(q_scale_ptr + i * BQ)
   q_mean = tl.load(q_mean_ptr + i * D + dims) if SMOOTH_Q else 0.0
   bias = tiles.q_smoothing_bias(k8, k_scale, q_mean)[:, None] if SMOOTH_Q else 0.0
-  x, c, _ = tiles.score_tile(k8, q8, k_scale, q_scale, bias, SMOOTH_Q)
+  x, c, _ = tiles.score_tile(k8, q8, k_scale[:, None], q_scale, bias, SMOOTH_Q)
   q_ids = tl.load(q_ids_ptr + rows)[None, :] if IDS else 0
   x = tiles.masked(x, rows[None, :], kv_pos, q_ids, kv_ids, CAUSAL, IDS)
   lse = tl.load(lse_ptr + rows)
@@ -70,7 +74,7 @@ def _kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_scale_pt
   dims = tl.arange(0, D)
   tokens = tiles.token_offsets(b, keys, kvh, TK, HKV, D)
   k8 = tl.load(k8_ptr + kv_head * TK * D + keys[:, None] * D + dims[None, :])
-  k_scale = tl.load(k_scale_ptr + kv_head * TK + j * BK)
+  k_scale = tl.load(k_scale_ptr + kv_head * TK + keys)
   v = tl.load(v_ptr + tokens)
   kv_ids = tl.load(kv_ids_ptr + b * TK + keys)[:, None] if IDS else 0
   q_ids_ptr += b * TQ
@@ -109,7 +113,11 @@ def _kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_scale_pt
 
 def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: Masks,
                   config: Config, launch: LaunchConfig) -> tuple[jax.Array, jax.Array]:
-  """dK, dV (B, Tk, Hkv, D) in V's dtype, summed over each kv head's group."""
+  """dK, dV (B, Tk, Hkv, D) in V's dtype, summed over each kv head's group.
+
+  Each program takes `launch.block_rows` keys where they tile Tk, else
+  `config.block_kv`.
+  """
 
   def run(k8, k_scale, v, kv_ids, q8, q8_t, q_scale, q_mean, lse, delta, do, do8_t, do_scale,
           q_ids):
@@ -119,10 +127,12 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
             placeholder(q_mean, jnp.float32), lse, delta, do, do8_t, do_scale,
             placeholder(q_ids, jnp.int32)]
     shape = jax.ShapeDtypeStruct(v.shape, v.dtype)
+    keys = launch.block_rows or config.block_kv
+    keys = keys if kv_len % keys == 0 else config.block_kv
     dk, dv = launch.call(
-        _kernel, args, [shape, shape], grid=(kv_len // config.block_kv, batch, kv_heads),
+        _kernel, args, [shape, shape], grid=(kv_len // keys, batch, kv_heads),
         name="sagebwd_triton_backward_dkdv", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
-        D=head_dim, BQ=config.block_q, BK=config.block_kv, CAUSAL=config.causal,
+        D=head_dim, BQ=config.block_q, BK=keys, CAUSAL=config.causal,
         IDS=q_ids is not None, SMOOTH_Q=q_mean is not None,
         DOT_PRECISION=dot_precision(v.dtype))
     return dk, dv

@@ -30,11 +30,24 @@ _SIXTEEN_BIT_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
   """How kernels are launched (does not change results). `interpret` runs them
-  in Triton's interpreter on the CPU instead of compiling them for the GPU."""
+  in Triton's interpreter on the CPU instead of compiling them for the GPU.
+  `block_rows`: output rows per program for a kernel whose tile is free of the
+  quantization blocks (dK/dV's keys); None keeps the config's block."""
 
   interpret: bool = False
   num_warps: int = 4
   num_stages: int = 2
+  block_rows: int | None = None
+
+  def __post_init__(self):
+    if self.num_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(f"num_warps must be a power of two up to 16; got {self.num_warps}")
+    if self.num_stages < 1:
+      raise ValueError(f"num_stages must be at least 1; got {self.num_stages}")
+    if self.block_rows is not None and (self.block_rows < 16 or self.block_rows > 256
+                                        or self.block_rows & (self.block_rows - 1)):
+      raise ValueError(f"block_rows must be a power of two in 16..256 or None; got "
+                       f"{self.block_rows}")
 
   def call(self, kernel: triton.JITFunction, args: Sequence[jax.Array],
            out_shape: Sequence[jax.ShapeDtypeStruct], *, grid: tuple[int, ...], name: str,

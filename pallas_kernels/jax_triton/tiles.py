@@ -87,8 +87,8 @@ def score_tile(a8, b8, a_scale, b_scale, b_bias, SMOOTH_Q: tl.constexpr):
   acc = tl.dot(a8, tl.trans(b8), acc=magic_accumulator(a8.shape[0], b8.shape[0]),
                 out_dtype=tl.int32)
   c = a_scale * b_scale
-  if SMOOTH_Q:
-    return exact_float(acc) * c + b_bias, 1.0, 0.0
+  if SMOOTH_Q:  # c and off shaped like the scales (every return's types agree)
+    return exact_float(acc) * c + b_bias, tl.zeros_like(c) + 1.0, tl.zeros_like(c)
   c = tl.maximum(c, TINY)
   return acc.to(tl.float32, bitcast=True), c, c * -MAGIC_F32
 
