@@ -9,12 +9,17 @@ and half, a warpgroup computes
   S_h = wgmma_s8(Q8, K8_h^T) into an int32 accumulator that starts at
         0x4B400000, so its bits read as fp32 are f = 1.5 * 2**23 + S_h exactly
         (|S_h| < 2**22): no conversion instruction;
-  P_h = exp2(min(f * c_h + b_h, log2 255)): the whole exp2 argument in one FMA.
-        c_h = q_scale * k_scale_h turns S into base-2 logits; the row constant
-        b_h = log2 v_scale_h - 1.5 * 2**23 * c_h - E + log2 255 removes the
-        bias, folds in V's block scale and quantizes P per row of the 128-key
-        tile to 0..255 against E, the row's largest folded score (the clip
-        absorbs the fp32 rounding of b_h, so P never exceeds 255);
+  P_h = exp2(min((f - f_top) * c_h + b_h, log2 255)): one add and one FMA.
+        f - f_top, the distance to the row's largest f of the half, is exact
+        (both are the same bias plus an integer); c_h = q_scale * k_scale_h
+        turns it into base-2 logits; the row constant b_h = top_h - E +
+        log2 255, with top_h = (f_top - 1.5 * 2**23) * c_h + log2 v_scale_h
+        the half's largest folded score, folds in V's block scale and
+        quantizes P per row of the 128-key tile to 0..255 against E, the
+        row's largest folded score. So each score is rounded once and the
+        row's largest gets exactly log2 255, at any logit scale (folding the
+        bias into b_h instead saves the add but rounds b_h at the scale of
+        1.5 * 2**23 * c_h); the clip keeps exp2's own rounding below 256;
 
 then rounds P by adding 1.5 * 2**23, packs the low bytes into wgmma's 8-bit
 register operand (`registers.dot_from_registers`; V^T's keys are stored permuted to
@@ -52,6 +57,8 @@ from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 KV_STEP = 2 * BLOCK  # keys per step: two quantization blocks
 _LOG2_P_LEVELS = math.log2(nm.UINT8_MAX)  # P is unsigned 8-bit
+# The least f an S accumulator can read as (1.5 * 2**23 - 2**22).
+_LOWEST_F = float(2**23)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,13 +123,12 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
       plgpu.barrier_wait(q_bars.at[wg])
 
       def step_scales(j):
-        """Per half: (c_h, base_h, 1 / v_scale_h); base_h = log2 v_scale_h -
-        1.5 * 2**23 * c_h, so f * c_h + base_h is the folded base-2 score."""
+        """Per half: (c_h, log2 v_scale_h, 1 / v_scale_h)."""
         out = []
         for half in range(halves):
           blk = j * halves + half
           c = positive_scale(q_scale * ks_ref[b, kvh, blk])
-          out.append((c, lsv_ref[b, kvh, blk] - nm.ROUND_MAGIC_F32 * c, isv_ref[b, kvh, blk]))
+          out.append((c, lsv_ref[b, kvh, blk], isv_ref[b, kvh, blk]))
         return tuple(out)
 
       magic = plgpu.layout_cast(jnp.full((BLOCK, BLOCK), nm.ROUND_MAGIC_I32, jnp.int32),
@@ -153,14 +159,18 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
       def softmax(f, scales, m, e, l):
         """P of one step as rounding-add bits, and the rescaled running state."""
         bcast = lambda x: lax.broadcast_in_dim(x, (BLOCK, BLOCK), [0])
-        tops = [jnp.max(x, axis=1) * c + base for x, (c, base, _) in zip(f, scales)]
+        f_tops = [jnp.max(x, axis=1) for x in f]  # -inf where the row sees no key
+        tops = [(f_top - nm.ROUND_MAGIC_F32) * c + log2_v
+                for f_top, (c, log2_v, _) in zip(f_tops, scales)]
         m_new = jnp.maximum(m, functools.reduce(jnp.maximum, tops))
         e_new = jnp.maximum(functools.reduce(jnp.maximum, tops), m_new - nm.E_FLOOR_BELOW_MAX)
         alpha = jnp.exp2(e - e_new)
         bits, l_new = [], l * alpha
-        for x, (c, base, inv_v_scale) in zip(f, scales):
-          offset = base + _LOG2_P_LEVELS - e_new
-          p = jnp.exp2(jnp.minimum(x * c + bcast(offset), _LOG2_P_LEVELS))
+        for x, f_top, top, (c, _, inv_v_scale) in zip(f, f_tops, tops, scales):
+          # A row that sees no key: its -inf scores stay -inf (not -inf + inf).
+          from_top = x - bcast(jnp.maximum(f_top, _LOWEST_F))
+          p = jnp.exp2(jnp.minimum(from_top * c + bcast(top + _LOG2_P_LEVELS - e_new),
+                                   _LOG2_P_LEVELS))
           l_new = l_new + jnp.sum(p, axis=1) * inv_v_scale
           bits.append(lax.bitcast_convert_type(p + nm.ROUND_MAGIC_F32, jnp.int32))
         return bits, alpha, m_new, e_new, l_new
