@@ -28,10 +28,10 @@ from sagebwd_jax.sagebwd import key_mean  # noqa: E402
 ON_GPU = jax.default_backend() == "gpu"
 TRITON = TritonBackend.tuned(interpret=not ON_GPU)
 REFERENCE = ReferenceBackend(unsigned_p=True)
-# Kernel against reference on the same int8 tensors, fp32 results: the one
-# multiply-add exp2 argument rounds the accumulator offset's product (1.5 * 2**23
-# times the block scales) in fp32, which moves a few P and dS roundings (0.8e-3
-# measured); a wrong tile, scale or mask is off by far more than this.
+# Kernel against reference on the same int8 tensors, fp32 results: contracted
+# multiply-adds (and, compiled, the GPU's approximate exp2) move a few P and dS
+# roundings (interpreted: O 3e-5 off, gradients equal); a wrong tile, scale or
+# mask is off by far more than this.
 TOLERANCE = 2e-3
 
 
@@ -77,6 +77,21 @@ def test_forward_matches_reference_with_unsigned_p(causal, smooth_q, ids):
 
 # dK/dV's programs take 128 keys (four of these 32-key K blocks) where they
 # tile T, and 32 at T=192; causal at 256 puts the diagonal in two query blocks.
+@pytest.mark.parametrize("sigma", [30.0, 1e3, 1e4])
+def test_forward_at_large_logits_matches_reference(sigma):
+  """Each score is formed once from the exact distance to its row's largest,
+  so exp2 of the largest is exactly 1 however large the logits (issue 17):
+  O and lse stay at fp32 rounding from the reference's."""
+  q, k, v, _ = gaussian_qkv(jax.random.key(9), 1, 256, 256, 2, 1, 128, sigma=sigma,
+                            dtype=jnp.float32)
+  config = kernel_config(scale=128**-0.5)
+  qkv = REFERENCE.quantize(q, k, v, key_mean(k, None), config)
+  o, lse = TRITON.forward(qkv, Masks(), config, jnp.float32)
+  o_ref, lse_ref = REFERENCE.forward(qkv, Masks(), config, jnp.float32)
+  assert float(metrics.relative_l2(o, o_ref)) <= 1e-4
+  assert float(metrics.relative_l2(lse, lse_ref)) <= 1e-6
+
+
 @pytest.mark.parametrize("causal,smooth_q,ids,heads,seq", [
     (True, False, False, (2, 2), 256), (False, True, True, (4, 1), 128),
     (True, False, True, (2, 1), 192)])
@@ -135,3 +150,4 @@ def test_gpu_kernels_match_reference():
   test_quantization_pass_forms_the_reference_int8_tensors(128, True, False)
   test_forward_matches_reference_with_unsigned_p(True, True, True)
   test_backward_matches_reference_fp32(False, True, True, (4, 1), 128)
+  test_forward_at_large_logits_matches_reference(1e4)

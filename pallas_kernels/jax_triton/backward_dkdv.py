@@ -37,7 +37,7 @@ def _q_step(dk, dv, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, q8_t_ptr, q_scale_pt
   q_scale = tl.load(q_scale_ptr + i * BQ)
   q_mean = tl.load(q_mean_ptr + i * D + dims) if SMOOTH_Q else 0.0
   bias = tiles.q_smoothing_bias(k8, k_scale, q_mean)[:, None] if SMOOTH_Q else 0.0
-  x, c, _ = tiles.score_tile(k8, q8, k_scale[:, None], q_scale, bias, SMOOTH_Q)
+  x, c = tiles.score_tile(k8, q8, k_scale[:, None], q_scale, bias, SMOOTH_Q)
   q_ids = tl.load(q_ids_ptr + rows)[None, :] if IDS else 0
   x = tiles.masked(x, rows[None, :], kv_pos, q_ids, kv_ids, CAUSAL, IDS)
   lse = tl.load(lse_ptr + rows)

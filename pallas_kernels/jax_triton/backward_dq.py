@@ -20,9 +20,9 @@ def _kv_step(dq, q8, q_scale, q_mean, q_pos, q_ids, lse, delta, do, k8_ptr, k8_t
              k_scale_ptr, v_ptr, kv_ids_ptr, j, TK: tl.constexpr, HKV: tl.constexpr,
              D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr,
              IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
-  x, c, _, keys, k_scale = tiles.key_block_scores(q8, q_scale, q_mean, q_pos, q_ids, k8_ptr,
-                                                  k_scale_ptr, kv_ids_ptr, j, D, BK, CAUSAL,
-                                                  IDS, SMOOTH_Q)
+  x, c, keys, k_scale = tiles.key_block_scores(q8, q_scale, q_mean, q_pos, q_ids, k8_ptr,
+                                               k_scale_ptr, kv_ids_ptr, j, D, BK, CAUSAL,
+                                               IDS, SMOOTH_Q)
   dims = tl.arange(0, D)
   # exp2(S - lse): rows that saw no key have lse = +inf, so P = 0 there.
   p = tl.exp2(tiles.minus_lse(x, c, lse[:, None], SMOOTH_Q))

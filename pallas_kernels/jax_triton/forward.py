@@ -5,9 +5,11 @@ queries can see (causal block skipping; the mask only on the diagonal blocks,
 or on every block with ids). P follows numerics.folded_softmax_step with one
 key block per step and 255 levels (`ReferenceBackend(unsigned_p=True)`): V's
 block scale is folded into P, which is quantized per row of the tile against
-E, its row's largest folded score. Per score that is one multiply-add for the
-exp2 argument (the scale, the magic offset of the int32 accumulator, -E and
-log2 sV in one row constant), a clip, exp2 and one add to round.
+E, its row's largest folded score. Per score that is one add and one
+multiply-add for the exp2 argument (the exact distance to the row's largest
+score in the tile, times the scale, plus a row constant with -E and log2 sV:
+so the largest gets exactly log2 255 at any logit scale), a clip, exp2 and
+one add to round.
 
 P in 0..255 enters the signed INT8 dot as P - 128 (the rounding add's
 constant is 1.5 * 2**23 - 128, so its low byte is P - 128), and the 128 * V
@@ -43,23 +45,24 @@ def _kv_step(acc, m, e, l, q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_pt
              v_scale_ptr, pv_init_ptr, kv_ids_ptr, j, TK: tl.constexpr, D: tl.constexpr,
              BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr, IDS: tl.constexpr,
              SMOOTH_Q: tl.constexpr):
-  x, c, off, keys, _ = tiles.key_block_scores(q8, q_scale, q_mean, q_pos, q_ids, k8_ptr,
-                                              k_scale_ptr, kv_ids_ptr, j, D, BK, CAUSAL, IDS,
-                                              SMOOTH_Q)
+  x, c, keys, _ = tiles.key_block_scores(q8, q_scale, q_mean, q_pos, q_ids, k8_ptr,
+                                         k_scale_ptr, kv_ids_ptr, j, D, BK, CAUSAL, IDS,
+                                         SMOOTH_Q)
   dims = tl.arange(0, D)
 
   # numerics.folded_v_scales: an all-zero V block folds with scale 1.
   v_scale = tl.load(v_scale_ptr + j * BK)
   v_scale = tl.where(v_scale > 0, v_scale, 1.0)
   log2_v = tl.log2(v_scale)
-  top = tl.max(x, axis=1) * c + off + log2_v  # -inf where the row sees no key here
+  x_top, top = tiles.row_top(x, c, SMOOTH_Q)
+  top = top + log2_v  # -inf where the row sees no key here
   m_new = tl.maximum(m, top)
   e_new = tl.maximum(top, m_new - E_FLOOR)
   alpha = tl.exp2(e - e_new)
-  row = off + log2_v + LOG2_LEVELS - e_new
-  # The clip: the fp32 rounding of the folded offsets can lift the row's top
-  # a little above log2(255).
-  p = tl.exp2(tl.minimum(x * c + row[:, None], LOG2_LEVELS))
+  # The row's largest score gets exactly log2(255) (x - x_top is 0); the clip
+  # keeps exp2's own rounding of it from reaching 256.
+  row = top + LOG2_LEVELS - e_new
+  p = tl.exp2(tl.minimum(tiles.from_top(x, x_top) * c + row[:, None], LOG2_LEVELS))
   l = l * alpha + tl.sum(p, axis=1) * (1.0 / v_scale)
   p8 = tiles.low_byte(p + (tiles.MAGIC_F32 - P_SHIFT))
 

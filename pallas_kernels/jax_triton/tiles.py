@@ -74,23 +74,23 @@ def quantize_tile(x):
 
 @device_function
 def score_tile(a8, b8, a_scale, b_scale, b_bias, SMOOTH_Q: tl.constexpr):
-  """Base-2 scores of one tile as (x, c, off), S = x * c + off, so a kernel
-  folds its own per-row constant into `off` and forms its exp2 argument with
-  one multiply-add per score.
+  """Base-2 scores of one tile as (x, c): S = (x - 1.5 * 2**23) * c, or with
+  Q-smoothing S = x (c = 1), so that differences of x within a tile are exact
+  and a kernel forms its exp2 argument with one add and one multiply-add.
 
   a8 (M, D) and b8 (N, D) are the int8 rows of the tile's two sides (Q and K,
-  or K and Q for a transposed tile), with block scales a_scale, b_scale.
-  Without Q-smoothing x is the magic-offset product itself. With it, S gets a
-  per-key bias `b_bias` ((1, N) or (M, 1), the side of the keys), which no
-  scalar can carry: then x is S (numerics.dequantize plus the bias) and c = 1.
+  or K and Q for a transposed tile), with scales a_scale, b_scale (scalars
+  or vectors along the tile's sides). Without Q-smoothing x is the
+  magic-offset product itself. With it, S gets a per-key bias `b_bias` ((1, N)
+  or (M, 1), the side of the keys), which no scale can carry: then x is S
+  (numerics.dequantize plus the bias).
   """
   acc = tl.dot(a8, tl.trans(b8), acc=magic_accumulator(a8.shape[0], b8.shape[0]),
                 out_dtype=tl.int32)
   c = a_scale * b_scale
-  if SMOOTH_Q:  # c and off shaped like the scales (every return's types agree)
-    return exact_float(acc) * c + b_bias, tl.zeros_like(c) + 1.0, tl.zeros_like(c)
-  c = tl.maximum(c, TINY)
-  return acc.to(tl.float32, bitcast=True), c, c * -MAGIC_F32
+  if SMOOTH_Q:  # c shaped like the scales (every return's types agree)
+    return exact_float(acc) * c + b_bias, tl.zeros_like(c) + 1.0
+  return acc.to(tl.float32, bitcast=True), tl.maximum(c, TINY)
 
 
 @device_function
@@ -98,16 +98,34 @@ def key_block_scores(q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_ptr, kv_
                      D: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr,
                      IDS: tl.constexpr, SMOOTH_Q: tl.constexpr):
   """`score_tile` of a query block (rows) against key block j (columns), masked;
-  returns (x, c, off, keys, k_scale). The forward and dQ loop over key blocks
+  returns (x, c, keys, k_scale). The forward and dQ loop over key blocks
   with it."""
   keys = j * BK + tl.arange(0, BK)
   k8 = tl.load(k8_ptr + keys[:, None] * D + tl.arange(0, D)[None, :])
   k_scale = tl.load(k_scale_ptr + j * BK)
   bias = q_smoothing_bias(k8, k_scale, q_mean)[None, :] if SMOOTH_Q else 0.0
-  x, c, off = score_tile(q8, k8, q_scale, k_scale, bias, SMOOTH_Q)
+  x, c = score_tile(q8, k8, q_scale, k_scale, bias, SMOOTH_Q)
   kv_ids = tl.load(kv_ids_ptr + keys)[None, :] if IDS else 0
   x = masked(x, q_pos, keys[None, :], q_ids, kv_ids, CAUSAL, IDS)
-  return x, c, off, keys, k_scale
+  return x, c, keys, k_scale
+
+
+@device_function
+def row_top(x, c, SMOOTH_Q: tl.constexpr):
+  """The row maxima of a (masked) `score_tile` as (x's, S's): -inf where a row
+  sees no key; S's top is rounded once, as numerics.block_scores' top."""
+  x_top = tl.max(x, axis=1)
+  if SMOOTH_Q:
+    return x_top, x_top
+  return x_top, (x_top - MAGIC_F32) * c
+
+
+@device_function
+def from_top(x, x_top):
+  """x minus its row's top: exact without Q-smoothing (both are 1.5 * 2**23
+  plus an integer), one rounding with it (numerics.block_scores' S - top);
+  -inf stays -inf in a row that sees no key."""
+  return x - tl.where(x_top > float("-inf"), x_top, 0.0)[:, None]
 
 
 @device_function
@@ -115,8 +133,8 @@ def minus_lse(x, c, lse, SMOOTH_Q: tl.constexpr):
   """The backward's exp2 argument S - lse from `score_tile`'s x and c (`lse`
   broadcastable to x). The magic offset comes off exactly before the multiply:
   folded into the addend with -lse, its fp32 rounding (about c) would move the
-  exponent, and in the backward no row maximum cancels it (the Mosaic backward
-  measured dQ relative L2 .040 at sigma 30 that way)."""
+  exponent (the Mosaic backward measured dQ relative L2 .040 at sigma 30 that
+  way)."""
   if SMOOTH_Q:
     return x - lse
   return (x - MAGIC_F32) * c - lse
