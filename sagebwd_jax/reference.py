@@ -78,7 +78,7 @@ class ReferenceBackend:
   the portable kernels), to 0..127, or to 0..255 with `unsigned_p`; the
   backward's P^T per key row of a block_kv x block_q tile to 0..127, or to
   0..255 by `numerics.unsigned_rows` with `unsigned_p_t`. The Hopper kernels:
-  `HOPPER_NUMERICS`; the Triton kernels: `unsigned_p=True`.
+  `HOPPER_NUMERICS`; the Triton kernels: `TRITON_NUMERICS`.
   """
 
   p_block: int | None = None
@@ -232,6 +232,7 @@ class ReferenceBackend:
 # The Hopper (Mosaic GPU) kernels' numerics: the forward's P per 128-key row
 # and the backward's P^T per key row, both unsigned.
 HOPPER_NUMERICS = ReferenceBackend(p_block=128, unsigned_p=True, unsigned_p_t=True)
+TRITON_NUMERICS = ReferenceBackend(unsigned_p=True, unsigned_p_t=True)
 
 
 class _Tiles:

@@ -241,11 +241,11 @@ def use_hopper_numerics(monkeypatch):
 
 
 def use_triton_numerics(monkeypatch):
-  """The op's "reference" quantizes P as the Triton forward does (per row of
-  each key block, unsigned)."""
+  """The op's "reference" quantizes P and P^T as the Triton kernels do (per row
+  of each key block, per key row, unsigned)."""
   from sagebwd_jax import api
-  from sagebwd_jax.reference import ReferenceBackend
-  monkeypatch.setattr(api, "ReferenceBackend", lambda: ReferenceBackend(unsigned_p=True))
+  from sagebwd_jax.reference import TRITON_NUMERICS
+  monkeypatch.setattr(api, "ReferenceBackend", lambda: TRITON_NUMERICS)
 
 
 def check_against_reference(case: str, implementation: str | None):

@@ -24,7 +24,7 @@ class TestTritonGpu(AttentionTestBase):
   takes_windows = False
 
   def test_matches_reference_backend(self, case, monkeypatch):
-    """The reference with the Triton forward's P (unsigned, per key block)."""
+    """The reference with the Triton kernels' P and P^T (`TRITON_NUMERICS`)."""
     use_triton_numerics(monkeypatch)
     check_against_reference(case, self.implementation)
 

@@ -21,8 +21,9 @@ class TestTritonInterpret(AttentionTestBase):
   takes_windows = False
   # The interpreter runs a kernel's Python body once per program, about 5 ms
   # per tile: Table 1 at T=4096 alone would take minutes. Its accuracy is the
-  # reference's with unsigned P (which test_matches_reference_backend ties
-  # these kernels to, case by case); the GPU suite runs Table 1 through them.
+  # reference's with unsigned P and P^T (which test_matches_reference_backend
+  # ties these kernels to, case by case); the GPU suite runs Table 1 through
+  # them.
   params = AttentionTestBase.params | {
       "sigma": [],
       "tq,tk": [(100, 75), (17, 200)],
@@ -30,6 +31,6 @@ class TestTritonInterpret(AttentionTestBase):
   }
 
   def test_matches_reference_backend(self, case, monkeypatch):
-    """The reference with the Triton forward's P (unsigned, per key block)."""
+    """The reference with the Triton kernels' P and P^T (`TRITON_NUMERICS`)."""
     use_triton_numerics(monkeypatch)
     check_against_reference(case, self.implementation)

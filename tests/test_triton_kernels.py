@@ -22,12 +22,12 @@ from pallas_kernels.jax_triton.backend import TritonBackend  # noqa: E402
 from pallas_kernels.jax_triton.backward_prepass import backward_prepass  # noqa: E402
 from pallas_kernels.types import Masks  # noqa: E402
 from sagebwd_jax import dot_product_attention, metrics  # noqa: E402
-from sagebwd_jax.reference import ReferenceBackend  # noqa: E402
+from sagebwd_jax.reference import TRITON_NUMERICS  # noqa: E402
 from sagebwd_jax.sagebwd import key_mean  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
 TRITON = TritonBackend.tuned(interpret=not ON_GPU)
-REFERENCE = ReferenceBackend(unsigned_p=True)
+REFERENCE = TRITON_NUMERICS
 # Kernel against reference on the same int8 tensors, fp32 results: contracted
 # multiply-adds (and, compiled, the GPU's approximate exp2) move a few P and dS
 # roundings (interpreted: O 3e-5 off, gradients equal); a wrong tile, scale or
@@ -99,11 +99,10 @@ def test_backward_matches_reference_fp32(causal, smooth_q, ids, heads, seq):
   q, k, v, do = gaussian_qkv(jax.random.key(4), 2, seq, seq, *heads, 64, dtype=jnp.float32)
   config = kernel_config(causal=causal, smooth_q=smooth_q, block_kv=32)
   masks = _masks(seq, seq) if ids else Masks()
-  reference = ReferenceBackend()
-  qkv = reference.quantize(q, k, v, key_mean(k, None), config)
-  o, lse = reference.forward(qkv, masks, config, jnp.float32)
+  qkv = REFERENCE.quantize(q, k, v, key_mean(k, None), config)
+  o, lse = REFERENCE.forward(qkv, masks, config, jnp.float32)
   ours = TRITON.backward(qkv, v, o, lse, do, masks, config)
-  ref = reference.backward(qkv, v, o, lse, do, masks, config)
+  ref = REFERENCE.backward(qkv, v, o, lse, do, masks, config)
   for name, a, b in zip(("dQ", "dK", "dV"), ours, ref):
     assert a.shape == b.shape, name
     assert float(metrics.relative_l2(a, b)) <= TOLERANCE, name

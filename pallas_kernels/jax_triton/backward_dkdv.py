@@ -1,8 +1,12 @@
 """dK and dV: one program per (key tile, batch, key/value head) loops over
 the query heads of its group and the query blocks that see its keys. It works
 on transposed tiles (S^T = K.Q^T, dP^T = V.dO^T) so P^T and dS^T are the first
-operands of their INT8 dots and are quantized per key (a row here). The group's
-sum (GQA) stays in the program's fp32 accumulators.
+operands of their INT8 dots and are quantized per key (a row here). P^T is
+unsigned, as the Hopper backward has it (`ReferenceBackend(unsigned_p_t=True)`):
+0..255 against the row's largest, from the exponent (one add per score, no
+division), and dS^T is formed from those unrounded 0..255 values, its row
+scale absorbing P^T's. The group's sum (GQA) stays in the program's fp32
+accumulators.
 
 The key tile (`BK`, the launch's `block_rows`) need not be K's quantization
 block: K's scales are read per key, so 128 keys at 8 warps put two 64-key
@@ -27,7 +31,7 @@ LN_2 = tl.constexpr(nm.LN_2)
 
 @device_function
 def _q_step(dk, dv, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, q8_t_ptr, q_scale_ptr, q_mean_ptr,
-            lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr, q_ids_ptr, i,
+            lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr, dv_start_ptr, q_ids_ptr, i,
             TQ: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr,
             BK: tl.constexpr, CAUSAL: tl.constexpr, IDS: tl.constexpr,
             SMOOTH_Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -40,29 +44,36 @@ def _q_step(dk, dv, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, q8_t_ptr, q_scale_pt
   x, c = tiles.score_tile(k8, q8, k_scale[:, None], q_scale, bias, SMOOTH_Q)
   q_ids = tl.load(q_ids_ptr + rows)[None, :] if IDS else 0
   x = tiles.masked(x, rows[None, :], kv_pos, q_ids, kv_ids, CAUSAL, IDS)
-  lse = tl.load(lse_ptr + rows)
-  p_t = tl.exp2(tiles.minus_lse(x, c, lse[None, :], SMOOTH_Q))
+  a = tiles.minus_lse(x, c, tl.load(lse_ptr + rows)[None, :], SMOOTH_Q)
+  # numerics.unsigned_rows: P^T = pq * exp2(top), pq in 0..255.
+  top = tl.max(a, axis=1)
+  top = tl.where(top > float("-inf"), top, 0.0) - tiles.LOG2_UINT8_MAX
+  pq_t = tl.exp2(a - top[:, None])
+  p_scale = tl.exp2(top)
 
   do = tl.load(do_ptr + rows[:, None] * H * D + dims[None, :])
   dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-  ds_t = p_t * (dp_t - tl.load(delta_ptr + rows)[None, :])
-  p8_t, p_scale = tiles.quantize_rows(p_t, True)
+  ds_t = pq_t * (dp_t - tl.load(delta_ptr + rows)[None, :])
+  p8_t = tiles.unsigned_byte(pq_t)
   ds8_t, ds_scale = tiles.quantize_rows(ds_t, False)
 
   do8_t = tl.load(do8_t_ptr + dims[:, None] * TQ + rows[None, :])
-  prod = tl.dot(p8_t, tl.trans(do8_t), acc=tiles.magic_accumulator(BK, D), out_dtype=tl.int32)
+  dv_start = tl.load(dv_start_ptr + i * D + dims)
+  prod = tl.dot(p8_t, tl.trans(do8_t), acc=tl.broadcast_to(dv_start[None, :], (BK, D)),
+                out_dtype=tl.int32)
   dv += tiles.exact_float(prod) * (p_scale[:, None] * tl.load(do_scale_ptr + i * BQ))
   q8_t = tl.load(q8_t_ptr + dims[:, None] * TQ + rows[None, :])
   prod = tl.dot(ds8_t, tl.trans(q8_t), acc=tiles.magic_accumulator(BK, D), out_dtype=tl.int32)
-  dk += tiles.exact_float(prod) * (ds_scale[:, None] * q_scale)
+  dk += tiles.exact_float(prod) * ((ds_scale * p_scale)[:, None] * q_scale)
   if SMOOTH_Q:
-    dk += tl.sum(ds_t, axis=1)[:, None] * q_mean[None, :]
+    dk += (tl.sum(ds_t, axis=1) * p_scale)[:, None] * q_mean[None, :]
   return dk, dv
 
 
 @triton.jit
 def _kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_scale_ptr, q_mean_ptr,
-            lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr, q_ids_ptr, dk_ptr, dv_ptr,
+            lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr, dv_start_ptr, q_ids_ptr, dk_ptr,
+            dv_ptr,
             H: tl.constexpr, HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr,
             D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr,
             IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -98,14 +109,15 @@ def _kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_scale_pt
     do_h = do_ptr + b * TQ * H * D + h * D
     do8_t_h = do8_t_ptr + q_head * D * TQ
     do_scale_h = do_scale_ptr + q_head * TQ
+    dv_start_h = dv_start_ptr + q_head * nq * D
     for i in range(start, full):
       dk, dv = _q_step(dk, dv, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h, q_scale_h,
-                       q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, q_ids_ptr, i, TQ, H,
-                       D, BQ, BK, True, IDS, SMOOTH_Q, DOT_PRECISION)
+                       q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h,
+                       q_ids_ptr, i, TQ, H, D, BQ, BK, True, IDS, SMOOTH_Q, DOT_PRECISION)
     for i in range(full, nq):
       dk, dv = _q_step(dk, dv, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h, q_scale_h,
-                       q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, q_ids_ptr, i, TQ, H,
-                       D, BQ, BK, False, IDS, SMOOTH_Q, DOT_PRECISION)
+                       q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h,
+                       q_ids_ptr, i, TQ, H, D, BQ, BK, False, IDS, SMOOTH_Q, DOT_PRECISION)
   # Q was quantized as Q * scale * log2(e); the product above carries log2(e).
   tl.store(dk_ptr + tokens, (dk * LN_2).to(dk_ptr.dtype.element_ty))
   tl.store(dv_ptr + tokens, dv.to(dv_ptr.dtype.element_ty))
@@ -125,6 +137,7 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
     kv_heads, kv_len = k8.shape[1], k8.shape[2]
     args = [k8, k_scale, v, placeholder(kv_ids, jnp.int32), q8, q8_t, q_scale,
             placeholder(q_mean, jnp.float32), lse, delta, do, do8_t, do_scale,
+            tiles.shifted_accumulator_start(do8_t, config.block_q),
             placeholder(q_ids, jnp.int32)]
     shape = jax.ShapeDtypeStruct(v.shape, v.dtype)
     keys = launch.block_rows or config.block_kv

@@ -11,16 +11,11 @@ score in the tile, times the scale, plus a row constant with -E and log2 sV:
 so the largest gets exactly log2 255 at any logit scale), a clip, exp2 and
 one add to round.
 
-P in 0..255 enters the signed INT8 dot as P - 128 (the rounding add's
-constant is 1.5 * 2**23 - 128, so its low byte is P - 128), and the 128 * V
-that this drops comes back through the accumulator's start: 0x4B400000 plus
-128 times the column sums of the V block, so the product reads as fp32
-1.5 * 2**23 + P.V exactly.
+P in 0..255 enters the signed INT8 dot as P - 128, and 128 times the V
+block's column sums come back through the accumulator's start (tiles.py).
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +28,7 @@ from pallas_kernels.jax_triton.interpreter import device_function
 from pallas_kernels.jax_triton.launch import LaunchConfig, batch_folded, placeholder
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
-LEVELS = nm.UINT8_MAX
-LOG2_LEVELS = tl.constexpr(math.log2(LEVELS))
-P_SHIFT = tl.constexpr(128)
+LOG2_LEVELS = tiles.LOG2_UINT8_MAX
 E_FLOOR = tl.constexpr(nm.E_FLOOR_BELOW_MAX)
 NOTHING_SEEN = tl.constexpr(nm.NOTHING_SEEN)
 
@@ -64,7 +57,7 @@ def _kv_step(acc, m, e, l, q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_pt
   row = top + LOG2_LEVELS - e_new
   p = tl.exp2(tl.minimum(tiles.from_top(x, x_top) * c + row[:, None], LOG2_LEVELS))
   l = l * alpha + tl.sum(p, axis=1) * (1.0 / v_scale)
-  p8 = tiles.low_byte(p + (tiles.MAGIC_F32 - P_SHIFT))
+  p8 = tiles.unsigned_byte(p)
 
   v8 = tl.load(v8_t_ptr + dims[:, None] * TK + keys[None, :])
   pv_init = tl.load(pv_init_ptr + j * D + dims)
@@ -126,14 +119,6 @@ def _kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_ptr, v_sc
   tl.store(lse_ptr + q_head * TQ + rows, lse)
 
 
-def pv_accumulator_start(v8_t: jax.Array, block_kv: int) -> jax.Array:
-  """0x4B400000 + 128 * the column sums of each V block: (B, Hkv, Tk // block_kv, D)."""
-  batch, kv_heads, head_dim, kv_len = v8_t.shape
-  blocks = v8_t.reshape(batch, kv_heads, head_dim, kv_len // block_kv, block_kv)
-  sums = jnp.sum(blocks.astype(jnp.int32), axis=-1)
-  return jnp.swapaxes(nm.ROUND_MAGIC_I32 + P_SHIFT.value * sums, 2, 3)
-
-
 def forward(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
             launch: LaunchConfig) -> tuple[jax.Array, jax.Array]:
   """O (B, Tq, H, D) in `out_dtype` and the base-2 log-sum-exp (B, H, Tq)."""
@@ -142,7 +127,8 @@ def forward(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
     batch, heads, q_len, head_dim = q8.shape
     kv_heads, kv_len = k8.shape[1], k8.shape[2]
     args = [q8, q_scale, placeholder(q_mean, jnp.float32), k8, k_scale, v8_t, v_scale,
-            pv_accumulator_start(v8_t, config.block_kv), placeholder(q_ids, jnp.int32),
+            tiles.shifted_accumulator_start(v8_t, config.block_kv),
+            placeholder(q_ids, jnp.int32),
             placeholder(kv_ids, jnp.int32)]
     out_shape = [jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), out_dtype),
                  jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)]

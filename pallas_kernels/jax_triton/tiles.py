@@ -7,10 +7,21 @@ the int32 result then reads, as fp32 bits, 1.5 * 2**23 + the product exactly
 one float subtraction, or none where it folds into the next multiply-add,
 replaces an int32 -> fp32 conversion. Rounding adds 1.5 * 2**23 and keeps the
 low byte (numerics.round_to_int8's bit trick).
+
+Unsigned P (0..255) enters the signed int8 products as P - 128
+(`unsigned_byte`: the rounding add's constant is 1.5 * 2**23 - 128, so its low
+byte is P - 128), and the 128 * X that this drops comes back through the
+accumulator's start, 0x4B400000 plus 128 times the column sums of the other
+operand's block (`shifted_accumulator_start`), so the product still reads as
+fp32 1.5 * 2**23 + P.X exactly.
 """
 
 from __future__ import annotations
 
+import math
+
+import jax
+import jax.numpy as jnp
 import triton.language as tl
 
 from pallas_kernels import numerics as nm
@@ -19,6 +30,8 @@ from pallas_kernels.jax_triton.interpreter import device_function
 MAGIC_F32 = tl.constexpr(nm.ROUND_MAGIC_F32)
 MAGIC_I32 = tl.constexpr(nm.ROUND_MAGIC_I32)
 INT8_MAX = tl.constexpr(nm.INT8_MAX)
+LOG2_UINT8_MAX = tl.constexpr(math.log2(nm.UINT8_MAX))
+P_SHIFT = tl.constexpr(128)
 # The smallest normal fp32: a floor for the product of two block scales, which
 # is 0 only for an all-zero block, whose scores are 0 whatever multiplies them;
 # above 0 it keeps -inf (masked) scores -inf through the multiply.
@@ -42,6 +55,21 @@ def low_byte(x):
   """The int8 in the low byte of an fp32 that had 1.5 * 2**23 (or that minus a
   constant) added: round-half-even of the value added to."""
   return x.to(tl.int32, bitcast=True).to(tl.int8)
+
+
+@device_function
+def unsigned_byte(p):
+  """Rounded P in 0..255 as the int8 P - 128 (module docstring)."""
+  return low_byte(p + (MAGIC_F32 - P_SHIFT))
+
+
+def shifted_accumulator_start(x8_t: jax.Array, block: int) -> jax.Array:
+  """The accumulator start of `unsigned_byte` P times int8 X, per block of
+  `block` tokens of X given (B, H, D, T): (B, H, T // block, D) int32."""
+  batch, heads, head_dim, length = x8_t.shape
+  blocks = x8_t.reshape(batch, heads, head_dim, length // block, block)
+  sums = jnp.sum(blocks.astype(jnp.int32), axis=-1)
+  return jnp.swapaxes(nm.ROUND_MAGIC_I32 + P_SHIFT.value * sums, 2, 3)
 
 
 @device_function
