@@ -1,16 +1,19 @@
-"""Sweep the Pallas kernels' launch settings (warps, pipeline stages) on a GPU.
+"""Sweep the portable kernels' launch settings (warps, pipeline stages) on a GPU.
 
-    python -m benchmarks.tune [--seq 4096] [--dims 128,64]
+    python -m benchmarks.tune [--backend pallas|triton] [--seq 4096] [--dims 128,64]
 
 For each head dim and causal flag: the forward alone under each forward
 setting, then forward+backward under each backward setting (with the best
-forward), as TOPS and the ratio to cuDNN BF16 timed in the same process. The
-winners go into `PallasBackend.tuned`.
+forward), as TOPS and the ratio to cuDNN BF16 timed in the same process.
+`--backend triton` sweeps the dK/dV and dQ launches of the Triton kernels one
+at a time (the other at its default), dK/dV's with 64 or 128 keys per program.
+The winners go into `PallasBackend.tuned` or `TritonBackend.tuned`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import warnings
@@ -19,17 +22,37 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.attention import time_call
-from pallas_kernels.triton.backend import PallasBackend
-from pallas_kernels.triton.common import LaunchConfig
+from pallas_kernels.types import Config, Masks
 from sagebwd_jax.sagebwd import sagebwd_attention
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
-SETTINGS = [LaunchConfig(num_warps=w, num_stages=s)
-            for w, s in itertools.product((4, 8), (2, 3, 4))]
+WARPS = (4, 8)
 
 
-def _ours(backend: PallasBackend, causal: bool):
-  from pallas_kernels.types import Config, Masks
+def _sweeps(backend: str):
+  """(forward variants, backward variants), each a list of (label, backend);
+  a backward variant runs with the best forward's `forward_launch`."""
+  if backend == "pallas":
+    from pallas_kernels.triton.backend import PallasBackend
+    from pallas_kernels.triton.common import LaunchConfig
+    settings = {f"w{w} s{s}": LaunchConfig(num_warps=w, num_stages=s)
+                for w, s in itertools.product(WARPS, (2, 3, 4))}
+    return ([(k, PallasBackend(c, LaunchConfig())) for k, c in settings.items()],
+            [(k, PallasBackend(LaunchConfig(), c)) for k, c in settings.items()])
+  from pallas_kernels.jax_triton.backend import TritonBackend
+  from pallas_kernels.jax_triton.launch import LaunchConfig
+  default = TritonBackend.tuned()
+  settings = lambda **kw: {f"w{w} s{s}": LaunchConfig(num_warps=w, num_stages=s, **kw)
+                           for w, s in itertools.product(WARPS, (1, 2, 3))}
+  backward = [(f"dq {k}", dataclasses.replace(default, dq_launch=c))
+              for k, c in settings().items()]
+  backward += [(f"dkdv {k} keys {rows}", dataclasses.replace(default, dkdv_launch=c))
+               for rows in (64, 128) for k, c in settings(block_rows=rows).items()]
+  return ([(k, dataclasses.replace(default, forward_launch=c)) for k, c in settings().items()],
+          backward)
+
+
+def _ours(backend, causal: bool):
   def attn(q, k, v):
     d = q.shape[-1]
     config = Config(scale=d**-0.5, causal=causal, smooth_q=False, block_q=64, block_kv=64)
@@ -52,9 +75,11 @@ def _rate(attn, q, k, v, do, flops, *, backward: bool) -> float:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--backend", default="pallas", choices=["pallas", "triton"])
   parser.add_argument("--seq", type=int, default=4096)
   parser.add_argument("--dims", default="128,64")
   args = parser.parse_args()
+  forward, backward = _sweeps(args.backend)
   for head_dim in map(int, args.dims.split(",")):
     batch, heads = 16384 // args.seq, 2048 // head_dim
     keys = jax.random.split(jax.random.key(0), 4)
@@ -67,16 +92,17 @@ def main():
       cudnn = [_rate(ref, q, k, v, do, flops, backward=b) for b in (False, True)]
       print(f"D={head_dim} causal={causal} cuDNN fwd {cudnn[0]:.1f} fwd+bwd {cudnn[1]:.1f}")
       fwd = {}
-      for s in SETTINGS:
-        fwd[s] = _rate(_ours(PallasBackend(s, LaunchConfig()), causal), q, k, v, do, flops,
-                       backward=False)
-        print(f"  forward  w{s.num_warps} s{s.num_stages}: {fwd[s]:.1f} "
-              f"({fwd[s] / cudnn[0]:.2f}x)", flush=True)
+      for label, backend in forward:
+        fwd[label] = _rate(_ours(backend, causal), q, k, v, do, flops, backward=False)
+        print(f"  forward  {label}: {fwd[label]:.1f} ({fwd[label] / cudnn[0]:.2f}x)",
+              flush=True)
       best = max(fwd, key=lambda s: -1 if fwd[s] != fwd[s] else fwd[s])
-      for s in SETTINGS:
-        total = _rate(_ours(PallasBackend(best, s), causal), q, k, v, do, flops, backward=True)
-        print(f"  backward w{s.num_warps} s{s.num_stages} (forward w{best.num_warps} "
-              f"s{best.num_stages}): fwd+bwd {total:.1f} ({total / cudnn[1]:.2f}x)", flush=True)
+      best_launch = dict(forward)[best].forward_launch
+      for label, backend in backward:
+        backend = dataclasses.replace(backend, forward_launch=best_launch)
+        total = _rate(_ours(backend, causal), q, k, v, do, flops, backward=True)
+        print(f"  backward {label} (forward {best}): fwd+bwd {total:.1f} "
+              f"({total / cudnn[1]:.2f}x)", flush=True)
 
 
 if __name__ == "__main__":
