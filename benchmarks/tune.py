@@ -6,7 +6,7 @@ For each head dim and causal flag: the forward alone under each forward
 setting, then forward+backward under each backward setting (with the best
 forward), as TOPS and the ratio to cuDNN BF16 timed in the same process.
 `--backend triton` sweeps the dK/dV and dQ launches of the Triton kernels one
-at a time (the other at its default), dK/dV's with 64 or 128 keys per program.
+at a time (the other at its default), each also with 128 rows per program.
 The winners go into `PallasBackend.tuned` or `TritonBackend.tuned`.
 """
 
@@ -26,7 +26,6 @@ from pallas_kernels.types import Config, Masks
 from sagebwd_jax.sagebwd import sagebwd_attention
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
-WARPS = (4, 8)
 
 
 def _sweeps(backend: str):
@@ -36,20 +35,20 @@ def _sweeps(backend: str):
     from pallas_kernels.triton.backend import PallasBackend
     from pallas_kernels.triton.common import LaunchConfig
     settings = {f"w{w} s{s}": LaunchConfig(num_warps=w, num_stages=s)
-                for w, s in itertools.product(WARPS, (2, 3, 4))}
+                for w, s in itertools.product((4, 8), (2, 3, 4))}
     return ([(k, PallasBackend(c, LaunchConfig())) for k, c in settings.items()],
             [(k, PallasBackend(LaunchConfig(), c)) for k, c in settings.items()])
   from pallas_kernels.jax_triton.backend import TritonBackend
   from pallas_kernels.jax_triton.launch import LaunchConfig
   default = TritonBackend.tuned()
-  settings = lambda **kw: {f"w{w} s{s}": LaunchConfig(num_warps=w, num_stages=s, **kw)
-                           for w, s in itertools.product(WARPS, (1, 2, 3))}
-  backward = [(f"dq {k}", dataclasses.replace(default, dq_launch=c))
-              for k, c in settings().items()]
-  backward += [(f"dkdv {k} keys {rows}", dataclasses.replace(default, dkdv_launch=c))
-               for rows in (64, 128) for k, c in settings(block_rows=rows).items()]
-  return ([(k, dataclasses.replace(default, forward_launch=c)) for k, c in settings().items()],
-          backward)
+  # 128 rows at 8 warps: a 64-row slice per warpgroup (at 64 rows Triton
+  # splits the columns instead).
+  settings = {f"w{w} s{s} rows {rows}": LaunchConfig(num_warps=w, num_stages=s, block_rows=rows)
+              for (w, rows), s in itertools.product(((4, 64), (8, 64), (8, 128)), (1, 2, 3))}
+  def variants(kernel: str):
+    return [(f"{kernel} {k}", dataclasses.replace(default, **{f"{kernel}_launch": c}))
+            for k, c in settings.items()]
+  return variants("forward"), variants("dq") + variants("dkdv")
 
 
 def _ours(backend, causal: bool):

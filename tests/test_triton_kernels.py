@@ -20,6 +20,7 @@ from conftest import check_quantization_pass, gaussian_qkv, kernel_config  # noq
 from benchmarks import sass  # noqa: E402
 from pallas_kernels.jax_triton.backend import TritonBackend  # noqa: E402
 from pallas_kernels.jax_triton.backward_prepass import backward_prepass  # noqa: E402
+from pallas_kernels.jax_triton.launch import LaunchConfig  # noqa: E402
 from pallas_kernels.types import Masks  # noqa: E402
 from sagebwd_jax import dot_product_attention, metrics  # noqa: E402
 from sagebwd_jax.reference import TRITON_NUMERICS  # noqa: E402
@@ -105,6 +106,29 @@ def test_backward_matches_reference_fp32(causal, smooth_q, ids, heads, seq):
   ref = REFERENCE.backward(qkv, v, o, lse, do, masks, config)
   for name, a, b in zip(("dQ", "dK", "dV"), ours, ref):
     assert a.shape == b.shape, name
+    assert float(metrics.relative_l2(a, b)) <= TOLERANCE, name
+
+
+@pytest.mark.parametrize("causal,smooth_q,ids,seq", [(True, False, True, 256),
+                                                     (False, True, False, 256),
+                                                     (True, False, False, 192)])
+def test_128_rows_per_program_match_reference(causal, smooth_q, ids, seq):
+  """Every kernel with 128 rows (queries, or dK/dV's keys) per program where
+  they tile T, over 64-token quantization blocks: scales are read per token,
+  so the results are the 64-row programs'. Q-smoothing (means per Q block)
+  and T=192 keep 64 query rows."""
+  launch = LaunchConfig(interpret=not ON_GPU, num_warps=8, block_rows=128)
+  backend = TritonBackend(launch, launch, launch)
+  q, k, v, do = gaussian_qkv(jax.random.key(10), 2, seq, seq, 4, 2, 64, dtype=jnp.float32)
+  config = kernel_config(causal=causal, smooth_q=smooth_q)
+  masks = _masks(seq, seq) if ids else Masks()
+  qkv = REFERENCE.quantize(q, k, v, key_mean(k, None), config)
+  o, lse = backend.forward(qkv, masks, config, jnp.float32)
+  o_ref, lse_ref = REFERENCE.forward(qkv, masks, config, jnp.float32)
+  assert float(metrics.relative_l2(o, o_ref)) <= TOLERANCE
+  ours = backend.backward(qkv, v, o_ref, lse_ref, do, masks, config)
+  ref = REFERENCE.backward(qkv, v, o_ref, lse_ref, do, masks, config)
+  for name, a, b in zip(("dQ", "dK", "dV"), ours, ref):
     assert float(metrics.relative_l2(a, b)) <= TOLERANCE, name
 
 

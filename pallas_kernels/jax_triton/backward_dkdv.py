@@ -8,9 +8,10 @@ division), and dS^T is formed from those unrounded 0..255 values, its row
 scale absorbing P^T's. The group's sum (GQA) stays in the program's fp32
 accumulators.
 
-The key tile (`BK`, the launch's `block_rows`) need not be K's quantization
-block: K's scales are read per key, so 128 keys at 8 warps put two 64-key
-warpgroups on each query block's loads with the results of 64-key programs."""
+The key tile (`BK`, the launch's `rows_per_program`) need not be K's
+quantization block: K's scales are read per key, so 128 keys at 8 warps put
+two 64-key warpgroups on each query block's loads with the results of 64-key
+programs."""
 
 from __future__ import annotations
 
@@ -127,8 +128,7 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
                   config: Config, launch: LaunchConfig) -> tuple[jax.Array, jax.Array]:
   """dK, dV (B, Tk, Hkv, D) in V's dtype, summed over each kv head's group.
 
-  Each program takes `launch.block_rows` keys where they tile Tk, else
-  `config.block_kv`.
+  Each program takes `launch.rows_per_program` keys.
   """
 
   def run(k8, k_scale, v, kv_ids, q8, q8_t, q_scale, q_mean, lse, delta, do, do8_t, do_scale,
@@ -140,8 +140,7 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
             tiles.shifted_accumulator_start(do8_t, config.block_q),
             placeholder(q_ids, jnp.int32)]
     shape = jax.ShapeDtypeStruct(v.shape, v.dtype)
-    keys = launch.block_rows or config.block_kv
-    keys = keys if kv_len % keys == 0 else config.block_kv
+    keys = launch.rows_per_program(kv_len, config.block_kv)
     dk, dv = launch.call(
         _kernel, args, [shape, shape], grid=(kv_len // keys, batch, kv_heads),
         name="sagebwd_triton_backward_dkdv", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,

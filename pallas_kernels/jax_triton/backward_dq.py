@@ -1,6 +1,8 @@
-"""dQ: one program per (query block, batch, query head) loops over the key
+"""dQ: one program per (query tile, batch, query head) loops over the key
 blocks its queries see, recomputing P and dS like the forward; dS is the
-first operand of INT8 dS.K and is quantized per query (a row here)."""
+first operand of INT8 dS.K and is quantized per query (a row here). The
+query tile is the launch's `rows_per_program` (Q's scales are read per
+token)."""
 
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def _kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_ids_p
   dims = tl.arange(0, D)
   tokens = tiles.token_offsets(b, rows, h, TQ, H, D)
   q8 = tl.load(q8_ptr + q_head * TQ * D + rows[:, None] * D + dims[None, :])
-  q_scale = tl.load(q_scale_ptr + q_head * TQ + i * BQ)
+  q_scale = tl.load(q_scale_ptr + q_head * TQ + rows)[:, None]  # per token
   q_mean = tl.load(q_mean_ptr + (q_head * (TQ // BQ) + i) * D + dims) if SMOOTH_Q else 0.0
   q_ids = tl.load(q_ids_ptr + b * TQ + rows)[:, None] if IDS else 0
   lse = tl.load(lse_ptr + q_head * TQ + rows)
@@ -97,10 +99,11 @@ def backward_dq(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, config: Conf
     kv_heads, kv_len = k8.shape[1], k8.shape[2]
     args = [q8, q_scale, placeholder(q_mean, jnp.float32), lse, delta, do,
             placeholder(q_ids, jnp.int32), k8, k8_t, k_scale, v, placeholder(kv_ids, jnp.int32)]
+    rows = launch.rows_per_program(q_len, config.block_q, free=q_mean is None)
     (dq,) = launch.call(
         _kernel, args, [jax.ShapeDtypeStruct(do.shape, do.dtype)],
-        grid=(q_len // config.block_q, batch, heads), name="sagebwd_triton_backward_dq",
-        H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len, D=head_dim, BQ=config.block_q,
+        grid=(q_len // rows, batch, heads), name="sagebwd_triton_backward_dq",
+        H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len, D=head_dim, BQ=rows,
         BK=config.block_kv, SCALE=config.scale, CAUSAL=config.causal, IDS=q_ids is not None,
         SMOOTH_Q=q_mean is not None, DOT_PRECISION=dot_precision(v.dtype))
     return (dq,)

@@ -1,6 +1,7 @@
 """The forward kernel: INT8 Q.K^T, online softmax, unsigned INT8 P, INT8 P.V.
 
-One program per (query block, batch, query head) loops over the key blocks its
+One program per (query tile, batch, query head; the tile is the launch's
+`rows_per_program`, Q's scales read per token) loops over the key blocks its
 queries can see (causal block skipping; the mask only on the diagonal blocks,
 or on every block with ids). P follows numerics.folded_softmax_step with one
 key block per step and 255 levels (`ReferenceBackend(unsigned_p=True)`): V's
@@ -82,7 +83,7 @@ def _kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_ptr, v_sc
   rows = i * BQ + tl.arange(0, BQ)
   dims = tl.arange(0, D)
   q8 = tl.load(q8_ptr + q_head * TQ * D + rows[:, None] * D + dims[None, :])
-  q_scale = tl.load(q_scale_ptr + q_head * TQ + i * BQ)
+  q_scale = tl.load(q_scale_ptr + q_head * TQ + rows)[:, None]  # per token
   q_mean = tl.load(q_mean_ptr + (q_head * (TQ // BQ) + i) * D + dims) if SMOOTH_Q else 0.0
   q_ids = tl.load(q_ids_ptr + b * TQ + rows)[:, None] if IDS else 0
   k8_ptr += kv_head * TK * D
@@ -132,10 +133,11 @@ def forward(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
             placeholder(kv_ids, jnp.int32)]
     out_shape = [jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), out_dtype),
                  jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)]
+    rows = launch.rows_per_program(q_len, config.block_q, free=q_mean is None)
     o, lse = launch.call(
-        _kernel, args, out_shape, grid=(q_len // config.block_q, batch, heads),
+        _kernel, args, out_shape, grid=(q_len // rows, batch, heads),
         name="sagebwd_triton_forward", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
-        D=head_dim, BQ=config.block_q, BK=config.block_kv, CAUSAL=config.causal,
+        D=head_dim, BQ=rows, BK=config.block_kv, CAUSAL=config.causal,
         IDS=q_ids is not None, SMOOTH_Q=q_mean is not None)
     return o, lse
 

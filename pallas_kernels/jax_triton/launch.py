@@ -31,8 +31,9 @@ _SIXTEEN_BIT_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 class LaunchConfig:
   """How kernels are launched (does not change results). `interpret` runs them
   in Triton's interpreter on the CPU instead of compiling them for the GPU.
-  `block_rows`: output rows per program for a kernel whose tile is free of the
-  quantization blocks (dK/dV's keys); None keeps the config's block."""
+  `block_rows`: output rows per program (queries, or dK/dV's keys) where the
+  kernel's tile may differ from the quantization block (`rows_per_program`);
+  None keeps the config's block."""
 
   interpret: bool = False
   num_warps: int = 4
@@ -48,6 +49,13 @@ class LaunchConfig:
                                         or self.block_rows & (self.block_rows - 1)):
       raise ValueError(f"block_rows must be a power of two in 16..256 or None; got "
                        f"{self.block_rows}")
+
+  def rows_per_program(self, length: int, block: int, *, free: bool = True) -> int:
+    """`block_rows` where it tiles `length` and the kernel's tile is `free` of
+    the quantization block, else `block`. Results do not depend on it: the
+    kernels read scales per token."""
+    rows = self.block_rows or block
+    return rows if free and length % rows == 0 else block
 
   def call(self, kernel: triton.JITFunction, args: Sequence[jax.Array],
            out_shape: Sequence[jax.ShapeDtypeStruct], *, grid: tuple[int, ...], name: str,

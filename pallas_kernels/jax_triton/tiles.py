@@ -140,12 +140,13 @@ def key_block_scores(q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_ptr, kv_
 
 @device_function
 def row_top(x, c, SMOOTH_Q: tl.constexpr):
-  """The row maxima of a (masked) `score_tile` as (x's, S's): -inf where a row
-  sees no key; S's top is rounded once, as numerics.block_scores' top."""
+  """The row maxima of a (masked) `score_tile` (x, c: a scalar or a column)
+  as (x's, S's), each (rows,): -inf where a row sees no key; S's top is
+  rounded once, as numerics.block_scores' top."""
   x_top = tl.max(x, axis=1)
   if SMOOTH_Q:
     return x_top, x_top
-  return x_top, (x_top - MAGIC_F32) * c
+  return x_top, tl.reshape((x_top[:, None] - MAGIC_F32) * c, (x.shape[0],))
 
 
 @device_function
