@@ -64,8 +64,8 @@ def _q_step(dk, dv, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, q8_t_ptr, q_scale_pt
                 out_dtype=tl.int32)
   dv += tiles.exact_float(prod) * (p_scale[:, None] * tl.load(do_scale_ptr + i * BQ))
   q8_t = tl.load(q8_t_ptr + dims[:, None] * TQ + rows[None, :])
-  prod = tl.dot(ds8_t, tl.trans(q8_t), acc=tiles.magic_accumulator(BK, D), out_dtype=tl.int32)
-  dk += tiles.exact_float(prod) * ((ds_scale * p_scale)[:, None] * q_scale)
+  prod = tl.dot(ds8_t, tl.trans(q8_t), out_dtype=tl.int32)
+  dk += prod.to(tl.float32) * ((ds_scale * p_scale)[:, None] * q_scale)
   if SMOOTH_Q:
     dk += (tl.sum(ds_t, axis=1) * p_scale)[:, None] * q_mean[None, :]
   return dk, dv

@@ -33,8 +33,8 @@ def _kv_step(dq, q8, q_scale, q_mean, q_pos, q_ids, lse, delta, do, k8_ptr, k8_t
   dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
   ds8, ds_scale = tiles.quantize_rows(p * (dp - delta[:, None]), False)
   k8_t = tl.load(k8_t_ptr + dims[:, None] * TK + keys[None, :])
-  prod = tl.dot(ds8, tl.trans(k8_t), acc=tiles.magic_accumulator(BQ, D), out_dtype=tl.int32)
-  return dq + tiles.exact_float(prod) * (ds_scale[:, None] * k_scale)
+  prod = tl.dot(ds8, tl.trans(k8_t), out_dtype=tl.int32)
+  return dq + prod.to(tl.float32) * (ds_scale[:, None] * k_scale)
 
 
 @triton.jit

@@ -1,12 +1,15 @@
 """Triton helpers the kernels share: numerics.py's rules on tiles, the score
 tile of every kernel, masks and causal bounds.
 
-Every int8 product here accumulates onto 0x4B400000 (`magic_accumulator`):
-the int32 result then reads, as fp32 bits, 1.5 * 2**23 + the product exactly
-(while |product| < 2**22, which holds for tiles up to 128 and D up to 256), so
-one float subtraction, or none where it folds into the next multiply-add,
-replaces an int32 -> fp32 conversion. Rounding adds 1.5 * 2**23 and keeps the
-low byte (numerics.round_to_int8's bit trick).
+An int8 product reaches fp32 one of two ways, both exact (|product| < 2**22
+for tiles up to 128 and D up to 256). Products that start from zero (the
+scores, dS.K, dS^T.Q) are converted by instruction (I2FP on sm_90, one per
+element; a zero start costs wgmma nothing). Products with unsigned P (P.V,
+P^T.dO) start at 0x4B400000 plus P's shift (`shifted_accumulator_start`): the
+int32 result then reads, as fp32 bits, 1.5 * 2**23 + the product, so one
+float subtraction replaces the conversion and the start carries the shift
+for free. Rounding adds 1.5 * 2**23 and keeps the low byte
+(numerics.round_to_int8's bit trick).
 
 Unsigned P (0..255) enters the signed int8 products as P - 128
 (`unsigned_byte`: the rounding add's constant is 1.5 * 2**23 - 128, so its low
@@ -39,14 +42,8 @@ TINY = tl.constexpr(1.1754943508222875e-38)
 
 
 @device_function
-def magic_accumulator(M: tl.constexpr, N: tl.constexpr):
-  """The start of an int8 product's int32 accumulator (module docstring)."""
-  return tl.full((M, N), MAGIC_I32, tl.int32)
-
-
-@device_function
 def exact_float(acc):
-  """The fp32 value of an int8 product accumulated from magic_accumulator."""
+  """The fp32 value of an int8 product accumulated from 0x4B400000."""
   return acc.to(tl.float32, bitcast=True) - MAGIC_F32
 
 
@@ -102,23 +99,22 @@ def quantize_tile(x):
 
 @device_function
 def score_tile(a8, b8, a_scale, b_scale, b_bias, SMOOTH_Q: tl.constexpr):
-  """Base-2 scores of one tile as (x, c): S = (x - 1.5 * 2**23) * c, or with
-  Q-smoothing S = x (c = 1), so that differences of x within a tile are exact
-  and a kernel forms its exp2 argument with one add and one multiply-add.
+  """Base-2 scores of one tile as (x, c): S = x * c, x the int8 product as
+  fp32 (an integer, so differences of x within a tile are exact and a kernel
+  forms its exp2 argument with one multiply-add, or one add and one), or with
+  Q-smoothing S = x (c = 1).
 
   a8 (M, D) and b8 (N, D) are the int8 rows of the tile's two sides (Q and K,
   or K and Q for a transposed tile), with scales a_scale, b_scale (scalars
-  or vectors along the tile's sides). Without Q-smoothing x is the
-  magic-offset product itself. With it, S gets a per-key bias `b_bias` ((1, N)
-  or (M, 1), the side of the keys), which no scale can carry: then x is S
-  (numerics.dequantize plus the bias).
+  or vectors along the tile's sides). With Q-smoothing, S gets a per-key bias
+  `b_bias` ((1, N) or (M, 1), the side of the keys), which no scale can
+  carry: then x is S (numerics.dequantize plus the bias).
   """
-  acc = tl.dot(a8, tl.trans(b8), acc=magic_accumulator(a8.shape[0], b8.shape[0]),
-                out_dtype=tl.int32)
+  x = tl.dot(a8, tl.trans(b8), out_dtype=tl.int32).to(tl.float32)
   c = a_scale * b_scale
   if SMOOTH_Q:  # c shaped like the scales (every return's types agree)
-    return exact_float(acc) * c + b_bias, tl.zeros_like(c) + 1.0
-  return acc.to(tl.float32, bitcast=True), tl.maximum(c, TINY)
+    return x * c + b_bias, tl.zeros_like(c) + 1.0
+  return x, tl.maximum(c, TINY)
 
 
 @device_function
@@ -146,27 +142,24 @@ def row_top(x, c, SMOOTH_Q: tl.constexpr):
   x_top = tl.max(x, axis=1)
   if SMOOTH_Q:
     return x_top, x_top
-  return x_top, tl.reshape((x_top[:, None] - MAGIC_F32) * c, (x.shape[0],))
+  return x_top, tl.reshape(x_top[:, None] * c, (x.shape[0],))
 
 
 @device_function
 def from_top(x, x_top):
-  """x minus its row's top: exact without Q-smoothing (both are 1.5 * 2**23
-  plus an integer), one rounding with it (numerics.block_scores' S - top);
-  -inf stays -inf in a row that sees no key."""
+  """x minus its row's top: exact without Q-smoothing (integers), one
+  rounding with it (numerics.block_scores' S - top); -inf stays -inf in a row
+  that sees no key."""
   return x - tl.where(x_top > float("-inf"), x_top, 0.0)[:, None]
 
 
 @device_function
 def minus_lse(x, c, lse, SMOOTH_Q: tl.constexpr):
   """The backward's exp2 argument S - lse from `score_tile`'s x and c (`lse`
-  broadcastable to x). The magic offset comes off exactly before the multiply:
-  folded into the addend with -lse, its fp32 rounding (about c) would move the
-  exponent (the Mosaic backward measured dQ relative L2 .040 at sigma 30 that
-  way)."""
+  broadcastable to x): one multiply-add, one rounding."""
   if SMOOTH_Q:
     return x - lse
-  return (x - MAGIC_F32) * c - lse
+  return x * c - lse
 
 
 @device_function
