@@ -122,8 +122,7 @@ def dot_product_attention(
       and Q is quantized per token (free once Q8 enters only Q.K^T): dQ and
       dK lose the INT8 dS error, and every output some of the scores', at
       the cost of the two products' speed and of saving Q and K for the
-      backward. The Hopper backend then runs its portable kernels; "triton"
-      refuses it (NotImplementedError, so the next implementation runs).
+      backward. The Hopper backend then runs its portable kernels.
 
   Returns:
     The attention output, shaped and typed like `query` (and the residual

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import (CPU, backend_tolerance, gaussian_qkv, kernel_config, mosaic_config,
-                      oracle64, rel_l2, sage, value_and_grads)
+                      oracle64, rel_l2, sage, use_triton_numerics, value_and_grads)
 from pallas_kernels import numerics as nm
 from pallas_kernels.mosaic import forward as mosaic_forward
 from pallas_kernels.mosaic.backend import backward_takes
@@ -105,14 +105,22 @@ def test_bad_ds_precision_is_named(value):
     dot_product_attention(q, q, q, ds_precision=value)
 
 
-def test_triton_kernels_refuse_bf16_ds_and_the_next_implementation_runs():
+@pytest.mark.parametrize("case", [dict(is_causal=True, heads=(4, 2)),
+                                  dict(smooth_q=True, lengths=(192, 128)),
+                                  dict(lengths=(100, 75), is_causal=True, smooth_k=False)])
+def test_triton_kernels_match_reference(case, monkeypatch):
+  """The Triton kernels (interpreted on the CPU) against the reference with
+  their P and P^T (`TRITON_NUMERICS`), through the op."""
   pytest.importorskip("triton")
-  q, k, v, do = gaussian_qkv(jax.random.key(8), 1, 64, 64, 2, 2, 64)
-  with pytest.raises(NotImplementedError, match="Triton kernels' dS products are INT8 only"):
-    dot_product_attention(q, k, v, implementation="triton", ds_precision="bf16")
-  run = lambda implementation: value_and_grads(
-      lambda q, k, v: dot_product_attention(q, k, v, implementation=implementation,
-                                            ds_precision="bf16"), q, k, v, do)
-  ours, ref = run(("triton", "reference")), run("reference")
-  for a, b in zip((ours[0], *ours[1]), (ref[0], *ref[1])):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  case = dict(case)
+  heads, kv_heads = case.pop("heads", (2, 2))
+  q_len, kv_len = case.pop("lengths", (128, 128))
+  q, k, v, do = gaussian_qkv(jax.random.key(8), 2, q_len, kv_len, heads, kv_heads, 64,
+                             sigma=2.0)
+  ours = sage(q, k, v, do, implementation="triton", ds_precision="bf16", **case)
+  use_triton_numerics(monkeypatch)  # not through `sage`, whose jit cache has the default
+  with jax.default_device(CPU):
+    ref = value_and_grads(lambda q, k, v: dot_product_attention(
+        q, k, v, implementation="reference", ds_precision="bf16", **case), q, k, v, do)
+  for name, a, b in zip(("O", "dQ", "dK", "dV"), (ours[0], *ours[1]), (ref[0], *ref[1])):
+    assert rel_l2(a, b) < backend_tolerance(a), name

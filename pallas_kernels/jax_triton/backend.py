@@ -23,9 +23,9 @@ class TritonBackend:
   """SageBwd on Triton kernels called through jax_triton (`interpret`: Triton's
   interpreter on the CPU).
 
-  The forward quantizes P as `ReferenceBackend(unsigned_p=True)` does (0..255
-  per row of each key block, V's scale folded in); the quantization pass and
-  the backward are the reference's arithmetic. `forward_launch` runs the
+  P and the backward's P^T are quantized as `reference.TRITON_NUMERICS` does
+  (0..255 per row of each key block, V's scale folded in; 0..255 per key
+  row); the rest is the reference's arithmetic. `forward_launch` runs the
   quantization pass and the forward, `dq_launch` the backward pre-pass and
   dQ, `dkdv_launch` dK/dV.
   """
@@ -46,10 +46,6 @@ class TritonBackend:
 
   def quantize(self, q, k, v, k_mean, config: Config) -> QuantizedQKV:
     _check_blocks(config)
-    if config.ds_precision != "int8":  # refused in the forward, so the op tries the next
-      raise NotImplementedError(
-          f"ds_precision={config.ds_precision!r}: the Triton kernels' dS products are INT8 "
-          "only; implementation='pallas' or 'reference' run 16-bit dS")
     if config.window is not None:
       raise NotImplementedError(
           f"local_window_size={config.window}: the Triton kernels mask causally only; "

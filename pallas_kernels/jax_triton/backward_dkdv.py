@@ -1,7 +1,8 @@
 """dK and dV: one program per (key tile, batch, key/value head) loops over
 the query heads of its group and the query blocks that see its keys. It works
 on transposed tiles (S^T = K.Q^T, dP^T = V.dO^T) so P^T and dS^T are the first
-operands of their INT8 dots and are quantized per key (a row here). P^T is
+operands of their INT8 dots and are quantized per key (a row here; with
+ds_precision="bf16" dS^T.Q runs in the inputs' dtype instead). P^T is
 unsigned, as the Hopper backward has it (`ReferenceBackend(unsigned_p_t=True)`):
 0..255 against the row's largest, from the exponent (one add per score, no
 division), and dS^T is formed from those unrounded 0..255 values, its row
@@ -32,14 +33,17 @@ LN_2 = tl.constexpr(nm.LN_2)
 
 @device_function
 def _q_step(dk, dv, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, q8_t_ptr, q_scale_ptr, q_mean_ptr,
-            lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr, dv_start_ptr, q_ids_ptr, i,
-            TQ: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr,
-            BK: tl.constexpr, CAUSAL: tl.constexpr, IDS: tl.constexpr,
-            SMOOTH_Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr, dv_start_ptr, q16_ptr,
+            q_ids_ptr, i, TQ: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+            BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr, IDS: tl.constexpr,
+            SMOOTH_Q: tl.constexpr, DS16: tl.constexpr, DOT_PRECISION: tl.constexpr):
   rows = i * BQ + tl.arange(0, BQ)
   dims = tl.arange(0, D)
   q8 = tl.load(q8_ptr + rows[:, None] * D + dims[None, :])
-  q_scale = tl.load(q_scale_ptr + i * BQ)
+  if DS16:  # Q quantized per token (Config.q_per_token): a scale per column
+    q_scale = tl.load(q_scale_ptr + rows)[None, :]
+  else:
+    q_scale = tl.load(q_scale_ptr + i * BQ)
   q_mean = tl.load(q_mean_ptr + i * D + dims) if SMOOTH_Q else 0.0
   bias = tiles.q_smoothing_bias(k8, k_scale, q_mean)[:, None] if SMOOTH_Q else 0.0
   x, c = tiles.score_tile(k8, q8, k_scale[:, None], q_scale, bias, SMOOTH_Q)
@@ -52,32 +56,38 @@ def _q_step(dk, dv, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, q8_t_ptr, q_scale_pt
   pq_t = tl.exp2(a - top[:, None])
   p_scale = tl.exp2(top)
 
-  do = tl.load(do_ptr + rows[:, None] * H * D + dims[None, :])
+  tokens = rows[:, None] * H * D + dims[None, :]
+  do = tl.load(do_ptr + tokens)
   dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
   ds_t = pq_t * (dp_t - tl.load(delta_ptr + rows)[None, :])
   p8_t = tiles.unsigned_byte(pq_t)
-  ds8_t, ds_scale = tiles.quantize_rows(ds_t, False)
 
   do8_t = tl.load(do8_t_ptr + dims[:, None] * TQ + rows[None, :])
   dv_start = tl.load(dv_start_ptr + i * D + dims)
   prod = tl.dot(p8_t, tl.trans(do8_t), acc=tl.broadcast_to(dv_start[None, :], (BK, D)),
                 out_dtype=tl.int32)
   dv += tiles.exact_float(prod) * (p_scale[:, None] * tl.load(do_scale_ptr + i * BQ))
-  q8_t = tl.load(q8_t_ptr + dims[:, None] * TQ + rows[None, :])
-  prod = tl.dot(ds8_t, tl.trans(q8_t), out_dtype=tl.int32)
-  dk += prod.to(tl.float32) * ((ds_scale * p_scale)[:, None] * q_scale)
-  if SMOOTH_Q:
-    dk += (tl.sum(ds_t, axis=1) * p_scale)[:, None] * q_mean[None, :]
+  if DS16:  # dS^T and Q in the inputs' dtype (ds_precision="bf16")
+    q16 = tl.load(q16_ptr + tokens)
+    ds16_t = (ds_t * p_scale[:, None]).to(q16.dtype)
+    dk += tl.dot(ds16_t, q16, input_precision=DOT_PRECISION)
+  else:
+    ds8_t, ds_scale = tiles.quantize_rows(ds_t, False)
+    q8_t = tl.load(q8_t_ptr + dims[:, None] * TQ + rows[None, :])
+    prod = tl.dot(ds8_t, tl.trans(q8_t), out_dtype=tl.int32)
+    dk += prod.to(tl.float32) * ((ds_scale * p_scale)[:, None] * q_scale)
+    if SMOOTH_Q:
+      dk += (tl.sum(ds_t, axis=1) * p_scale)[:, None] * q_mean[None, :]
   return dk, dv
 
 
 @triton.jit
 def _kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_scale_ptr, q_mean_ptr,
-            lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr, dv_start_ptr, q_ids_ptr, dk_ptr,
-            dv_ptr,
-            H: tl.constexpr, HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr,
-            D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr,
-            IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr, dv_start_ptr, q16_ptr, q_ids_ptr,
+            dk_ptr, dv_ptr, H: tl.constexpr, HKV: tl.constexpr, TQ: tl.constexpr,
+            TK: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
+            SCALE: tl.constexpr, CAUSAL: tl.constexpr, IDS: tl.constexpr,
+            SMOOTH_Q: tl.constexpr, DS16: tl.constexpr, DOT_PRECISION: tl.constexpr):
   j = tl.program_id(0)
   b = tl.program_id(1).to(tl.int64)
   kvh = tl.program_id(2)
@@ -108,19 +118,23 @@ def _kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_scale_pt
     lse_h = lse_ptr + q_head * TQ
     delta_h = delta_ptr + q_head * TQ
     do_h = do_ptr + b * TQ * H * D + h * D
+    q16_h = q16_ptr + b * TQ * H * D + h * D
     do8_t_h = do8_t_ptr + q_head * D * TQ
     do_scale_h = do_scale_ptr + q_head * TQ
     dv_start_h = dv_start_ptr + q_head * nq * D
     for i in range(start, full):
       dk, dv = _q_step(dk, dv, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h, q_scale_h,
-                       q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h,
-                       q_ids_ptr, i, TQ, H, D, BQ, BK, True, IDS, SMOOTH_Q, DOT_PRECISION)
+                       q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h, q16_h,
+                       q_ids_ptr, i, TQ, H, D, BQ, BK, True, IDS, SMOOTH_Q, DS16,
+                       DOT_PRECISION)
     for i in range(full, nq):
       dk, dv = _q_step(dk, dv, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h, q_scale_h,
-                       q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h,
-                       q_ids_ptr, i, TQ, H, D, BQ, BK, False, IDS, SMOOTH_Q, DOT_PRECISION)
-  # Q was quantized as Q * scale * log2(e); the product above carries log2(e).
-  tl.store(dk_ptr + tokens, (dk * LN_2).to(dk_ptr.dtype.element_ty))
+                       q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h, q16_h,
+                       q_ids_ptr, i, TQ, H, D, BQ, BK, False, IDS, SMOOTH_Q, DS16,
+                       DOT_PRECISION)
+  # Q was quantized as Q * scale * log2(e): the int8 product carries log2(e);
+  # the 16-bit one is of Q itself.
+  tl.store(dk_ptr + tokens, (dk * (SCALE if DS16 else LN_2)).to(dk_ptr.dtype.element_ty))
   tl.store(dv_ptr + tokens, dv.to(dv_ptr.dtype.element_ty))
 
 
@@ -132,23 +146,23 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
   """
 
   def run(k8, k_scale, v, kv_ids, q8, q8_t, q_scale, q_mean, lse, delta, do, do8_t, do_scale,
-          q_ids):
+          q16, q_ids):
     batch, heads, q_len, head_dim = q8.shape
     kv_heads, kv_len = k8.shape[1], k8.shape[2]
     args = [k8, k_scale, v, placeholder(kv_ids, jnp.int32), q8, q8_t, q_scale,
             placeholder(q_mean, jnp.float32), lse, delta, do, do8_t, do_scale,
-            tiles.shifted_accumulator_start(do8_t, config.block_q),
+            tiles.shifted_accumulator_start(do8_t, config.block_q), placeholder(q16, v.dtype),
             placeholder(q_ids, jnp.int32)]
     shape = jax.ShapeDtypeStruct(v.shape, v.dtype)
     keys = launch.rows_per_program(kv_len, config.block_kv)
     dk, dv = launch.call(
         _kernel, args, [shape, shape], grid=(kv_len // keys, batch, kv_heads),
         name="sagebwd_triton_backward_dkdv", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
-        D=head_dim, BQ=config.block_q, BK=keys, CAUSAL=config.causal,
-        IDS=q_ids is not None, SMOOTH_Q=q_mean is not None,
+        D=head_dim, BQ=config.block_q, BK=keys, SCALE=config.scale, CAUSAL=config.causal,
+        IDS=q_ids is not None, SMOOTH_Q=q_mean is not None, DS16=q16 is not None,
         DOT_PRECISION=dot_precision(v.dtype))
     return dk, dv
 
   return batch_folded(run)(qkv.k8, qkv.k_scale, v, masks.kv_ids, qkv.q8, qkv.q8_t,
                            qkv.q_scale, qkv.q_mean, lse, delta, do, do8_t, do_scale,
-                           masks.q_ids)
+                           qkv.q16, masks.q_ids)

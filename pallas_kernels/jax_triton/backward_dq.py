@@ -1,6 +1,7 @@
 """dQ: one program per (query tile, batch, query head) loops over the key
 blocks its queries see, recomputing P and dS like the forward; dS is the
-first operand of INT8 dS.K and is quantized per query (a row here). The
+first operand of INT8 dS.K and is quantized per query (a row here; with
+ds_precision="bf16" dS.K runs in the inputs' dtype instead). The
 query tile is the launch's `rows_per_program` (Q's scales are read per
 token)."""
 
@@ -19,9 +20,10 @@ from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 @device_function
 def _kv_step(dq, q8, q_scale, q_mean, q_pos, q_ids, lse, delta, do, k8_ptr, k8_t_ptr,
-             k_scale_ptr, v_ptr, kv_ids_ptr, j, TK: tl.constexpr, HKV: tl.constexpr,
+             k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, j, TK: tl.constexpr, HKV: tl.constexpr,
              D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr,
-             IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
+             IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, DS16: tl.constexpr,
+             DOT_PRECISION: tl.constexpr):
   x, c, keys, k_scale = tiles.key_block_scores(q8, q_scale, q_mean, q_pos, q_ids, k8_ptr,
                                                k_scale_ptr, kv_ids_ptr, j, D, BK, CAUSAL,
                                                IDS, SMOOTH_Q)
@@ -29,20 +31,28 @@ def _kv_step(dq, q8, q_scale, q_mean, q_pos, q_ids, lse, delta, do, k8_ptr, k8_t
   # exp2(S - lse): rows that saw no key have lse = +inf, so P = 0 there.
   p = tl.exp2(tiles.minus_lse(x, c, lse[:, None], SMOOTH_Q))
 
-  v = tl.load(v_ptr + keys[:, None] * HKV * D + dims[None, :])
+  tokens = keys[:, None] * HKV * D + dims[None, :]
+  v = tl.load(v_ptr + tokens)
   dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-  ds8, ds_scale = tiles.quantize_rows(p * (dp - delta[:, None]), False)
-  k8_t = tl.load(k8_t_ptr + dims[:, None] * TK + keys[None, :])
-  prod = tl.dot(ds8, tl.trans(k8_t), out_dtype=tl.int32)
-  return dq + prod.to(tl.float32) * (ds_scale[:, None] * k_scale)
+  ds = p * (dp - delta[:, None])
+  if DS16:  # dS and K in the inputs' dtype (ds_precision="bf16")
+    k16 = tl.load(k16_ptr + tokens)
+    dq += tl.dot(ds.to(k16.dtype), k16, input_precision=DOT_PRECISION)
+  else:
+    ds8, ds_scale = tiles.quantize_rows(ds, False)
+    k8_t = tl.load(k8_t_ptr + dims[:, None] * TK + keys[None, :])
+    prod = tl.dot(ds8, tl.trans(k8_t), out_dtype=tl.int32)
+    dq += prod.to(tl.float32) * (ds_scale[:, None] * k_scale)
+  return dq
 
 
 @triton.jit
 def _kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_ids_ptr, k8_ptr,
-            k8_t_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, dq_ptr, H: tl.constexpr,
+            k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, dq_ptr, H: tl.constexpr,
             HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr,
             BQ: tl.constexpr, BK: tl.constexpr, SCALE: tl.constexpr, CAUSAL: tl.constexpr,
-            IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, DS16: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
   i = tl.program_id(0)
   if CAUSAL:  # the longest rows first, so the last wave is of short ones
     i = TQ // BQ - 1 - i
@@ -65,6 +75,7 @@ def _kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_ids_p
   k8_t_ptr += kv_head * D * TK
   k_scale_ptr += kv_head * TK
   v_ptr += b * TK * HKV * D + kvh * D
+  k16_ptr += b * TK * HKV * D + kvh * D
   kv_ids_ptr += b * TK
 
   dq = tl.full((BQ, D), 0.0, tl.float32)
@@ -74,13 +85,14 @@ def _kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_ids_p
     full, end = tiles.causal_kv_blocks(i, BQ, BK, TK // BK)
   for j in range(0, full):
     dq = _kv_step(dq, q8, q_scale, q_mean, rows[:, None], q_ids, lse, delta, do, k8_ptr,
-                  k8_t_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, j, TK, HKV, D, BQ, BK, False, IDS,
-                  SMOOTH_Q, DOT_PRECISION)
+                  k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, j, TK, HKV, D, BQ, BK,
+                  False, IDS, SMOOTH_Q, DS16, DOT_PRECISION)
   for j in range(full, end):
     dq = _kv_step(dq, q8, q_scale, q_mean, rows[:, None], q_ids, lse, delta, do, k8_ptr,
-                  k8_t_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, j, TK, HKV, D, BQ, BK, True, IDS,
-                  SMOOTH_Q, DOT_PRECISION)
-  # S was formed from Q * scale * log2(e): dQ takes `scale` once.
+                  k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, j, TK, HKV, D, BQ, BK,
+                  True, IDS, SMOOTH_Q, DS16, DOT_PRECISION)
+  # S was formed from Q * scale * log2(e): dQ takes `scale` once (the 16-bit
+  # product, of dS and K, too).
   tl.store(dq_ptr + tokens, (dq * SCALE).to(dq_ptr.dtype.element_ty))
 
 
@@ -94,19 +106,21 @@ def backward_dq(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, config: Conf
                 launch: LaunchConfig) -> jax.Array:
   """dQ (B, Tq, H, D) in dO's dtype."""
 
-  def run(q8, q_scale, q_mean, lse, delta, do, q_ids, k8, k8_t, k_scale, v, kv_ids):
+  def run(q8, q_scale, q_mean, lse, delta, do, q_ids, k8, k8_t, k_scale, v, k16, kv_ids):
     batch, heads, q_len, head_dim = q8.shape
     kv_heads, kv_len = k8.shape[1], k8.shape[2]
     args = [q8, q_scale, placeholder(q_mean, jnp.float32), lse, delta, do,
-            placeholder(q_ids, jnp.int32), k8, k8_t, k_scale, v, placeholder(kv_ids, jnp.int32)]
+            placeholder(q_ids, jnp.int32), k8, k8_t, k_scale, v, placeholder(k16, v.dtype),
+            placeholder(kv_ids, jnp.int32)]
     rows = launch.rows_per_program(q_len, config.block_q, free=q_mean is None)
     (dq,) = launch.call(
         _kernel, args, [jax.ShapeDtypeStruct(do.shape, do.dtype)],
         grid=(q_len // rows, batch, heads), name="sagebwd_triton_backward_dq",
         H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len, D=head_dim, BQ=rows,
         BK=config.block_kv, SCALE=config.scale, CAUSAL=config.causal, IDS=q_ids is not None,
-        SMOOTH_Q=q_mean is not None, DOT_PRECISION=dot_precision(v.dtype))
+        SMOOTH_Q=q_mean is not None, DS16=k16 is not None,
+        DOT_PRECISION=dot_precision(v.dtype))
     return (dq,)
 
   return batch_folded(run)(qkv.q8, qkv.q_scale, qkv.q_mean, lse, delta, do, masks.q_ids,
-                           qkv.k8, qkv.k8_t, qkv.k_scale, v, masks.kv_ids)[0]
+                           qkv.k8, qkv.k8_t, qkv.k_scale, v, qkv.k16, masks.kv_ids)[0]

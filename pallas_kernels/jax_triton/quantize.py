@@ -17,8 +17,8 @@ from pallas_kernels.types import Config, QuantizedQKV
 @triton.jit
 def _kernel(x_ptr, mean_ptr, x8_ptr, x8_t_ptr, scale_ptr, row_mean_ptr, T: tl.constexpr,
             H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, MULTIPLIER: tl.constexpr,
-            HAS_MEAN: tl.constexpr, SMOOTH_ROWS: tl.constexpr, NATURAL: tl.constexpr,
-            TRANSPOSED: tl.constexpr):
+            HAS_MEAN: tl.constexpr, SMOOTH_ROWS: tl.constexpr, PER_ROW: tl.constexpr,
+            NATURAL: tl.constexpr, TRANSPOSED: tl.constexpr):
   t = tl.program_id(0)
   b = tl.program_id(1).to(tl.int64)
   h = tl.program_id(2)
@@ -34,21 +34,26 @@ def _kernel(x_ptr, mean_ptr, x8_ptr, x8_t_ptr, scale_ptr, row_mean_ptr, T: tl.co
     tl.store(row_mean_ptr + (head * (T // BLOCK) + t) * D + dims, row_mean * MULTIPLIER)
   # The multiplier goes into the scale, not the values (quantize.quantize_block
   # of the Pallas backend says why).
-  x8, scale = tiles.quantize_tile(x)
+  if PER_ROW:
+    x8, scale = tiles.quantize_rows(x, False)
+  else:
+    x8, scale = tiles.quantize_tile(x)
+    scale = tl.full((BLOCK,), scale, tl.float32)
   if NATURAL:
     tl.store(x8_ptr + head * T * D + rows[:, None] * D + dims[None, :], x8)
   if TRANSPOSED:
     tl.store(x8_t_ptr + head * D * T + dims[:, None] * T + rows[None, :], tl.trans(x8))
-  tl.store(scale_ptr + head * T + rows, tl.full((BLOCK,), scale * MULTIPLIER, tl.float32))
+  tl.store(scale_ptr + head * T + rows, scale * MULTIPLIER)
 
 
 def quantize(x: jax.Array, *, block: int, launch: LaunchConfig, multiplier: float = 1.0,
-             mean: jax.Array | None = None, smooth_rows: bool = False, natural: bool = True,
-             transposed: bool = True) -> tuple[jax.Array | None, ...]:
-  """psi per `block` tokens of x (B, T, H, D) minus `mean` (B, H, D): int8
-  (B, H, T, D) if `natural`, int8 (B, H, D, T) if `transposed`, scales
-  (B, H, T), and with `smooth_rows` the block means (B, H, T // block, D)
-  times `multiplier`; None for the tensors not asked for."""
+             mean: jax.Array | None = None, smooth_rows: bool = False, per_row: bool = False,
+             natural: bool = True, transposed: bool = True) -> tuple[jax.Array | None, ...]:
+  """psi per `block` tokens (or per token, `per_row`) of x (B, T, H, D) minus
+  `mean` (B, H, D): int8 (B, H, T, D) if `natural`, int8 (B, H, D, T) if
+  `transposed`, scales (B, H, T), and with `smooth_rows` the block means
+  (B, H, T // block, D) times `multiplier`; None for the tensors not asked
+  for."""
 
   def run(x, mean):
     batch, seq_len, heads, head_dim = x.shape
@@ -64,7 +69,7 @@ def quantize(x: jax.Array, *, block: int, launch: LaunchConfig, multiplier: floa
         _kernel, [x, placeholder(mean, jnp.float32)], out_shape,
         grid=(seq_len // block, batch, heads), name="sagebwd_triton_quantize", T=seq_len,
         H=heads, D=head_dim, BLOCK=block, MULTIPLIER=multiplier, HAS_MEAN=mean is not None,
-        SMOOTH_ROWS=smooth_rows, NATURAL=natural, TRANSPOSED=transposed)
+        SMOOTH_ROWS=smooth_rows, PER_ROW=per_row, NATURAL=natural, TRANSPOSED=transposed)
     return tuple(y if want else None for want, y in zip(wanted, outs))
 
   return batch_folded(run)(x, mean)
@@ -74,7 +79,7 @@ def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig) -> Quant
   """The forward's quantization pass (docs/algorithm.md, forward steps 1-3)."""
   q8, q8_t, q_scale, q_mean = quantize(q, block=config.block_q, launch=launch,
                                        multiplier=config.scale * nm.LOG2_E,
-                                       smooth_rows=config.smooth_q)
+                                       smooth_rows=config.smooth_q, per_row=config.q_per_token)
   k8, k8_t, k_scale, _ = quantize(k, block=config.block_kv, launch=launch, mean=k_mean)
   _, v8_t, v_scale, _ = quantize(v, block=config.block_kv, launch=launch, natural=False)
   return QuantizedQKV(q8=q8, q8_t=q8_t, q_scale=q_scale, q_mean=q_mean, k8=k8, k8_t=k8_t,
