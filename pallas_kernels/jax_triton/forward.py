@@ -9,8 +9,8 @@ block scale is folded into P, which is quantized per row of the tile against
 E, its row's largest folded score. Per score that is one add and one
 multiply-add for the exp2 argument (the exact distance to the row's largest
 score in the tile, times the scale, plus a row constant with -E and log2 sV:
-so the largest gets exactly log2 255 at any logit scale), a clip, exp2 and
-one add to round.
+so the largest gets exactly log2 255 at any logit scale, and none more),
+exp2 and one add to round.
 
 P in 0..255 enters the signed INT8 dot as P - 128, and 128 times the V
 block's column sums come back through the accumulator's start (tiles.py).
@@ -53,10 +53,11 @@ def _kv_step(acc, m, e, l, q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_pt
   m_new = tl.maximum(m, top)
   e_new = tl.maximum(top, m_new - E_FLOOR)
   alpha = tl.exp2(e - e_new)
-  # The row's largest score gets exactly log2(255) (x - x_top is 0); the clip
-  # keeps exp2's own rounding of it from reaching 256.
-  row = top + LOG2_LEVELS - e_new
-  p = tl.exp2(tl.minimum(tiles.from_top(x, x_top) * c + row[:, None], LOG2_LEVELS))
+  # top - e_new is exact where top is the row's maximum and at most 0
+  # elsewhere, and x - x_top at most 0: every argument is at most log2(255),
+  # the row's largest score's exactly, so P needs no clip.
+  row = (top - e_new) + LOG2_LEVELS
+  p = tl.exp2(tiles.from_top(x, x_top) * c + row[:, None])
   l = l * alpha + tl.sum(p, axis=1) * (1.0 / v_scale)
   p8 = tiles.unsigned_byte(p)
 
