@@ -5,8 +5,9 @@
 For each head dim and causal flag: the forward alone under each forward
 setting, then forward+backward under each backward setting (with the best
 forward), as TOPS and the ratio to cuDNN BF16 timed in the same process.
-`--backend triton` sweeps the dK/dV and dQ launches of the Triton kernels one
-at a time (the other at its default), each also with 128 rows per program.
+`--backend triton` sweeps each Triton kernel's launch (the others at their
+defaults): 4 warps x 64 rows or 8 x 128, 1 or 2 stages, conversion by
+instruction or not.
 The winners go into `PallasBackend.tuned` or `TritonBackend.tuned`.
 """
 
@@ -41,10 +42,13 @@ def _sweeps(backend: str):
   from pallas_kernels.jax_triton.backend import TritonBackend
   from pallas_kernels.jax_triton.launch import LaunchConfig
   default = TritonBackend.tuned()
-  # 128 rows at 8 warps: a 64-row slice per warpgroup (at 64 rows Triton
-  # splits the columns instead).
-  settings = {f"w{w} s{s} rows {rows}": LaunchConfig(num_warps=w, num_stages=s, block_rows=rows)
-              for (w, rows), s in itertools.product(((4, 64), (8, 64), (8, 128)), (1, 2, 3))}
+  # 64 rows at 4 warps, 128 at 8 (a 64-row slice per warpgroup; at 64 rows 8
+  # warps split the columns, ~1.7x the instructions); the conversion choice
+  # trades instructions for the unit that also runs exp2 (tiles.py).
+  settings = {f"w{w} s{s} rows {rows} convert {c}":
+              LaunchConfig(num_warps=w, num_stages=s, block_rows=rows, convert=c)
+              for (w, rows), s, c in itertools.product(((4, 64), (8, 128)), (1, 2),
+                                                       (True, False))}
   def variants(kernel: str):
     return [(f"{kernel} {k}", dataclasses.replace(default, **{f"{kernel}_launch": c}))
             for k, c in settings.items()]

@@ -111,15 +111,16 @@ def test_backward_matches_reference_fp32(causal, smooth_q, ids, heads, seq):
     assert float(metrics.relative_l2(a, b)) <= TOLERANCE, name
 
 
-@pytest.mark.parametrize("causal,smooth_q,ids,seq", [(True, False, True, 256),
-                                                     (False, True, False, 256),
-                                                     (True, False, False, 192)])
-def test_128_rows_per_program_match_reference(causal, smooth_q, ids, seq):
+@pytest.mark.parametrize("causal,smooth_q,ids,seq,convert", [
+    (True, False, True, 256, False), (False, True, False, 256, True),
+    (True, False, False, 192, False)])
+def test_other_launches_match_reference(causal, smooth_q, ids, seq, convert):
   """Every kernel with 128 rows (queries, or dK/dV's keys) per program where
   they tile T, over 64-token quantization blocks: scales are read per token,
   so the results are the 64-row programs'. Q-smoothing (means per Q block)
-  and T=192 keep 64 query rows."""
-  launch = LaunchConfig(interpret=not ON_GPU, num_warps=8, block_rows=128)
+  and T=192 keep 64 query rows. `convert=False`: the products that start
+  from zero by default start biased instead (the same exact values)."""
+  launch = LaunchConfig(interpret=not ON_GPU, num_warps=8, block_rows=128, convert=convert)
   backend = TritonBackend(launch, launch, launch)
   q, k, v, do = gaussian_qkv(jax.random.key(10), 2, seq, seq, 4, 2, 64, dtype=jnp.float32)
   config = kernel_config(causal=causal, smooth_q=smooth_q)

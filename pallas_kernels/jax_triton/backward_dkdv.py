@@ -36,7 +36,8 @@ def _q_step(dk, dv, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, q8_t_ptr, q_scale_pt
             lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr, dv_start_ptr, q16_ptr,
             q_ids_ptr, i, TQ: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
             BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr, IDS: tl.constexpr,
-            SMOOTH_Q: tl.constexpr, DS16: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            SMOOTH_Q: tl.constexpr, DS16: tl.constexpr, CONVERT: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
   rows = i * BQ + tl.arange(0, BQ)
   dims = tl.arange(0, D)
   q8 = tl.load(q8_ptr + rows[:, None] * D + dims[None, :])
@@ -46,7 +47,7 @@ def _q_step(dk, dv, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, q8_t_ptr, q_scale_pt
     q_scale = tl.load(q_scale_ptr + i * BQ)
   q_mean = tl.load(q_mean_ptr + i * D + dims) if SMOOTH_Q else 0.0
   bias = tiles.q_smoothing_bias(k8, k_scale, q_mean)[:, None] if SMOOTH_Q else 0.0
-  x, c = tiles.score_tile(k8, q8, k_scale[:, None], q_scale, bias, SMOOTH_Q)
+  x, c = tiles.score_tile(k8, q8, k_scale[:, None], q_scale, bias, SMOOTH_Q, CONVERT)
   q_ids = tl.load(q_ids_ptr + rows)[None, :] if IDS else 0
   x = tiles.masked(x, rows[None, :], kv_pos, q_ids, kv_ids, CAUSAL, IDS)
   a = tiles.minus_lse(x, c, tl.load(lse_ptr + rows)[None, :], SMOOTH_Q)
@@ -74,8 +75,7 @@ def _q_step(dk, dv, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, q8_t_ptr, q_scale_pt
   else:
     ds8_t, ds_scale = tiles.quantize_rows(ds_t, False)
     q8_t = tl.load(q8_t_ptr + dims[:, None] * TQ + rows[None, :])
-    prod = tl.dot(ds8_t, tl.trans(q8_t), out_dtype=tl.int32)
-    dk += prod.to(tl.float32) * ((ds_scale * p_scale)[:, None] * q_scale)
+    dk += tiles.int8_product(ds8_t, q8_t, CONVERT) * ((ds_scale * p_scale)[:, None] * q_scale)
     if SMOOTH_Q:
       dk += (tl.sum(ds_t, axis=1) * p_scale)[:, None] * q_mean[None, :]
   return dk, dv
@@ -87,7 +87,8 @@ def _kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_scale_pt
             dk_ptr, dv_ptr, H: tl.constexpr, HKV: tl.constexpr, TQ: tl.constexpr,
             TK: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
             SCALE: tl.constexpr, CAUSAL: tl.constexpr, IDS: tl.constexpr,
-            SMOOTH_Q: tl.constexpr, DS16: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            SMOOTH_Q: tl.constexpr, DS16: tl.constexpr, CONVERT: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
   j = tl.program_id(0)
   b = tl.program_id(1).to(tl.int64)
   kvh = tl.program_id(2)
@@ -125,12 +126,12 @@ def _kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_scale_pt
     for i in range(start, full):
       dk, dv = _q_step(dk, dv, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h, q_scale_h,
                        q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h, q16_h,
-                       q_ids_ptr, i, TQ, H, D, BQ, BK, True, IDS, SMOOTH_Q, DS16,
+                       q_ids_ptr, i, TQ, H, D, BQ, BK, True, IDS, SMOOTH_Q, DS16, CONVERT,
                        DOT_PRECISION)
     for i in range(full, nq):
       dk, dv = _q_step(dk, dv, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h, q_scale_h,
                        q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h, q16_h,
-                       q_ids_ptr, i, TQ, H, D, BQ, BK, False, IDS, SMOOTH_Q, DS16,
+                       q_ids_ptr, i, TQ, H, D, BQ, BK, False, IDS, SMOOTH_Q, DS16, CONVERT,
                        DOT_PRECISION)
   # Q was quantized as Q * scale * log2(e): the int8 product carries log2(e);
   # the 16-bit one is of Q itself.
@@ -160,6 +161,7 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
         name="sagebwd_triton_backward_dkdv", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
         D=head_dim, BQ=config.block_q, BK=keys, SCALE=config.scale, CAUSAL=config.causal,
         IDS=q_ids is not None, SMOOTH_Q=q_mean is not None, DS16=q16 is not None,
+        CONVERT=launch.convert,
         DOT_PRECISION=dot_precision(v.dtype))
     return dk, dv
 

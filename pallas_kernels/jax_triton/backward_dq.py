@@ -23,10 +23,10 @@ def _kv_step(dq, q8, q_scale, q_mean, q_pos, q_ids, lse, delta, do, k8_ptr, k8_t
              k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, j, TK: tl.constexpr, HKV: tl.constexpr,
              D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr,
              IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, DS16: tl.constexpr,
-             DOT_PRECISION: tl.constexpr):
+             CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
   x, c, keys, k_scale = tiles.key_block_scores(q8, q_scale, q_mean, q_pos, q_ids, k8_ptr,
                                                k_scale_ptr, kv_ids_ptr, j, D, BK, CAUSAL,
-                                               IDS, SMOOTH_Q)
+                                               IDS, SMOOTH_Q, CONVERT)
   dims = tl.arange(0, D)
   # exp2(S - lse): rows that saw no key have lse = +inf, so P = 0 there.
   p = tl.exp2(tiles.minus_lse(x, c, lse[:, None], SMOOTH_Q))
@@ -41,8 +41,7 @@ def _kv_step(dq, q8, q_scale, q_mean, q_pos, q_ids, lse, delta, do, k8_ptr, k8_t
   else:
     ds8, ds_scale = tiles.quantize_rows(ds, False)
     k8_t = tl.load(k8_t_ptr + dims[:, None] * TK + keys[None, :])
-    prod = tl.dot(ds8, tl.trans(k8_t), out_dtype=tl.int32)
-    dq += prod.to(tl.float32) * (ds_scale[:, None] * k_scale)
+    dq += tiles.int8_product(ds8, k8_t, CONVERT) * (ds_scale[:, None] * k_scale)
   return dq
 
 
@@ -52,7 +51,7 @@ def _kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_ids_p
             HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr,
             BQ: tl.constexpr, BK: tl.constexpr, SCALE: tl.constexpr, CAUSAL: tl.constexpr,
             IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, DS16: tl.constexpr,
-            DOT_PRECISION: tl.constexpr):
+            CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
   i = tl.program_id(0)
   if CAUSAL:  # the longest rows first, so the last wave is of short ones
     i = TQ // BQ - 1 - i
@@ -86,11 +85,11 @@ def _kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_ids_p
   for j in range(0, full):
     dq = _kv_step(dq, q8, q_scale, q_mean, rows[:, None], q_ids, lse, delta, do, k8_ptr,
                   k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, j, TK, HKV, D, BQ, BK,
-                  False, IDS, SMOOTH_Q, DS16, DOT_PRECISION)
+                  False, IDS, SMOOTH_Q, DS16, CONVERT, DOT_PRECISION)
   for j in range(full, end):
     dq = _kv_step(dq, q8, q_scale, q_mean, rows[:, None], q_ids, lse, delta, do, k8_ptr,
                   k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, j, TK, HKV, D, BQ, BK,
-                  True, IDS, SMOOTH_Q, DS16, DOT_PRECISION)
+                  True, IDS, SMOOTH_Q, DS16, CONVERT, DOT_PRECISION)
   # S was formed from Q * scale * log2(e): dQ takes `scale` once (the 16-bit
   # product, of dS and K, too).
   tl.store(dq_ptr + tokens, (dq * SCALE).to(dq_ptr.dtype.element_ty))
@@ -118,7 +117,7 @@ def backward_dq(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, config: Conf
         grid=(q_len // rows, batch, heads), name="sagebwd_triton_backward_dq",
         H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len, D=head_dim, BQ=rows,
         BK=config.block_kv, SCALE=config.scale, CAUSAL=config.causal, IDS=q_ids is not None,
-        SMOOTH_Q=q_mean is not None, DS16=k16 is not None,
+        SMOOTH_Q=q_mean is not None, DS16=k16 is not None, CONVERT=launch.convert,
         DOT_PRECISION=dot_precision(v.dtype))
     return (dq,)
 

@@ -38,10 +38,10 @@ NOTHING_SEEN = tl.constexpr(nm.NOTHING_SEEN)
 def _kv_step(acc, m, e, l, q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_ptr, v8_t_ptr,
              v_scale_ptr, pv_init_ptr, kv_ids_ptr, j, TK: tl.constexpr, D: tl.constexpr,
              BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr, IDS: tl.constexpr,
-             SMOOTH_Q: tl.constexpr):
+             SMOOTH_Q: tl.constexpr, CONVERT: tl.constexpr):
   x, c, keys, _ = tiles.key_block_scores(q8, q_scale, q_mean, q_pos, q_ids, k8_ptr,
                                          k_scale_ptr, kv_ids_ptr, j, D, BK, CAUSAL, IDS,
-                                         SMOOTH_Q)
+                                         SMOOTH_Q, CONVERT)
   dims = tl.arange(0, D)
 
   # numerics.folded_v_scales: an all-zero V block folds with scale 1.
@@ -73,7 +73,7 @@ def _kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_ptr, v_sc
             pv_init_ptr, q_ids_ptr, kv_ids_ptr, o_ptr, lse_ptr, H: tl.constexpr,
             HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr,
             BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr, IDS: tl.constexpr,
-            SMOOTH_Q: tl.constexpr):
+            SMOOTH_Q: tl.constexpr, CONVERT: tl.constexpr):
   i = tl.program_id(0)
   if CAUSAL:  # the longest rows first, so the last wave is of short ones
     i = TQ // BQ - 1 - i
@@ -105,11 +105,11 @@ def _kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_ptr, v_sc
   for j in range(0, full):
     acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, rows[:, None], q_ids, k8_ptr,
                             k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr, kv_ids_ptr, j, TK,
-                            D, BQ, BK, False, IDS, SMOOTH_Q)
+                            D, BQ, BK, False, IDS, SMOOTH_Q, CONVERT)
   for j in range(full, end):
     acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, rows[:, None], q_ids, k8_ptr,
                             k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr, kv_ids_ptr, j, TK,
-                            D, BQ, BK, True, IDS, SMOOTH_Q)
+                            D, BQ, BK, True, IDS, SMOOTH_Q, CONVERT)
 
   # numerics.finalize_folded_rows: rows that saw no key give O = 0, lse = +inf.
   empty = l == 0
@@ -139,7 +139,7 @@ def forward(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
         _kernel, args, out_shape, grid=(q_len // rows, batch, heads),
         name="sagebwd_triton_forward", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
         D=head_dim, BQ=rows, BK=config.block_kv, CAUSAL=config.causal,
-        IDS=q_ids is not None, SMOOTH_Q=q_mean is not None)
+        IDS=q_ids is not None, SMOOTH_Q=q_mean is not None, CONVERT=launch.convert)
     return o, lse
 
   return batch_folded(run)(qkv.q8, qkv.q_scale, qkv.q_mean, qkv.k8, qkv.k_scale, qkv.v8_t,

@@ -33,12 +33,15 @@ class LaunchConfig:
   in Triton's interpreter on the CPU instead of compiling them for the GPU.
   `block_rows`: output rows per program (queries, or dK/dV's keys) where the
   kernel's tile may differ from the quantization block (`rows_per_program`);
-  None keeps the config's block."""
+  None keeps the config's block. `convert`: products that can start from
+  zero reach fp32 by a conversion instruction, else from a biased start by
+  a subtraction (tiles.py says which costs what)."""
 
   interpret: bool = False
   num_warps: int = 4
   num_stages: int = 2
   block_rows: int | None = None
+  convert: bool = True
 
   def __post_init__(self):
     if self.num_warps not in (1, 2, 4, 8, 16):

@@ -1,14 +1,15 @@
 """Triton helpers the kernels share: numerics.py's rules on tiles, the score
 tile of every kernel, masks and causal bounds.
 
-An int8 product reaches fp32 one of two ways, both exact (|product| < 2**22
-for tiles up to 128 and D up to 256). Products that start from zero (the
-scores, dS.K, dS^T.Q) are converted by instruction (I2FP on sm_90, one per
-element; a zero start costs wgmma nothing). Products with unsigned P (P.V,
-P^T.dO) start at 0x4B400000 plus P's shift (`shifted_accumulator_start`): the
-int32 result then reads, as fp32 bits, 1.5 * 2**23 + the product, so one
-float subtraction replaces the conversion and the start carries the shift
-for free. Rounding adds 1.5 * 2**23 and keeps the low byte
+An int8 product reaches fp32 exactly (|product| < 2**22 for tiles up to 128
+and D up to 256) one of two ways. The products that could start from zero
+(the scores, dS.K, dS^T.Q; `int8_product`) take the launch's choice,
+`CONVERT`: a zero start (free in wgmma) and one conversion instruction per
+element (I2FP on sm_90, on the unit that also runs exp2), or a start at
+0x4B400000 (a MOV per element), whose int32 result read as fp32 is
+1.5 * 2**23 + the product, and one subtraction. The products of unsigned P
+(P.V, P^T.dO) always take the biased start, since it also carries P's shift
+(below). Rounding adds 1.5 * 2**23 and keeps the low byte
 (numerics.round_to_int8's bit trick).
 
 Unsigned P (0..255) enters the signed int8 products as P - 128
@@ -39,6 +40,15 @@ P_SHIFT = tl.constexpr(128)
 # is 0 only for an all-zero block, whose scores are 0 whatever multiplies them;
 # above 0 it keeps -inf (masked) scores -inf through the multiply.
 TINY = tl.constexpr(1.1754943508222875e-38)
+
+
+@device_function
+def int8_product(a8, b8, CONVERT: tl.constexpr):
+  """a8 (M, K) . b8 (N, K)^T as exact fp32 (module docstring: `CONVERT`)."""
+  if CONVERT:
+    return tl.dot(a8, tl.trans(b8), out_dtype=tl.int32).to(tl.float32)
+  start = tl.full((a8.shape[0], b8.shape[0]), MAGIC_I32, tl.int32)
+  return exact_float(tl.dot(a8, tl.trans(b8), acc=start, out_dtype=tl.int32))
 
 
 @device_function
@@ -98,11 +108,12 @@ def quantize_tile(x):
 
 
 @device_function
-def score_tile(a8, b8, a_scale, b_scale, b_bias, SMOOTH_Q: tl.constexpr):
+def score_tile(a8, b8, a_scale, b_scale, b_bias, SMOOTH_Q: tl.constexpr,
+               CONVERT: tl.constexpr):
   """Base-2 scores of one tile as (x, c): S = x * c, x the int8 product as
-  fp32 (an integer, so differences of x within a tile are exact and a kernel
-  forms its exp2 argument with one multiply-add, or one add and one), or with
-  Q-smoothing S = x (c = 1).
+  fp32 (`int8_product`: an integer, so differences of x within a tile are
+  exact and a kernel forms its exp2 argument with one multiply-add, or one
+  add and one), or with Q-smoothing S = x (c = 1).
 
   a8 (M, D) and b8 (N, D) are the int8 rows of the tile's two sides (Q and K,
   or K and Q for a transposed tile), with scales a_scale, b_scale (scalars
@@ -110,7 +121,7 @@ def score_tile(a8, b8, a_scale, b_scale, b_bias, SMOOTH_Q: tl.constexpr):
   `b_bias` ((1, N) or (M, 1), the side of the keys), which no scale can
   carry: then x is S (numerics.dequantize plus the bias).
   """
-  x = tl.dot(a8, tl.trans(b8), out_dtype=tl.int32).to(tl.float32)
+  x = int8_product(a8, b8, CONVERT)
   c = a_scale * b_scale
   if SMOOTH_Q:  # c shaped like the scales (every return's types agree)
     return x * c + b_bias, tl.zeros_like(c) + 1.0
@@ -120,7 +131,7 @@ def score_tile(a8, b8, a_scale, b_scale, b_bias, SMOOTH_Q: tl.constexpr):
 @device_function
 def key_block_scores(q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_ptr, kv_ids_ptr, j,
                      D: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr,
-                     IDS: tl.constexpr, SMOOTH_Q: tl.constexpr):
+                     IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, CONVERT: tl.constexpr):
   """`score_tile` of a query block (rows) against key block j (columns), masked;
   returns (x, c, keys, k_scale). The forward and dQ loop over key blocks
   with it."""
@@ -128,7 +139,7 @@ def key_block_scores(q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_ptr, kv_
   k8 = tl.load(k8_ptr + keys[:, None] * D + tl.arange(0, D)[None, :])
   k_scale = tl.load(k_scale_ptr + j * BK)
   bias = q_smoothing_bias(k8, k_scale, q_mean)[None, :] if SMOOTH_Q else 0.0
-  x, c = score_tile(q8, k8, q_scale, k_scale, bias, SMOOTH_Q)
+  x, c = score_tile(q8, k8, q_scale, k_scale, bias, SMOOTH_Q, CONVERT)
   kv_ids = tl.load(kv_ids_ptr + keys)[None, :] if IDS else 0
   x = masked(x, q_pos, keys[None, :], q_ids, kv_ids, CAUSAL, IDS)
   return x, c, keys, k_scale
