@@ -80,11 +80,13 @@ class Scale:
 
 
 SCALES = {
-    # ~25.7M parameters (D=64), context 1024, bytes; 8K, 32K and 128K tokens
-    # per step, 5.2M tokens per run (640, 160 and 40 steps).
+    # ~25.7M parameters (D=64), context 1024, bytes; 8K, 16K and 32K tokens
+    # per step, 6.6M tokens per run (800, 400 and 200 steps): a few hundred
+    # steps in every cell for 800 micro-batches a run, so the four grids fit
+    # about two GPU sessions.
     "h200": Scale(dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=1408,
                        seq_len=1024, batch_size=8, lr=3e-3, eval_batches=8),
-                  grad_accums=(1, 4, 16), steps_at_largest=40, high_lr=1e-2),
+                  grad_accums=(1, 2, 4), steps_at_largest=200, high_lr=1e-2),
     # The plumbing in seconds: 64 and 128 tokens per step, 3 steps at the larger.
     "cpu": Scale(dict(dim=64, n_layers=1, n_heads=1, n_kv_heads=1, ffn_dim=128, seq_len=32,
                       batch_size=2, lr=3e-3, eval_batches=2),
@@ -275,12 +277,12 @@ def parser() -> argparse.ArgumentParser:
                  help="tokens, qknorm, smoothing, ds (default: all four, in that order)")
   p.add_argument("--scale", choices=list(SCALES), default="h200",
                  help="model, context and tokens per step: h200 (~25.7M parameters, "
-                      "context 1024, 8K/32K/128K tokens per step, 5.2M tokens per run) or "
+                      "context 1024, 8K/16K/32K tokens per step, 6.6M tokens per run) or "
                       "cpu (a 1-layer toy, seconds per run); default h200")
   p.add_argument("--seeds", type=int, default=2, help="seeds per cell (default 2)")
   p.add_argument("--steps", type=int, default=None,
                  help="steps at the largest tokens per step (the other settings run as many "
-                      "tokens); default: the scale's, h200 40, cpu 3")
+                      "tokens); default: the scale's, h200 200, cpu 3")
   p.add_argument("--out", default=None, help="the study folder (default runs/study-<scale>)")
   p.add_argument("--data", nargs="+", default=[], metavar="PATH",
                  help="as train's --data (default: this Python's stdlib sources)")
