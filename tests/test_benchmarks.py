@@ -17,9 +17,6 @@ import pytest
 
 import benchmarks
 from benchmarks import accuracy, attention, breakdown, variants
-from conftest import gaussian_qkv, mosaic_config
-from pallas_kernels.types import Masks
-from sagebwd_jax.reference import ReferenceBackend
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas as pl
