@@ -161,8 +161,7 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
         name="sagebwd_triton_backward_dkdv", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
         D=head_dim, BQ=config.block_q, BK=keys, SCALE=config.scale, CAUSAL=config.causal,
         IDS=q_ids is not None, SMOOTH_Q=q_mean is not None, DS16=q16 is not None,
-        CONVERT=launch.convert,
-        DOT_PRECISION=dot_precision(v.dtype))
+        CONVERT=launch.convert, DOT_PRECISION=dot_precision(v.dtype))
     return dk, dv
 
   return batch_folded(run)(qkv.k8, qkv.k_scale, v, masks.kv_ids, qkv.q8, qkv.q8_t,
