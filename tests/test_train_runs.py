@@ -231,6 +231,9 @@ CORRUPTIONS = {"flipped-bytes": (_flip, "(differs from its checksum|orbax cannot
 
 
 @pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+# Orbax's background reads of the corrupted arrays fail in coroutines nobody
+# awaits once the restore has failed: expected here, not a leak.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_corrupt_checkpoint_falls_back_to_the_previous(finished, tmp_path, corruption):
   run = _copy(finished, tmp_path)
   corrupt, reason = CORRUPTIONS[corruption]
