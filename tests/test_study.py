@@ -19,7 +19,7 @@ import pytest
 from train import study, study_child, study_report
 from train.config import check, params_besides_embeddings
 from train.metrics import kind, read
-from train.study import SCALES, Cell, Grid, StudyError, grids, plan, run_config
+from train.study_plan import SCALES, Cell, Grid, StudyError, grids, plan, run_config, run_status
 from train.study_report import Result, compare
 
 CPU = SCALES["cpu"]
@@ -171,7 +171,7 @@ def test_the_second_seed_compiles_its_train_step_from_the_cache(tmp_path, monkey
   assert len(steps()) == 1
   first = steps()
   study.run([grid], scale, 2, out, _json_data(), log=lambda *a: None, compile_cache=str(cache))
-  assert study.run_status(run_config(scale, grid.cells[0], 1, out, _json_data())) == "done"
+  assert run_status(run_config(scale, grid.cells[0], 1, out, _json_data())) == "done"
   assert steps() == first
 
 
@@ -190,7 +190,7 @@ def test_a_diverged_run_is_finished(tmp_path):
       json.dumps(dict(step=0, tokens=0, val_loss=5.5)) + "\n"
       + json.dumps(dict(step=1, tokens=128, loss=math.nan, lr=1e-3, grad_norm=math.nan,
                         param_norm=1.0)) + "\n")
-  assert study.run_status(cfg) == "diverged"
+  assert run_status(cfg) == "diverged"
   assert study_report.result(cfg, 0).diverged_at == 1
 
 

@@ -42,144 +42,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 
 from train.config import Config, check
-from train.metrics import kind, read
 from train.rundir import NOT_COMPARED, RunError, holds_run
-
-
-class StudyError(Exception):
-  """A study that cannot go on; the message says why and what to do."""
-
-
-@dataclass(frozen=True)
-class Scale:
-  """What every run of a study shares, and its tokens-per-step settings.
-
-  `grad_accums` are the settings, smallest first, as micro-batches per step;
-  the largest runs `steps_at_largest` steps and the others as many as give
-  the same number of tokens.
-  """
-
-  config: dict
-  grad_accums: tuple[int, ...]
-  steps_at_largest: int
-  high_lr: float
-
-  def tokens_per_step(self, setting: int) -> int:
-    c = self.config
-    return c["batch_size"] * c["seq_len"] * self.grad_accums[setting]
-
-  def steps(self, setting: int) -> int:
-    return self.steps_at_largest * self.grad_accums[-1] // self.grad_accums[setting]
-
-
-SCALES = {
-    # ~25.7M parameters (D=64), context 1024, bytes; 8K, 16K and 32K tokens
-    # per step, 6.6M tokens per run (800, 400 and 200 steps): a few hundred
-    # steps in every cell for 800 micro-batches a run, so the four grids fit
-    # about two GPU sessions.
-    "h200": Scale(dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=1408,
-                       seq_len=1024, batch_size=8, lr=3e-3, eval_batches=8),
-                  grad_accums=(1, 2, 4), steps_at_largest=200, high_lr=1e-2),
-    # The plumbing in seconds: 64 and 128 tokens per step, 3 steps at the larger.
-    "cpu": Scale(dict(dim=64, n_layers=1, n_heads=1, n_kv_heads=1, ffn_dim=128, seq_len=32,
-                      batch_size=2, lr=3e-3, eval_batches=2),
-                 grad_accums=(1, 2), steps_at_largest=3, high_lr=1e-2),
-}
-
-
-@dataclass(frozen=True)
-class Cell:
-  """One setting of a grid; `setting` indexes the scale's tokens per step
-  (-1: the largest). The other fields are train flags."""
-
-  attention: str = "sage"
-  setting: int = -1
-  qk_norm: bool = True
-  high_lr: bool = False
-  smooth_k: bool = True
-  smooth_q: bool = False
-  ds_precision: str = "int8"
-
-  def name(self, scale: Scale) -> str:
-    parts = [self.attention, f"tps{scale.tokens_per_step(self.setting)}"]
-    parts += ["noqknorm"] * (not self.qk_norm) + [f"lr{scale.high_lr:g}"] * self.high_lr
-    parts += ["nosmoothk"] * (not self.smooth_k) + ["smoothq"] * self.smooth_q
-    parts += [f"ds{self.ds_precision}"] * (self.ds_precision != "int8")
-    return "-".join(parts)
-
-  def largest(self, scale: Scale) -> bool:
-    return self.setting % len(scale.grad_accums) == len(scale.grad_accums) - 1
-
-
-@dataclass(frozen=True)
-class Grid:
-  """Cells and the comparisons drawn between them: (cell, baseline) indices."""
-
-  name: str
-  finding: str
-  cells: tuple[Cell, ...]
-  comparisons: tuple[tuple[int, int], ...]
-
-
-def grids(scale: Scale) -> dict[str, Grid]:
-  """The four named grids at `scale`."""
-  settings = range(len(scale.grad_accums))
-  sage, full = Cell(), Cell(attention="full")
-  return {
-      "tokens": Grid(
-          "tokens", "(iii) SageBwd matches full precision at few tokens per step, not at many",
-          tuple(Cell(attention=a, setting=s) for s in settings for a in ("sage", "full")),
-          tuple((2 * s, 2 * s + 1) for s in settings)),
-      "qknorm": Grid(
-          "qknorm", "(i) QK-norm is needed for stable training at many tokens per step",
-          tuple(Cell(attention=a, qk_norm=n, high_lr=True) for a in ("sage", "full")
-                for n in (True, False)),
-          ((1, 0), (3, 2), (0, 2), (1, 3))),
-      "smoothing": Grid(
-          "smoothing", "(iv) K-smoothing is essential, Q-smoothing adds little",
-          (sage, Cell(smooth_k=False), Cell(smooth_q=True), full),
-          ((1, 0), (2, 0), (0, 3), (1, 3))),
-      "ds": Grid(
-          "ds", "(ii) the quantization error comes mainly from dS",
-          (sage, Cell(ds_precision="bf16"), full),
-          ((0, 2), (1, 2), (1, 0))),
-  }
-
-
-def run_config(scale: Scale, cell: Cell, seed: int, out: str, data: list[str]) -> Config:
-  """The train configuration of one run of `cell`."""
-  steps = scale.steps(cell.setting)
-  name = f"{cell.name(scale)}-s{seed}"
-  return Config(**{
-      **scale.config, "name": name, "out": os.path.join(out, name), "seed": seed,
-      "data": list(data), "progress": False, "attention": cell.attention,
-      "qk_norm": cell.qk_norm, "smooth_k": cell.smooth_k, "smooth_q": cell.smooth_q,
-      "ds_precision": cell.ds_precision,
-      "lr": scale.high_lr if cell.high_lr else scale.config["lr"],
-      "grad_accum": scale.grad_accums[cell.setting], "steps": steps,
-      "warmup": max(1, steps // 10), "eval_every": max(1, steps // 8), "ckpt_every": 0,
-      "telemetry_every": max(1, steps // 4) if cell.largest(scale) else 0})
-
-
-def run_status(cfg: Config) -> str:
-  """"done", "diverged" (a non-finite train row), "partial" or "absent"."""
-  path = os.path.join(cfg.out, "metrics.jsonl")
-  if not os.path.exists(path):
-    return "partial" if holds_run(cfg.out) else "absent"
-  rows = read(path, warn=lambda message: None)
-  if any(kind(r) == "train" and not all(math.isfinite(r.get(k, 0.0)) for k in
-                                        ("loss", "grad_norm", "param_norm")) for r in rows):
-    return "diverged"
-  if any(kind(r) == "eval" and r["step"] == cfg.steps for r in rows):
-    return "done"
-  return "partial"
+from train.study_plan import SCALES, Grid, Scale, StudyError, grids, plan, run_status
 
 
 def _check_saved(cfg: Config) -> None:
@@ -199,20 +68,6 @@ def _check_saved(cfg: Config) -> None:
     raise StudyError(
         f"{cfg.out} holds a run with other settings ({', '.join(differ)}): this study's "
         f"--out holds another study; give another --out")
-
-
-def plan(chosen: list[Grid], scale: Scale, seeds: int, out: str,
-         data: list[str]) -> list[tuple[Cell, Config]]:
-  """Every run of the chosen grids, once each, in grid, cell, seed order."""
-  runs, seen = [], set()
-  for grid in chosen:
-    for cell in grid.cells:
-      for seed in range(seeds):
-        cfg = run_config(scale, cell, seed, out, data)
-        if cfg.out not in seen:
-          seen.add(cfg.out)
-          runs.append((cell, cfg))
-  return runs
 
 
 def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],

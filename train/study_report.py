@@ -19,7 +19,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from train.metrics import kind, read
-from train.study import Grid, Scale, run_config, run_status
+from train.study_plan import Grid, Scale, run_config, run_status
 
 TELEMETRY = ("max_logit", "o_rel_l2", "dq_rel_l2", "dk_rel_l2", "dv_rel_l2", "ds_rel_l2")
 
