@@ -135,6 +135,13 @@ def test_other_launches_match_reference(causal, smooth_q, ids, seq, convert):
     assert float(metrics.relative_l2(a, b)) <= TOLERANCE, name
 
 
+@pytest.mark.parametrize("field,value", [("num_warps", 6), ("num_stages", 0),
+                                         ("block_rows", 96), ("block_rows", 512)])
+def test_launch_config_names_a_bad_field(field, value):
+  with pytest.raises(ValueError, match=field):
+    LaunchConfig(**{field: value})
+
+
 def test_tiles_above_128_fall_through_to_the_next_implementation():
   q, k, v, _ = gaussian_qkv(jax.random.key(5), 1, 256, 256, 2, 2, 64)
   with pytest.raises(NotImplementedError, match="tiles up to 128"):
