@@ -47,8 +47,9 @@ class Config:
 
     A row scale factors out of Q.K^T (Q is its first operand) but not out of
     the int8 dS^T.Q, which contracts over Q's rows; with 16-bit dS products
-    Q8 enters no other product, so the finer scale costs nothing and lowers
-    the error of S, hence of P and every gradient.
+    Q8 enters no other product, so the finer scale costs at most a multiply
+    per score (where Q's rows are a tile's columns) and lowers the error of
+    S, hence of P and every gradient.
     """
     return self.ds_precision == "bf16"
 
