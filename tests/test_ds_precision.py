@@ -1,5 +1,5 @@
 """`ds_precision="bf16"` (issue 19): dQ = dS.K and dK = dS^T.Q in 16 bits,
-and Q quantized per token (`Config.q_per_token`), which they make free.
+and Q quantized per token (`Config.q_per_token`), which they make possible.
 
 Against fp64 attention it must lower dQ's and dK's error, and O's and dV's
 (finer Q scales); the portable kernels (interpret mode on the CPU, compiled on
