@@ -56,18 +56,26 @@ def test_bf16_ds_quantizes_q_per_token():
   assert len(np.unique(np.asarray(qkv.q_scale)[0, 0, :64])) > 1
 
 
+@pytest.mark.parametrize("implementation", ["pallas", "triton"])
 @pytest.mark.parametrize("case", [dict(is_causal=True, heads=(4, 2)),
                                   dict(is_causal=True, smooth_q=True),
+                                  dict(smooth_q=True, lengths=(192, 128)),
                                   dict(lengths=(100, 75), is_causal=True, smooth_k=False)])
-def test_pallas_kernels_match_reference(case):
+def test_portable_kernels_match_reference(implementation, case, monkeypatch):
+  """The Pallas and the Triton kernels (interpreted on the CPU, compiled on a
+  GPU) against the reference with their P and P^T, through the op."""
+  if implementation == "triton":
+    pytest.importorskip("triton")
+    use_triton_numerics(monkeypatch)
   case = dict(case)
   heads, kv_heads = case.pop("heads", (2, 2))
   q_len, kv_len = case.pop("lengths", (128, 128))
   q, k, v, do = gaussian_qkv(jax.random.key(5), 2, q_len, kv_len, heads, kv_heads, 64,
                              sigma=2.0)
-  ours = sage(q, k, v, do, implementation="pallas", ds_precision="bf16", **case)
-  with jax.default_device(CPU):
-    ref = sage(q, k, v, do, implementation="reference", ds_precision="bf16", **case)
+  ours = sage(q, k, v, do, implementation=implementation, ds_precision="bf16", **case)
+  with jax.default_device(CPU):  # not through `sage`, whose jit cache has one reference
+    ref = value_and_grads(lambda q, k, v: dot_product_attention(
+        q, k, v, implementation="reference", ds_precision="bf16", **case), q, k, v, do)
   for name, a, b in zip(("O", "dQ", "dK", "dV"), (ours[0], *ours[1]), (ref[0], *ref[1])):
     assert rel_l2(a, b) < backend_tolerance(a), name
 
@@ -103,24 +111,3 @@ def test_bad_ds_precision_is_named(value):
   q = jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match=r"ds_precision must be one of \('int8', 'bf16'\)"):
     dot_product_attention(q, q, q, ds_precision=value)
-
-
-@pytest.mark.parametrize("case", [dict(is_causal=True, heads=(4, 2)),
-                                  dict(smooth_q=True, lengths=(192, 128)),
-                                  dict(lengths=(100, 75), is_causal=True, smooth_k=False)])
-def test_triton_kernels_match_reference(case, monkeypatch):
-  """The Triton kernels (interpreted on the CPU) against the reference with
-  their P and P^T (`TRITON_NUMERICS`), through the op."""
-  pytest.importorskip("triton")
-  case = dict(case)
-  heads, kv_heads = case.pop("heads", (2, 2))
-  q_len, kv_len = case.pop("lengths", (128, 128))
-  q, k, v, do = gaussian_qkv(jax.random.key(8), 2, q_len, kv_len, heads, kv_heads, 64,
-                             sigma=2.0)
-  ours = sage(q, k, v, do, implementation="triton", ds_precision="bf16", **case)
-  use_triton_numerics(monkeypatch)  # not through `sage`, whose jit cache has the default
-  with jax.default_device(CPU):
-    ref = value_and_grads(lambda q, k, v: dot_product_attention(
-        q, k, v, implementation="reference", ds_precision="bf16", **case), q, k, v, do)
-  for name, a, b in zip(("O", "dQ", "dK", "dV"), (ours[0], *ours[1]), (ref[0], *ref[1])):
-    assert rel_l2(a, b) < backend_tolerance(a), name
