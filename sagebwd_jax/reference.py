@@ -232,6 +232,8 @@ class ReferenceBackend:
 # The Hopper (Mosaic GPU) kernels' numerics: the forward's P per 128-key row
 # and the backward's P^T per key row, both unsigned.
 HOPPER_NUMERICS = ReferenceBackend(p_block=128, unsigned_p=True, unsigned_p_t=True)
+# The Triton kernels': the forward's P per row of each 64-key block and the
+# backward's P^T per key row, both unsigned.
 TRITON_NUMERICS = ReferenceBackend(unsigned_p=True, unsigned_p_t=True)
 
 
