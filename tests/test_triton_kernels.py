@@ -76,8 +76,6 @@ def test_forward_matches_reference_with_unsigned_p(causal, smooth_q, ids):
   np.testing.assert_allclose(np.asarray(lse)[seen], np.asarray(lse_ref)[seen], atol=1e-3)
 
 
-# dK/dV's programs take 128 keys (four of these 32-key K blocks) where they
-# tile T, and 32 at T=192; causal at 256 puts the diagonal in two query blocks.
 @pytest.mark.parametrize("sigma", [30.0, 1e3, 1e4])
 def test_forward_at_large_logits_matches_reference(sigma):
   """Each score is formed once from the exact distance to its row's largest,
@@ -95,6 +93,8 @@ def test_forward_at_large_logits_matches_reference(sigma):
   assert float(metrics.relative_l2(lse, lse_ref)) <= 1e-6
 
 
+# dK/dV's programs take 128 keys (four of these 32-key K blocks) where they
+# tile T, and 32 at T=192; causal at 256 puts the diagonal in two query blocks.
 @pytest.mark.parametrize("causal,smooth_q,ids,heads,seq", [
     (True, False, False, (2, 2), 256), (False, True, True, (4, 1), 128),
     (True, False, True, (2, 1), 192)])
