@@ -36,12 +36,12 @@ def _q_step(dk, dv, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, q8_t_ptr, q_scale_pt
             lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr, dv_start_ptr, q16_ptr,
             q_ids_ptr, i, TQ: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
             BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr, IDS: tl.constexpr,
-            SMOOTH_Q: tl.constexpr, DS16: tl.constexpr, CONVERT: tl.constexpr,
-            DOT_PRECISION: tl.constexpr):
+            SMOOTH_Q: tl.constexpr, Q_PER_TOKEN: tl.constexpr, DS16: tl.constexpr,
+            CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
   rows = i * BQ + tl.arange(0, BQ)
   dims = tl.arange(0, D)
   q8 = tl.load(q8_ptr + rows[:, None] * D + dims[None, :])
-  if DS16:  # Q quantized per token (Config.q_per_token): a scale per column
+  if Q_PER_TOKEN:  # a scale per column
     q_scale = tl.load(q_scale_ptr + rows)[None, :]
   else:
     q_scale = tl.load(q_scale_ptr + i * BQ)
@@ -87,8 +87,8 @@ def _kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_scale_pt
             dk_ptr, dv_ptr, H: tl.constexpr, HKV: tl.constexpr, TQ: tl.constexpr,
             TK: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
             SCALE: tl.constexpr, CAUSAL: tl.constexpr, IDS: tl.constexpr,
-            SMOOTH_Q: tl.constexpr, DS16: tl.constexpr, CONVERT: tl.constexpr,
-            DOT_PRECISION: tl.constexpr):
+            SMOOTH_Q: tl.constexpr, Q_PER_TOKEN: tl.constexpr, DS16: tl.constexpr,
+            CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
   j = tl.program_id(0)
   b = tl.program_id(1).to(tl.int64)
   kvh = tl.program_id(2)
@@ -126,13 +126,13 @@ def _kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_scale_pt
     for i in range(start, full):
       dk, dv = _q_step(dk, dv, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h, q_scale_h,
                        q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h, q16_h,
-                       q_ids_ptr, i, TQ, H, D, BQ, BK, True, IDS, SMOOTH_Q, DS16, CONVERT,
-                       DOT_PRECISION)
+                       q_ids_ptr, i, TQ, H, D, BQ, BK, True, IDS, SMOOTH_Q, Q_PER_TOKEN, DS16,
+                       CONVERT, DOT_PRECISION)
     for i in range(full, nq):
       dk, dv = _q_step(dk, dv, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h, q_scale_h,
                        q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h, q16_h,
-                       q_ids_ptr, i, TQ, H, D, BQ, BK, False, IDS, SMOOTH_Q, DS16, CONVERT,
-                       DOT_PRECISION)
+                       q_ids_ptr, i, TQ, H, D, BQ, BK, False, IDS, SMOOTH_Q, Q_PER_TOKEN, DS16,
+                       CONVERT, DOT_PRECISION)
   # Q was quantized as Q * scale * log2(e): the int8 product carries log2(e);
   # the 16-bit one is of Q itself.
   tl.store(dk_ptr + tokens, (dk * (SCALE if DS16 else LN_2)).to(dk_ptr.dtype.element_ty))
@@ -160,7 +160,8 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
         _kernel, args, [shape, shape], grid=(kv_len // keys, batch, kv_heads),
         name="sagebwd_triton_backward_dkdv", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
         D=head_dim, BQ=config.block_q, BK=keys, SCALE=config.scale, CAUSAL=config.causal,
-        IDS=q_ids is not None, SMOOTH_Q=q_mean is not None, DS16=q16 is not None,
+        IDS=q_ids is not None, SMOOTH_Q=q_mean is not None,
+        Q_PER_TOKEN=config.q_per_token, DS16=q16 is not None,
         CONVERT=launch.convert, DOT_PRECISION=dot_precision(v.dtype))
     return dk, dv
 
