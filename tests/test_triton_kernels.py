@@ -20,6 +20,7 @@ from conftest import check_quantization_pass, gaussian_qkv, kernel_config  # noq
 from benchmarks import sass  # noqa: E402
 from pallas_kernels.jax_triton.backend import TritonBackend  # noqa: E402
 from pallas_kernels.jax_triton.backward_prepass import backward_prepass  # noqa: E402
+from pallas_kernels.jax_triton import tiles  # noqa: E402
 from pallas_kernels.jax_triton.launch import LaunchConfig  # noqa: E402
 from pallas_kernels.types import Masks  # noqa: E402
 from sagebwd_jax import dot_product_attention, metrics  # noqa: E402
@@ -133,6 +134,21 @@ def test_other_launches_match_reference(causal, smooth_q, ids, seq, convert):
   ref = REFERENCE.backward(qkv, v, o_ref, lse_ref, do, masks, config)
   for name, a, b in zip(("dQ", "dK", "dV"), ours, ref):
     assert float(metrics.relative_l2(a, b)) <= TOLERANCE, name
+
+
+def test_rows_per_program_take_block_rows_only_where_they_tile_and_are_free():
+  launch = LaunchConfig(block_rows=128)
+  assert launch.rows_per_program(256, 64) == 128
+  assert launch.rows_per_program(192, 64) == 64  # 128 does not tile 192
+  assert launch.rows_per_program(256, 64, free=False) == 64  # Q-smoothing's blocks
+  assert LaunchConfig().rows_per_program(256, 32) == 32
+
+
+def test_shifted_accumulator_start_carries_128_times_the_column_sums():
+  x8_t = np.random.default_rng(0).integers(-127, 128, (2, 3, 16, 128)).astype(np.int8)
+  start = np.asarray(tiles.shifted_accumulator_start(jnp.asarray(x8_t), 64))
+  sums = x8_t.astype(np.int64).reshape(2, 3, 16, 2, 64).sum(-1).transpose(0, 1, 3, 2)
+  np.testing.assert_array_equal(start, 0x4B400000 + 128 * sums)
 
 
 @pytest.mark.parametrize("field,value", [("num_warps", 6), ("num_stages", 0),
