@@ -4,6 +4,7 @@ paper's four findings on pre-training, each against the seed spread.
     python -m train.study                          # the four grids at H200 scale
     python -m train.study tokens ds --seeds 3      # two of them, three seeds
     python -m train.study --scale cpu --list       # the plan, without running
+    python -m train.study --jobs 4                 # four runs at a time on one GPU
 
 Grids (a cell is one setting, run once per seed; a cell that several grids
 share runs once):
@@ -45,6 +46,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 from train.config import Config, check
 from train.rundir import NOT_COMPARED, RunError, holds_run
@@ -71,47 +73,60 @@ def _check_saved(cfg: Config) -> None:
 
 
 def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
-        log=print, compile_cache: str | None = None) -> list[str]:
-  """Runs what is missing of the chosen grids, each run in a fresh process
-  with jax's persistent compilation cache in `compile_cache` (None: none),
-  rewriting the summary after each run; returns the paths of the summary
-  files and plots. A run that fails is logged and the others go on;
-  StudyError at the end names it. This process imports no jax."""
+        log=print, compile_cache: str | None = None, jobs: int = 1) -> list[str]:
+  """Runs what is missing of the chosen grids, `jobs` at a time, each run in a
+  fresh process with jax's persistent compilation cache in `compile_cache`
+  (None: none), rewriting the summary after each run; returns the paths of
+  the summary files and plots. A run that fails is logged and the others go
+  on; StudyError at the end names it. This process imports no jax."""
   from train import data as train_data, study_child, study_report
 
   runs = plan(chosen, scale, seeds, out, data)
   for _, cfg in runs:
     check(cfg)
     _check_saved(cfg)
-  todo = [(cell, cfg) for cell, cfg in runs if run_status(cfg) not in ("done", "diverged")]
-  tokens = sum(cfg.tokens_per_step * cfg.steps for _, cfg in todo)
+  todo = [cfg for _, cfg in runs if run_status(cfg) not in ("done", "diverged")]
+  if jobs > 1:  # a cell's second seed starts after its first, and finds its compiles cached
+    todo.sort(key=lambda cfg: cfg.seed)
+  tokens = sum(cfg.tokens_per_step * cfg.steps for cfg in todo)
   log(f"study {out}: {len(runs)} runs, {len(runs) - len(todo)} already finished; "
-      f"{len(todo)} to run, {tokens / 1e6:.1f}M tokens")
+      f"{len(todo)} to run, {tokens / 1e6:.1f}M tokens" + (f", {jobs} at a time" if jobs > 1 else ""))
   os.makedirs(out, exist_ok=True)
   if todo:  # a bad --data ends the study here, not each run; the runs read it again
-    train_data.load(todo[0][1].data, todo[0][1].val_fraction, todo[0][1].seq_len)
+    train_data.load(todo[0].data, todo[0].val_fraction, todo[0].seq_len)
   drawn = {g.name for g in chosen if _finished(g, scale, seeds, out, data)}
+  # Runs sharing one GPU split its memory; alone, a run keeps jax's default.
+  memory = None if jobs == 1 else 0.9 / jobs
   failed = []
-  for i, (_, cfg) in enumerate(todo, 1):
+
+  def train(i: int, cfg: Config) -> tuple[str, float]:
     t0 = time.perf_counter()
     resume = bool(holds_run(cfg.out))
     log(f"[{i}/{len(todo)}] {os.path.basename(cfg.out)}: {cfg.steps} steps of "
         f"{cfg.tokens_per_step:,} tokens" + (" (starting over: unfinished)" if resume else ""))
     try:
-      result = study_child.train(dataclasses.replace(cfg, resume=resume), compile_cache)
+      result = study_child.train(dataclasses.replace(cfg, resume=resume), compile_cache, memory)
       outcome = f"val_loss {result['val_loss']:.4f}"
     except study_child.Diverged as e:
       outcome = f"diverged: {e}"
     except study_child.Failed as e:  # one failed run, out of memory say, stops no other
       failed.append(os.path.basename(cfg.out))
       outcome = f"FAILED: {e}"
-    log(f"[{i}/{len(todo)}] {os.path.basename(cfg.out)}: {outcome} "
-        f"({time.perf_counter() - t0:.0f}s)")
-    study_report.write_tables(chosen, scale, seeds, out, data)
-    for grid in chosen:  # a stopped study keeps the plots of its finished grids
-      if grid.name not in drawn and _finished(grid, scale, seeds, out, data):
-        drawn.add(grid.name)
-        study_report.plot_grid(grid, scale, seeds, out, data)
+    return outcome, time.perf_counter() - t0
+
+  with ThreadPoolExecutor(jobs) as pool:
+    pending = {pool.submit(train, i, cfg): (i, cfg) for i, cfg in enumerate(todo, 1)}
+    while pending:
+      done, _ = wait(pending, return_when=FIRST_COMPLETED)
+      for future in done:
+        i, cfg = pending.pop(future)
+        outcome, seconds = future.result()
+        log(f"[{i}/{len(todo)}] {os.path.basename(cfg.out)}: {outcome} ({seconds:.0f}s)")
+      study_report.write_tables(chosen, scale, seeds, out, data)
+      for grid in chosen:  # a stopped study keeps the plots of its finished grids
+        if grid.name not in drawn and _finished(grid, scale, seeds, out, data):
+          drawn.add(grid.name)
+          study_report.plot_grid(grid, scale, seeds, out, data)
   paths = study_report.write_all(chosen, scale, seeds, out, data)
   if failed:
     raise StudyError(f"{len(failed)} run(s) failed: {', '.join(failed)} (the log above says "
@@ -141,6 +156,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--out", default=None, help="the study folder (default runs/study-<scale>)")
   p.add_argument("--data", nargs="+", default=[], metavar="PATH",
                  help="as train's --data (default: this Python's stdlib sources)")
+  p.add_argument("--jobs", type=int, default=1,
+                 help="runs at a time, sharing the GPU and splitting its memory (default 1); "
+                      "a small model leaves an H200 mostly idle, so 3-4 finish the grids sooner")
   p.add_argument("--list", action="store_true", help="print the runs and their state; run none")
   p.add_argument("--compile-cache", default=None, metavar="DIR",
                  help="where compiled steps are kept, so that a cell's second seed and a "
@@ -159,6 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     p.error(f"unknown grid(s) {', '.join(unknown)}: choose from {', '.join(named)}")
   if args.seeds < 1:
     p.error(f"--seeds must be >= 1, got {args.seeds}")
+  if args.jobs < 1:
+    p.error(f"--jobs must be >= 1, got {args.jobs}")
   if args.steps is not None:
     if args.steps < 1:
       p.error(f"--steps must be >= 1, got {args.steps}")
@@ -177,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
   cache = args.compile_cache or os.path.join(out, "jax-cache")
   try:
     paths = run(chosen, scale, args.seeds, out, args.data,
-                compile_cache=None if cache == "none" else cache)
+                compile_cache=None if cache == "none" else cache, jobs=args.jobs)
   except (StudyError, RunError, ValueError) as e:
     raise SystemExit(f"error: {e}")
   print("\n".join(paths), file=sys.stderr)

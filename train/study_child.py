@@ -16,6 +16,7 @@ take memory the runs need.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -33,11 +34,12 @@ class Failed(Exception):
   process ended without an answer (how it ended)."""
 
 
-def train(cfg: Config, compile_cache: str | None) -> dict:
+def train(cfg: Config, compile_cache: str | None, memory: float | None = None) -> dict:
   """`train.loop.train(cfg)` in a fresh process, with jax's persistent
-  compilation cache in `compile_cache` (None: none); returns its result.
+  compilation cache in `compile_cache` (None: none) and the fraction `memory`
+  of the accelerator's memory (None: jax's default); returns its result.
   Raises Diverged or Failed as the run ended."""
-  status, value = in_child(_train, cfg, compile_cache)
+  status, value = in_child(_train, cfg, compile_cache, memory)
   if status == "diverged":
     raise Diverged(value)
   if status == "failed":
@@ -90,8 +92,11 @@ def _ended(exitcode: int | None) -> str:
   return f"its process exited with status {exitcode} before reporting"
 
 
-def _train(cfg: Config, compile_cache: str | None) -> tuple[str, Any]:
+def _train(cfg: Config, compile_cache: str | None,
+           memory: float | None = None) -> tuple[str, Any]:
   """In the child: ("done", result) or ("diverged", message)."""
+  if memory is not None:  # read when jax starts its backend
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{memory:.3f}"
   import jax
   if compile_cache is not None:  # before the first compile, which opens the cache
     jax.config.update("jax_compilation_cache_dir", compile_cache)
