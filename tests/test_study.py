@@ -96,7 +96,7 @@ def test_tiny_grid_tables_plots_and_resume(tmp_path, monkeypatch):
   # (it starts over: the study saves no checkpoints).
   trained = []
   monkeypatch.setattr(study_child, "train",
-                      lambda cfg, cache, memory: trained.append(cfg) or {"val_loss": 0.0})
+                      lambda cfg, cache, share: trained.append(cfg) or {"val_loss": 0.0})
   study.run([TINY], CPU, 1, out, data, log=lambda *a: None)
   assert trained == []
   unfinished = run_config(CPU, TINY.cells[1], 0, out, data)
@@ -110,7 +110,7 @@ def test_tiny_grid_tables_plots_and_resume(tmp_path, monkeypatch):
   first = run_config(CPU, TINY.cells[0], 0, out, data)
   open(f"{first.out}/metrics.jsonl", "w").write("\n".join(lines[:4]) + "\n")
 
-  def fail_first(cfg, cache, memory):
+  def fail_first(cfg, cache, share):
     if cfg.out == first.out:
       raise study_child.Failed("RuntimeError: RESOURCE_EXHAUSTED: out of memory")
     trained.append(cfg)
@@ -125,14 +125,14 @@ def test_tiny_grid_tables_plots_and_resume(tmp_path, monkeypatch):
   assert any("FAILED: RuntimeError: RESOURCE_EXHAUSTED: out of memory (" in m for m in logged)
 
 
-def test_jobs_run_at_once_sharing_memory_and_seeds_in_order(tmp_path, monkeypatch):
+def test_jobs_run_at_once_sharing_the_gpu_first_seeds_first(tmp_path, monkeypatch):
   """With --jobs 2 two runs train at once (each waits for the other at a
-  barrier), each taking 0.45 of the memory, every first seed before any
-  second (which then finds the compiles cached)."""
+  barrier), sharing the GPU's memory, every first seed before any second
+  (which then finds the compiles cached)."""
   barrier, started = threading.Barrier(2, timeout=30), []
 
-  def train(cfg, cache, memory):
-    started.append((cfg.seed, memory))
+  def train(cfg, cache, share):
+    started.append((cfg.seed, share))
     barrier.wait()
     return {"val_loss": 1.0}
 
@@ -140,7 +140,7 @@ def test_jobs_run_at_once_sharing_memory_and_seeds_in_order(tmp_path, monkeypatc
   monkeypatch.setattr(study_report, "write_tables", lambda *a: None)
   monkeypatch.setattr(study_report, "write_all", lambda *a: [])
   study.run([TINY], CPU, 2, str(tmp_path), _json_data(), log=lambda *a: None, jobs=2)
-  assert started == [(0, 0.45)] * 2 + [(1, 0.45)] * 2
+  assert started == [(0, True)] * 2 + [(1, True)] * 2
 
 
 def _exit_slowly(path: str) -> tuple[str, None]:

@@ -95,8 +95,6 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
   if todo:  # a bad --data ends the study here, not each run; the runs read it again
     train_data.load(todo[0].data, todo[0].val_fraction, todo[0].seq_len)
   drawn = {g.name for g in chosen if _finished(g, scale, seeds, out, data)}
-  # Runs sharing one GPU split its memory; alone, a run keeps jax's default.
-  memory = None if jobs == 1 else 0.9 / jobs
   failed = []
 
   def train(i: int, cfg: Config) -> tuple[str, float]:
@@ -105,7 +103,7 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
     log(f"[{i}/{len(todo)}] {os.path.basename(cfg.out)}: {cfg.steps} steps of "
         f"{cfg.tokens_per_step:,} tokens" + (" (starting over: unfinished)" if resume else ""))
     try:
-      result = study_child.train(dataclasses.replace(cfg, resume=resume), compile_cache, memory)
+      result = study_child.train(dataclasses.replace(cfg, resume=resume), compile_cache, share=jobs > 1)
       outcome = f"val_loss {result['val_loss']:.4f}"
     except study_child.Diverged as e:
       outcome = f"diverged: {e}"
@@ -157,7 +155,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--data", nargs="+", default=[], metavar="PATH",
                  help="as train's --data (default: this Python's stdlib sources)")
   p.add_argument("--jobs", type=int, default=1,
-                 help="runs at a time, sharing the GPU and splitting its memory (default 1); "
+                 help="runs at a time, sharing the GPU, each taking memory as it needs it (default 1); "
                       "a small model leaves an H200 mostly idle, so 3-4 finish the grids sooner")
   p.add_argument("--list", action="store_true", help="print the runs and their state; run none")
   p.add_argument("--compile-cache", default=None, metavar="DIR",

@@ -34,12 +34,13 @@ class Failed(Exception):
   process ended without an answer (how it ended)."""
 
 
-def train(cfg: Config, compile_cache: str | None, memory: float | None = None) -> dict:
+def train(cfg: Config, compile_cache: str | None, share: bool = False) -> dict:
   """`train.loop.train(cfg)` in a fresh process, with jax's persistent
-  compilation cache in `compile_cache` (None: none) and the fraction `memory`
-  of the accelerator's memory (None: jax's default); returns its result.
-  Raises Diverged or Failed as the run ended."""
-  status, value = in_child(_train, cfg, compile_cache, memory)
+  compilation cache in `compile_cache` (None: none); returns its result.
+  `share`: other processes use the accelerator too, so this one takes its
+  memory as it needs it, not jax's 75% up front. Raises Diverged or Failed
+  as the run ended."""
+  status, value = in_child(_train, cfg, compile_cache, share)
   if status == "diverged":
     raise Diverged(value)
   if status == "failed":
@@ -92,11 +93,10 @@ def _ended(exitcode: int | None) -> str:
   return f"its process exited with status {exitcode} before reporting"
 
 
-def _train(cfg: Config, compile_cache: str | None,
-           memory: float | None = None) -> tuple[str, Any]:
+def _train(cfg: Config, compile_cache: str | None, share: bool = False) -> tuple[str, Any]:
   """In the child: ("done", result) or ("diverged", message)."""
-  if memory is not None:  # read when jax starts its backend
-    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{memory:.3f}"
+  if share:  # read when jax starts its backend
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
   import jax
   if compile_cache is not None:  # before the first compile, which opens the cache
     jax.config.update("jax_compilation_cache_dir", compile_cache)
