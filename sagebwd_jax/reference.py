@@ -109,7 +109,10 @@ class ReferenceBackend:
     k_scale, v_scale = (_per_token(x, config.block_kv) for x in (k_scale, v_scale))
 
     q8, k8, v8 = _unblock(q8), _unblock(k8), _unblock(v8)
-    return QuantizedQKV(q8=q8, q8_t=_transposed(q8), q_scale=q_scale, q_mean=q_mean,
+    # Per-token Q goes with 16-bit dS, where dK = dS^T.Q is a 16-bit product:
+    # Q8 enters Q.K^T only, and no kernel reads it transposed.
+    q8_t = None if config.q_per_token else _transposed(q8)
+    return QuantizedQKV(q8=q8, q8_t=q8_t, q_scale=q_scale, q_mean=q_mean,
                         k8=k8, k8_t=_transposed(k8), k_scale=k_scale,
                         v8_t=_transposed(v8), v_scale=v_scale)
 

@@ -42,9 +42,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
+import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
@@ -73,7 +75,8 @@ def _check_saved(cfg: Config) -> None:
 
 
 def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
-        log=print, compile_cache: str | None = None, jobs: int = 1) -> list[str]:
+        log=functools.partial(print, flush=True), compile_cache: str | None = None,
+        jobs: int = 1) -> list[str]:
   """Runs what is missing of the chosen grids, `jobs` at a time, each run in a
   fresh process with jax's persistent compilation cache in `compile_cache`
   (None: none), rewriting the summary after each run; returns the paths of
@@ -95,12 +98,16 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
   if todo:  # a bad --data ends the study here, not each run; the runs read it again
     train_data.load(todo[0].data, todo[0].val_fraction, todo[0].seq_len)
   drawn = {g.name for g in chosen if _finished(g, scale, seeds, out, data)}
-  failed = []
+  failed, lock = [], threading.Lock()
+
+  def say(message: str) -> None:  # whole lines, whichever run's thread speaks
+    with lock:
+      log(message)
 
   def train(i: int, cfg: Config) -> tuple[str, float]:
     t0 = time.perf_counter()
     resume = bool(holds_run(cfg.out))
-    log(f"[{i}/{len(todo)}] {os.path.basename(cfg.out)}: {cfg.steps} steps of "
+    say(f"[{i}/{len(todo)}] {os.path.basename(cfg.out)}: {cfg.steps} steps of "
         f"{cfg.tokens_per_step:,} tokens" + (" (starting over: unfinished)" if resume else ""))
     try:
       result = study_child.train(dataclasses.replace(cfg, resume=resume), compile_cache, share=jobs > 1)
@@ -119,7 +126,7 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
       for future in done:
         i, cfg = pending.pop(future)
         outcome, seconds = future.result()
-        log(f"[{i}/{len(todo)}] {os.path.basename(cfg.out)}: {outcome} ({seconds:.0f}s)")
+        say(f"[{i}/{len(todo)}] {os.path.basename(cfg.out)}: {outcome} ({seconds:.0f}s)")
       study_report.write_tables(chosen, scale, seeds, out, data)
       for grid in chosen:  # a stopped study keeps the plots of its finished grids
         if grid.name not in drawn and _finished(grid, scale, seeds, out, data):

@@ -150,8 +150,8 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
           q16, q_ids):
     batch, heads, q_len, head_dim = q8.shape
     kv_heads, kv_len = k8.shape[1], k8.shape[2]
-    args = [k8, k_scale, v, placeholder(kv_ids, jnp.int32), q8, q8_t, q_scale,
-            placeholder(q_mean, jnp.float32), lse, delta, do, do8_t, do_scale,
+    args = [k8, k_scale, v, placeholder(kv_ids, jnp.int32), q8, placeholder(q8_t, jnp.int8),
+            q_scale, placeholder(q_mean, jnp.float32), lse, delta, do, do8_t, do_scale,
             tiles.shifted_accumulator_start(do8_t, config.block_q), placeholder(q16, v.dtype),
             placeholder(q_ids, jnp.int32)]
     shape = jax.ShapeDtypeStruct(v.shape, v.dtype)

@@ -77,9 +77,11 @@ def quantize(x: jax.Array, *, block: int, launch: LaunchConfig, multiplier: floa
 
 def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig) -> QuantizedQKV:
   """The forward's quantization pass (docs/algorithm.md, forward steps 1-3)."""
+  # Per-token Q goes with 16-bit dS: no int8 dK product reads Q8 transposed.
   q8, q8_t, q_scale, q_mean = quantize(q, block=config.block_q, launch=launch,
                                        multiplier=config.scale * nm.LOG2_E,
-                                       smooth_rows=config.smooth_q, per_row=config.q_per_token)
+                                       smooth_rows=config.smooth_q, per_row=config.q_per_token,
+                                       transposed=not config.q_per_token)
   k8, k8_t, k_scale, _ = quantize(k, block=config.block_kv, launch=launch, mean=k_mean)
   _, v8_t, v_scale, _ = quantize(v, block=config.block_kv, launch=launch, natural=False)
   return QuantizedQKV(q8=q8, q8_t=q8_t, q_scale=q_scale, q_mean=q_mean, k8=k8, k8_t=k8_t,

@@ -95,7 +95,7 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
       pl.BlockSpec((None, bk, None, head_dim), lambda j, b, h: (b, j, kv_head(h), 0)),
       pl.BlockSpec((None, bk), lambda j, b, h: (b, j)) if with_ids else None,
       pl.BlockSpec((None, None, q_len, head_dim), q_full),
-      pl.BlockSpec((None, None, head_dim, q_len), q_full),
+      pl.BlockSpec((None, None, head_dim, q_len), q_full) if qkv.q8_t is not None else None,
       pl.BlockSpec((None, None, q_len), q_rows),
       (pl.BlockSpec((None, None, q_len // config.block_q, head_dim), q_full)
        if config.smooth_q else None),

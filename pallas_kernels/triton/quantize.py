@@ -87,11 +87,14 @@ def quantize(x, *, block: int, launch: LaunchConfig, multiplier: float = 1.0, me
 
 def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig) -> QuantizedQKV:
   """The forward's quantization pass (docs/algorithm.md, forward steps 1-3)."""
-  q_out = quantize(q, block=config.block_q, launch=launch,
-                   multiplier=config.scale * nm.LOG2_E, smooth_rows=config.smooth_q,
-                   per_row=config.q_per_token)
-  q8, q8_t, q_scale = q_out[:3]
-  q_mean = q_out[3] if config.smooth_q else None
+  # Per-token Q goes with 16-bit dS: no int8 dK product reads Q8 transposed.
+  q_out = list(quantize(q, block=config.block_q, launch=launch,
+                        multiplier=config.scale * nm.LOG2_E, smooth_rows=config.smooth_q,
+                        per_row=config.q_per_token, transposed=not config.q_per_token))
+  q8 = q_out.pop(0)
+  q8_t = None if config.q_per_token else q_out.pop(0)
+  q_scale = q_out.pop(0)
+  q_mean = q_out.pop(0) if config.smooth_q else None
   k8, k8_t, k_scale = quantize(k, block=config.block_kv, launch=launch, mean=k_mean)
   v8_t, v_scale = quantize(v, block=config.block_kv, launch=launch, natural=False)
   return QuantizedQKV(q8=q8, q8_t=q8_t, q_scale=q_scale, q_mean=q_mean, k8=k8, k8_t=k8_t,
