@@ -1,5 +1,6 @@
 """Where the instructions of the kernels' inner loops go, read from their
-SASS without a GPU: ptxas's register and spill report, then each innermost
+SASS without a GPU: the register and spill report (ptxas's, or for Triton
+cuobjdump's with the programs an SM holds), then each innermost
 loop that issues wgmmas, its instructions by opcode and by source line, per
 score.
 
@@ -33,12 +34,14 @@ import tempfile
 
 
 def tool(name: str) -> str:
-  """The path of a CUDA tool: on PATH, else in a pip-installed nvidia package."""
+  """The path of a CUDA tool: on PATH, else in a pip-installed nvidia or triton
+  package."""
   found = shutil.which(name)
   if found:
     return found
-  for site in sys.path:
-    hits = glob.glob(os.path.join(site, "nvidia", "*", "bin", name))
+  for site in sys.path:  # pip's nvidia packages, and the tools the triton wheel carries
+    hits = (glob.glob(os.path.join(site, "nvidia", "*", "bin", name))
+            + glob.glob(os.path.join(site, "triton", "backends", "nvidia", "bin", name)))
     if hits:
       return hits[0]
   raise SystemExit(f"{name} not found: put it on PATH or `pip install nvidia-cuda-nvcc "
@@ -121,6 +124,24 @@ def listing(cubin_path: str) -> str:
                         text=True, check=True).stdout
 
 
+def resources(cubin_path: str) -> tuple[int, int]:
+  """(registers per thread, stack bytes per thread) of a one-kernel cubin, by
+  cuobjdump."""
+  usage = subprocess.run([tool("cuobjdump"), "-res-usage", cubin_path], capture_output=True,
+                         text=True, check=True).stdout
+  found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+  if found is None:
+    raise ValueError(f"no resource usage in cuobjdump's answer: {usage[:200]!r}")
+  return int(found[1]), int(found[2])
+
+
+def programs_per_sm(registers: int, threads: int) -> int:
+  """How many programs of `threads` threads an SM's 64K registers hold (Hopper
+  and Ampere: registers allocated per warp in units of 256)."""
+  per_warp = -(-registers * 32 // 256) * 256
+  return 65536 // (per_warp * (threads // 32))
+
+
 def parse_listing(listing: str) -> tuple[list[Instruction], dict[str, int]]:
   """The instructions of an nvdisasm -g listing, and label -> instruction index."""
   instructions, labels, line = [], {}, "?"
@@ -184,7 +205,10 @@ def _triton(args) -> None:
         with open(cubin, "wb") as f:
           f.write(launch.compile(90, warps, stages))
         instructions, labels = parse_listing(listing(cubin))
+        registers, stack = resources(cubin)
       print(f"## {launch.name} num_warps={warps} num_stages={stages}")
+      print(f"  {registers} registers, {stack} stack bytes per thread: "
+            f"{programs_per_sm(registers, 32 * warps)} programs per SM by registers")
       report_loops(instructions, labels, tile / (32 * warps), args.lines)
 
 
