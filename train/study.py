@@ -89,11 +89,12 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
     check(cfg)
     _check_saved(cfg)
   todo = [cfg for _, cfg in runs if run_status(cfg) not in ("done", "diverged")]
-  if jobs > 1:  # a cell's second seed starts after its first, and finds its compiles cached
+  if jobs > 1:  # every first seed before any second, which then finds its compiles cached
     todo.sort(key=lambda cfg: cfg.seed)
   tokens = sum(cfg.tokens_per_step * cfg.steps for cfg in todo)
   log(f"study {out}: {len(runs)} runs, {len(runs) - len(todo)} already finished; "
-      f"{len(todo)} to run, {tokens / 1e6:.1f}M tokens" + (f", {jobs} at a time" if jobs > 1 else ""))
+      f"{len(todo)} to run, {tokens / 1e6:.1f}M tokens"
+      + (f", {jobs} at a time" if jobs > 1 else ""))
   os.makedirs(out, exist_ok=True)
   if todo:  # a bad --data ends the study here, not each run; the runs read it again
     train_data.load(todo[0].data, todo[0].val_fraction, todo[0].seq_len)
@@ -110,7 +111,8 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
     say(f"[{i}/{len(todo)}] {os.path.basename(cfg.out)}: {cfg.steps} steps of "
         f"{cfg.tokens_per_step:,} tokens" + (" (starting over: unfinished)" if resume else ""))
     try:
-      result = study_child.train(dataclasses.replace(cfg, resume=resume), compile_cache, share=jobs > 1)
+      result = study_child.train(dataclasses.replace(cfg, resume=resume), compile_cache,
+                                 share=jobs > 1)
       outcome = f"val_loss {result['val_loss']:.4f}"
     except study_child.Diverged as e:
       outcome = f"diverged: {e}"
@@ -162,8 +164,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--data", nargs="+", default=[], metavar="PATH",
                  help="as train's --data (default: this Python's stdlib sources)")
   p.add_argument("--jobs", type=int, default=1,
-                 help="runs at a time, sharing the GPU, each taking memory as it needs it (default 1); "
-                      "a small model leaves an H200 mostly idle, so 3-4 finish the grids sooner")
+                 help="runs at a time, sharing the GPU, each taking memory as it needs it "
+                      "(default 1); a small model leaves an H200 mostly idle, so 3-4 finish "
+                      "the grids sooner")
   p.add_argument("--list", action="store_true", help="print the runs and their state; run none")
   p.add_argument("--compile-cache", default=None, metavar="DIR",
                  help="where compiled steps are kept, so that a cell's second seed and a "
