@@ -123,11 +123,13 @@ def _kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_scale_pt
     do8_t_h = do8_t_ptr + q_head * D * TQ
     do_scale_h = do_scale_ptr + q_head * TQ
     dv_start_h = dv_start_ptr + q_head * nq * D
-    for i in range(start, full):
-      dk, dv = _q_step(dk, dv, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h, q_scale_h,
-                       q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h, q16_h,
-                       q_ids_ptr, i, TQ, H, D, BQ, BK, True, IDS, SMOOTH_Q, Q_PER_TOKEN, DS16,
-                       CONVERT, DOT_PRECISION)
+    if CAUSAL:  # straight-line diagonal steps, as the forward's (forward.py says why)
+      for s in tl.static_range(max(BK // BQ, 1)):
+        if start + s < full:
+          dk, dv = _q_step(dk, dv, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h,
+                           q_scale_h, q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h,
+                           dv_start_h, q16_h, q_ids_ptr, start + s, TQ, H, D, BQ, BK, True, IDS,
+                           SMOOTH_Q, Q_PER_TOKEN, DS16, CONVERT, DOT_PRECISION)
     for i in range(full, nq):
       dk, dv = _q_step(dk, dv, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h, q_scale_h,
                        q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h, q16_h,

@@ -79,17 +79,18 @@ def _kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_ids_p
 
   dq = tl.full((BQ, D), 0.0, tl.float32)
   full = TK // BK
-  end = full
   if CAUSAL:
     full, end = tiles.causal_kv_blocks(i, BQ, BK, TK // BK)
   for j in range(0, full):
     dq = _kv_step(dq, q8, q_scale, q_mean, rows[:, None], q_ids, lse, delta, do, k8_ptr,
                   k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, j, TK, HKV, D, BQ, BK,
                   False, IDS, SMOOTH_Q, DS16, CONVERT, DOT_PRECISION)
-  for j in range(full, end):
-    dq = _kv_step(dq, q8, q_scale, q_mean, rows[:, None], q_ids, lse, delta, do, k8_ptr,
-                  k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, j, TK, HKV, D, BQ, BK,
-                  True, IDS, SMOOTH_Q, DS16, CONVERT, DOT_PRECISION)
+  if CAUSAL:  # straight-line diagonal steps, as the forward's (forward.py says why)
+    for s in tl.static_range(max(BQ // BK, 1)):
+      if full + s < end:
+        dq = _kv_step(dq, q8, q_scale, q_mean, rows[:, None], q_ids, lse, delta, do, k8_ptr,
+                      k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, full + s, TK, HKV, D,
+                      BQ, BK, True, IDS, SMOOTH_Q, DS16, CONVERT, DOT_PRECISION)
   # S was formed from Q * scale * log2(e): dQ takes `scale` once (the 16-bit
   # product, of dS and K, too).
   tl.store(dq_ptr + tokens, (dq * SCALE).to(dq_ptr.dtype.element_ty))
