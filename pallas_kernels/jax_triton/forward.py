@@ -108,7 +108,7 @@ def _kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_ptr, v_sc
   if CAUSAL:
     # The diagonal's masked blocks (at most BQ / BK) as straight-line steps: in
     # a loop the compiler hoisted the mask's per-element positions out of it,
-    # 55 registers (1 stage: three programs per SM -> two).
+    # registers that cost a program per SM (docs/performance.md).
     for s in tl.static_range(max(BQ // BK, 1)):
       if full + s < end:
         acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, rows[:, None], q_ids,

@@ -153,8 +153,9 @@ def row_top(x, c, SMOOTH_Q: tl.constexpr):
   x_top = tl.max(x, axis=1)
   if SMOOTH_Q:
     return x_top, x_top
-  # A sum over the column's one key, not a reshape: the sum keeps the row
-  # layout of x_top, a reshape moved it through shared memory (41 registers).
+  # A sum over the column's one key, not a reshape: the sum keeps x_top's row
+  # layout, the reshape's layout conversion held registers that cost a
+  # program per SM (docs/performance.md).
   return x_top, tl.sum(x_top[:, None] * c, axis=1)
 
 
