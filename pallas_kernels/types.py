@@ -79,7 +79,7 @@ class QuantizedQKV(NamedTuple):
   """
 
   q8: jax.Array  # (B, H, Tq, D) int8
-  q8_t: jax.Array  # (B, H, D, Tq) int8
+  q8_t: jax.Array | None  # (B, H, D, Tq) int8; None with `Config.q_per_token` (unused)
   q_scale: jax.Array  # (B, H, Tq) fp32: each row's, or its block's (`Config.q_per_token`)
   q_mean: jax.Array | None  # (B, H, Tq // block_q, D) fp32, Q-smoothing only
   k8: jax.Array  # (B, Hkv, Tk, D) int8

@@ -168,3 +168,13 @@ def test_sass_counts_a_loop_per_score_and_refuses_missing_files(capsys, tmp_path
     with pytest.raises(SystemExit):
       sass.main(argv)
   assert "absent.ptx" in capsys.readouterr().err
+
+
+def test_programs_per_sm_counts_registers_in_warp_units():
+  """64K registers per SM, allocated per warp in units of 256: a 4-warp
+  program fits three times up to 168 registers a thread, twice from 169."""
+  from benchmarks import sass
+  assert sass.programs_per_sm(167, 128) == sass.programs_per_sm(168, 128) == 3
+  assert sass.programs_per_sm(169, 128) == sass.programs_per_sm(207, 128) == 2
+  assert sass.programs_per_sm(255, 256) == 1
+  assert sass.programs_per_sm(128, 128) == 4

@@ -36,11 +36,11 @@ class TritonBackend:
 
   @classmethod
   def tuned(cls, *, interpret: bool = False) -> "TritonBackend":
-    """The default launches, interpreted or not. dK/dV's is chosen from the
-    sm_90 SASS (`python -m benchmarks.sass --triton`), not yet timed: 128 keys
-    at 8 warps give each warpgroup whole 64-key rows (64 keys at 8 warps split
-    every tile's columns between the warpgroups, ~1.7x the instructions per
-    score) and share each query block's loads between the two."""
+    """The default launches, interpreted or not, as `python -m benchmarks.tune
+    --backend triton` chose them on an H200 (docs/performance.md). dK/dV takes
+    128 keys at 8 warps: each warpgroup keeps whole 64-key rows (64 keys at 8
+    warps split every tile's columns between the warpgroups) and the two
+    share each query block's loads."""
     return cls(LaunchConfig(interpret=interpret), LaunchConfig(interpret=interpret),
                LaunchConfig(interpret=interpret, num_warps=8, block_rows=128))
 

@@ -4,7 +4,7 @@ One program per (query tile, batch, query head; the tile is the launch's
 `rows_per_program`, Q's scales read per token) loops over the key blocks its
 queries can see (causal block skipping; the mask only on the diagonal blocks,
 or on every block with ids). P follows numerics.folded_softmax_step with one
-key block per step and 255 levels (`ReferenceBackend(unsigned_p=True)`): V's
+key block per step and 255 levels (`reference.TRITON_NUMERICS`): V's
 block scale is folded into P, which is quantized per row of the tile against
 E, its row's largest folded score. Per score that is one add and one
 multiply-add for the exp2 argument (the exact distance to the row's largest
