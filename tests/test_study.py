@@ -194,6 +194,12 @@ def test_the_second_seed_compiles_its_train_step_from_the_cache(tmp_path, monkey
   assert steps() == first
 
 
+def test_jobs_below_one_are_refused(tmp_path, capsys):
+  with pytest.raises(SystemExit, match="--jobs must be at least 1, got 0"):
+    study.main(["--scale", "cpu", "--out", str(tmp_path), "--jobs", "0"])
+  assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
 def test_a_folder_of_another_study_is_refused(tmp_path):
   cfg = run_config(CPU, Cell(), 0, str(tmp_path), [])
   (tmp_path / cfg.name).mkdir()

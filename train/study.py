@@ -84,6 +84,8 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
   on; StudyError at the end names it. This process imports no jax."""
   from train import data as train_data, study_child, study_report
 
+  if jobs < 1:
+    raise ValueError(f"--jobs must be at least 1, got {jobs}")
   runs = plan(chosen, scale, seeds, out, data)
   for _, cfg in runs:
     check(cfg)
@@ -185,8 +187,6 @@ def main(argv: list[str] | None = None) -> None:
     p.error(f"unknown grid(s) {', '.join(unknown)}: choose from {', '.join(named)}")
   if args.seeds < 1:
     p.error(f"--seeds must be >= 1, got {args.seeds}")
-  if args.jobs < 1:
-    p.error(f"--jobs must be >= 1, got {args.jobs}")
   if args.steps is not None:
     if args.steps < 1:
       p.error(f"--steps must be >= 1, got {args.steps}")
