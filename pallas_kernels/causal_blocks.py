@@ -30,12 +30,12 @@ def kv_range(i, block_q: int, block_kv: int, num_kv_blocks: int, *,
   start, full_start = 0, 0
   full_end = end = num_kv_blocks
   if right is not None:
-    full_end = jnp.minimum(lax.div(_plus(i * block_q, right), block_kv), num_kv_blocks)
-    end = jnp.minimum(lax.div(_plus((i + 1) * block_q, right) + block_kv - 1, block_kv),
+    full_end = jnp.minimum(_div(_plus(i * block_q, right), block_kv), num_kv_blocks)
+    end = jnp.minimum(_div(_plus((i + 1) * block_q, right) + block_kv - 1, block_kv),
                       num_kv_blocks)
   if left is not None:
-    start = jnp.clip(lax.div(i * block_q - left, block_kv), 0, end)
-    full_start = jnp.clip(lax.div((i + 1) * block_q - left + block_kv - 2, block_kv), start,
+    start = jnp.clip(_div(i * block_q - left, block_kv), 0, end)
+    full_start = jnp.clip(_div((i + 1) * block_q - left + block_kv - 2, block_kv), start,
                           end)
     full_end = jnp.clip(full_end, full_start, end)
   return start, full_start, full_end, end
@@ -48,16 +48,16 @@ def q_range(j, block_q: int, block_kv: int, num_q_blocks: int, *,
   start, full_start = 0, 0
   full_end = end = num_q_blocks
   if right is not None:
-    start = jnp.minimum(_at_least_0(lax.div(_plus(j * block_kv, -right), block_q), right),
+    start = jnp.minimum(_at_least_0(_div(_plus(j * block_kv, -right), block_q), right),
                         num_q_blocks)
     full_start = jnp.minimum(
-        _at_least_0(lax.div(_plus((j + 1) * block_kv + block_q - 2, -right), block_q), right),
+        _at_least_0(_div(_plus((j + 1) * block_kv + block_q - 2, -right), block_q), right),
         num_q_blocks)
   if left is not None:
-    end = jnp.clip(lax.div((j + 1) * block_kv + left + block_q - 1, block_q), start,
+    end = jnp.clip(_div((j + 1) * block_kv + left + block_q - 1, block_q), start,
                    num_q_blocks)
     full_start = jnp.clip(full_start, start, end)
-    full_end = jnp.clip(lax.div(j * block_kv + left, block_q), full_start, end)
+    full_end = jnp.clip(_div(j * block_kv + left, block_q), full_start, end)
   return start, full_start, full_end, end
 
 
@@ -73,6 +73,12 @@ def q_blocks(j, block_q: int, block_kv: int, num_q_blocks: int):
   [full, end) whole."""
   start, full, _, end = q_range(j, block_q, block_kv, num_q_blocks, left=None, right=0)
   return start, full, end
+
+
+def _div(x, d: int):
+  # lax.div truncates toward 0 (the bounds rely on it) but does not promote:
+  # under jax_enable_x64 the Python int would be int64 beside an int32 index.
+  return lax.div(x, jnp.asarray(d, jnp.result_type(x)))
 
 
 def _plus(x, offset: int):

@@ -337,6 +337,15 @@ class AttentionTestBase:
     assert all(g.dtype == dtype for g in grads)
     assert_close_to_oracle(got, oracle(q, k, v, do))
 
+  def test_x64_mode_gives_the_same_results(self):
+    """With jax_enable_x64 on (as in float64 checks beside the op), integer
+    sums default to int64: the op must keep its own int32 arithmetic."""
+    q, k, v, do = gaussian_qkv(jax.random.key(36), 1, 128, 128, 2, 2, 64)
+    want = sage(q, k, v, do, implementation=self.implementation, is_causal=True)
+    with jax.enable_x64(True):
+      got = sage(q, k, v, do, implementation=self.implementation, is_causal=True)
+    _assert_trees_close(got, want)
+
   def test_unbatched_rank3(self):
     q, k, v, do = gaussian_qkv(jax.random.key(33), 1, 50, 90, 4, 2, 64)
     batched = sage(q, k, v, do, implementation=self.implementation)

@@ -75,7 +75,7 @@ def shifted_accumulator_start(x8_t: jax.Array, block: int) -> jax.Array:
   `block` tokens of X given (B, H, D, T): (B, H, T // block, D) int32."""
   batch, heads, head_dim, length = x8_t.shape
   blocks = x8_t.reshape(batch, heads, head_dim, length // block, block)
-  sums = jnp.sum(blocks.astype(jnp.int32), axis=-1)
+  sums = jnp.sum(blocks, axis=-1, dtype=jnp.int32)  # int32 under jax_enable_x64 too
   return jnp.swapaxes(nm.ROUND_MAGIC_I32 + P_SHIFT.value * sums, 2, 3)
 
 
