@@ -82,7 +82,7 @@ def _q_step(dk, dv, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, q8_t_ptr, q_scale_pt
 
 
 @triton.jit
-def _kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_scale_ptr, q_mean_ptr,
+def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_scale_ptr, q_mean_ptr,
             lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr, dv_start_ptr, q16_ptr, q_ids_ptr,
             dk_ptr, dv_ptr, H: tl.constexpr, HKV: tl.constexpr, TQ: tl.constexpr,
             TK: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
@@ -159,7 +159,7 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
     shape = jax.ShapeDtypeStruct(v.shape, v.dtype)
     keys = launch.rows_per_program(kv_len, config.block_kv)
     dk, dv = launch.call(
-        _kernel, args, [shape, shape], grid=(kv_len // keys, batch, kv_heads),
+        _dkdv_kernel, args, [shape, shape], grid=(kv_len // keys, batch, kv_heads),
         name="sagebwd_triton_backward_dkdv", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
         D=head_dim, BQ=config.block_q, BK=keys, SCALE=config.scale, CAUSAL=config.causal,
         IDS=q_ids is not None, SMOOTH_Q=q_mean is not None,

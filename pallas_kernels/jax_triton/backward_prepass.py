@@ -13,7 +13,7 @@ from pallas_kernels.jax_triton.launch import LaunchConfig, batch_folded
 
 
 @triton.jit
-def _kernel(o_ptr, do_ptr, delta_ptr, do8_t_ptr, do_scale_ptr, T: tl.constexpr,
+def _prepass_kernel(o_ptr, do_ptr, delta_ptr, do8_t_ptr, do_scale_ptr, T: tl.constexpr,
             H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr):
   t = tl.program_id(0)
   b = tl.program_id(1).to(tl.int64)
@@ -39,7 +39,7 @@ def backward_prepass(o: jax.Array, do: jax.Array, *, block_q: int, launch: Launc
     out_shape = [jax.ShapeDtypeStruct((batch, heads, seq_len), jnp.float32),
                  jax.ShapeDtypeStruct((batch, heads, head_dim, seq_len), jnp.int8),
                  jax.ShapeDtypeStruct((batch, heads, seq_len), jnp.float32)]
-    return tuple(launch.call(_kernel, [o, do], out_shape,
+    return tuple(launch.call(_prepass_kernel, [o, do], out_shape,
                              grid=(seq_len // block_q, batch, heads),
                              name="sagebwd_triton_backward_prepass", T=seq_len, H=heads,
                              D=head_dim, BQ=block_q))

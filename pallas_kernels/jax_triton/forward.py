@@ -69,7 +69,7 @@ def _kv_step(acc, m, e, l, q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_pt
 
 
 @triton.jit
-def _kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr,
+def _forward_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr,
             pv_init_ptr, q_ids_ptr, kv_ids_ptr, o_ptr, lse_ptr, H: tl.constexpr,
             HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr,
             BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr, IDS: tl.constexpr,
@@ -141,7 +141,7 @@ def forward(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
                  jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)]
     rows = launch.rows_per_program(q_len, config.block_q, free=q_mean is None)
     o, lse = launch.call(
-        _kernel, args, out_shape, grid=(q_len // rows, batch, heads),
+        _forward_kernel, args, out_shape, grid=(q_len // rows, batch, heads),
         name="sagebwd_triton_forward", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
         D=head_dim, BQ=rows, BK=config.block_kv, CAUSAL=config.causal,
         IDS=q_ids is not None, SMOOTH_Q=q_mean is not None, CONVERT=launch.convert)

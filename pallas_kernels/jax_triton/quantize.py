@@ -15,7 +15,7 @@ from pallas_kernels.types import Config, QuantizedQKV
 
 
 @triton.jit
-def _kernel(x_ptr, mean_ptr, x8_ptr, x8_t_ptr, scale_ptr, row_mean_ptr, T: tl.constexpr,
+def _quantize_kernel(x_ptr, mean_ptr, x8_ptr, x8_t_ptr, scale_ptr, row_mean_ptr, T: tl.constexpr,
             H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, MULTIPLIER: tl.constexpr,
             HAS_MEAN: tl.constexpr, SMOOTH_ROWS: tl.constexpr, PER_ROW: tl.constexpr,
             NATURAL: tl.constexpr, TRANSPOSED: tl.constexpr):
@@ -66,7 +66,7 @@ def quantize(x: jax.Array, *, block: int, launch: LaunchConfig, multiplier: floa
     out_shape = [jax.ShapeDtypeStruct(shape if want else (1,), dtype)
                  for want, (shape, dtype) in zip(wanted, shapes)]
     outs = launch.call(
-        _kernel, [x, placeholder(mean, jnp.float32)], out_shape,
+        _quantize_kernel, [x, placeholder(mean, jnp.float32)], out_shape,
         grid=(seq_len // block, batch, heads), name="sagebwd_triton_quantize", T=seq_len,
         H=heads, D=head_dim, BLOCK=block, MULTIPLIER=multiplier, HAS_MEAN=mean is not None,
         SMOOTH_ROWS=smooth_rows, PER_ROW=per_row, NATURAL=natural, TRANSPOSED=transposed)
