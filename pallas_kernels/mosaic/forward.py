@@ -107,7 +107,7 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
     k_consumed, v_consumed = consumed
     kvh = lax.div(h, jnp.array(group, h.dtype))
     # Key steps the CTA's query blocks see (the same for each of its warpgroups).
-    cta_steps = lax.div(t * wgs * BLOCK, KV_STEP) + 1 if causal else num_steps
+    cta_steps = lax.div(t * wgs * BLOCK, jnp.array(KV_STEP, t.dtype)) + 1 if causal else num_steps
 
     def schedule_barrier():
       if tuning.schedule_barrier:
@@ -137,7 +137,7 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
 
       # `pl.run_state` bodies cannot close over constants: j is always traced
       # there (a loop index, or derived from the grid position).
-      slot_of = lambda j: lax.rem(j, ring)
+      slot_of = lambda j: lax.rem(j, jnp.array(ring, j.dtype))
 
       def issue_scores(j, accs):
         """Both halves' S of step j into accumulators that start at 0x4B400000."""
