@@ -32,14 +32,44 @@ LN_2 = tl.constexpr(nm.LN_2)
 
 
 @device_function
-def _q_step(dk, dv, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, q8_t_ptr, q_scale_ptr, q_mean_ptr,
-            lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr, dv_start_ptr, q16_ptr,
-            q_ids_ptr, i, TQ: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-            BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr, IDS: tl.constexpr,
-            SMOOTH_Q: tl.constexpr, Q_PER_TOKEN: tl.constexpr, DS16: tl.constexpr,
-            CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _dv_half(dv, p8_t, row_scale, do8_t_ptr, dv_start_ptr, i, rows, dims, TQ: tl.constexpr,
+             BK: tl.constexpr, D: tl.constexpr):
+  """dV's columns `dims` += P^T.dO8 (unsigned P^T, tiles.py), scaled per row."""
+  do8_t = tl.load(do8_t_ptr + dims[:, None] * TQ + rows[None, :])
+  dv_start = tl.load(dv_start_ptr + i * D + dims)
+  prod = tl.dot(p8_t, tl.trans(do8_t), acc=tl.broadcast_to(dv_start[None, :], (BK, dims.shape[0])),
+                out_dtype=tl.int32)
+  return dv + tiles.exact_float(prod) * row_scale
+
+
+@device_function
+def _dk_half(dk, ds_t, ds8_t, scale, p_scale, q8_t_ptr, q_mean_ptr, q16_ptr, i, rows, dims,
+             TQ: tl.constexpr, H: tl.constexpr, D: tl.constexpr, SMOOTH_Q: tl.constexpr,
+             DS16: tl.constexpr, CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+  """dK's columns `dims` += dS^T.Q (int8 with dS^T per row, or 16-bit)."""
+  if DS16:  # dS^T and Q in the inputs' dtype (ds_precision="bf16")
+    q16 = tl.load(q16_ptr + rows[:, None] * H * D + dims[None, :])
+    dk += tl.dot((ds_t * p_scale[:, None]).to(q16.dtype), q16, input_precision=DOT_PRECISION)
+  else:
+    q8_t = tl.load(q8_t_ptr + dims[:, None] * TQ + rows[None, :])
+    dk += tiles.int8_product(ds8_t, q8_t, CONVERT) * scale
+    if SMOOTH_Q:
+      q_mean = tl.load(q_mean_ptr + i * D + dims)
+      dk += (tl.sum(ds_t, axis=1) * p_scale)[:, None] * q_mean[None, :]
+  return dk
+
+
+@device_function
+def _q_step(dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, q8_t_ptr,
+            q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr,
+            dv_start_ptr, q16_ptr, q_ids_ptr, i, TQ: tl.constexpr, H: tl.constexpr,
+            D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr,
+            IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, Q_PER_TOKEN: tl.constexpr,
+            DS16: tl.constexpr, CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
   rows = i * BQ + tl.arange(0, BQ)
   dims = tl.arange(0, D)
+  lo = tl.arange(0, D // 2)
+  hi = D // 2 + lo
   q8 = tl.load(q8_ptr + rows[:, None] * D + dims[None, :])
   if Q_PER_TOKEN:  # a scale per column
     q_scale = tl.load(q_scale_ptr + rows)[None, :]
@@ -57,38 +87,35 @@ def _q_step(dk, dv, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, q8_t_ptr, q_scale_pt
   pq_t = tl.exp2(a - top[:, None])
   p_scale = tl.exp2(top)
 
-  tokens = rows[:, None] * H * D + dims[None, :]
-  do = tl.load(do_ptr + tokens)
+  do = tl.load(do_ptr + rows[:, None] * H * D + dims[None, :])
   dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
   ds_t = pq_t * (dp_t - tl.load(delta_ptr + rows)[None, :])
   p8_t = tiles.unsigned_byte(pq_t)
 
-  do8_t = tl.load(do8_t_ptr + dims[:, None] * TQ + rows[None, :])
-  dv_start = tl.load(dv_start_ptr + i * D + dims)
-  prod = tl.dot(p8_t, tl.trans(do8_t), acc=tl.broadcast_to(dv_start[None, :], (BK, D)),
-                out_dtype=tl.int32)
-  dv += tiles.exact_float(prod) * (p_scale[:, None] * tl.load(do_scale_ptr + i * BQ))
-  if DS16:  # dS^T and Q in the inputs' dtype (ds_precision="bf16")
-    q16 = tl.load(q16_ptr + tokens)
-    ds16_t = (ds_t * p_scale[:, None]).to(q16.dtype)
-    dk += tl.dot(ds16_t, q16, input_precision=DOT_PRECISION)
-  else:
+  # dV and dK in column halves: an int32 product of half the width is live
+  # at a time, registers that otherwise spill (docs/performance.md).
+  dv_scale = p_scale[:, None] * tl.load(do_scale_ptr + i * BQ)
+  dv_lo = _dv_half(dv_lo, p8_t, dv_scale, do8_t_ptr, dv_start_ptr, i, rows, lo, TQ, BK, D)
+  dv_hi = _dv_half(dv_hi, p8_t, dv_scale, do8_t_ptr, dv_start_ptr, i, rows, hi, TQ, BK, D)
+  ds8_t, dk_scale = ds_t, 0.0
+  if not DS16:
     ds8_t, ds_scale = tiles.quantize_rows(ds_t, False)
-    q8_t = tl.load(q8_t_ptr + dims[:, None] * TQ + rows[None, :])
-    dk += tiles.int8_product(ds8_t, q8_t, CONVERT) * ((ds_scale * p_scale)[:, None] * q_scale)
-    if SMOOTH_Q:
-      dk += (tl.sum(ds_t, axis=1) * p_scale)[:, None] * q_mean[None, :]
-  return dk, dv
+    dk_scale = (ds_scale * p_scale)[:, None] * q_scale
+  dk_lo = _dk_half(dk_lo, ds_t, ds8_t, dk_scale, p_scale, q8_t_ptr, q_mean_ptr, q16_ptr, i,
+                   rows, lo, TQ, H, D, SMOOTH_Q, DS16, CONVERT, DOT_PRECISION)
+  dk_hi = _dk_half(dk_hi, ds_t, ds8_t, dk_scale, p_scale, q8_t_ptr, q_mean_ptr, q16_ptr, i,
+                   rows, hi, TQ, H, D, SMOOTH_Q, DS16, CONVERT, DOT_PRECISION)
+  return dk_lo, dk_hi, dv_lo, dv_hi
 
 
 @triton.jit
-def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_scale_ptr, q_mean_ptr,
-            lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr, dv_start_ptr, q16_ptr, q_ids_ptr,
-            dk_ptr, dv_ptr, H: tl.constexpr, HKV: tl.constexpr, TQ: tl.constexpr,
-            TK: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr,
-            SCALE: tl.constexpr, CAUSAL: tl.constexpr, IDS: tl.constexpr,
-            SMOOTH_Q: tl.constexpr, Q_PER_TOKEN: tl.constexpr, DS16: tl.constexpr,
-            CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_scale_ptr,
+                 q_mean_ptr, lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr, dv_start_ptr,
+                 q16_ptr, q_ids_ptr, dk_ptr, dv_ptr, H: tl.constexpr, HKV: tl.constexpr,
+                 TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr,
+                 BK: tl.constexpr, SCALE: tl.constexpr, CAUSAL: tl.constexpr,
+                 IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, Q_PER_TOKEN: tl.constexpr,
+                 DS16: tl.constexpr, CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
   j = tl.program_id(0)
   b = tl.program_id(1).to(tl.int64)
   kvh = tl.program_id(2)
@@ -107,8 +134,10 @@ def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_sca
   if CAUSAL:
     start, full = tiles.causal_q_blocks(j, BQ, BK, nq)
 
-  dk = tl.full((BK, D), 0.0, tl.float32)
-  dv = tl.full((BK, D), 0.0, tl.float32)
+  dk_lo = tl.full((BK, D // 2), 0.0, tl.float32)
+  dk_hi = tl.full((BK, D // 2), 0.0, tl.float32)
+  dv_lo = tl.full((BK, D // 2), 0.0, tl.float32)
+  dv_hi = tl.full((BK, D // 2), 0.0, tl.float32)
   for g in range(0, H // HKV):
     h = kvh * (H // HKV) + g
     q_head = b * H + h
@@ -123,22 +152,29 @@ def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_sca
     do8_t_h = do8_t_ptr + q_head * D * TQ
     do_scale_h = do_scale_ptr + q_head * TQ
     dv_start_h = dv_start_ptr + q_head * nq * D
+    for i in range(full, nq):
+      dk_lo, dk_hi, dv_lo, dv_hi = _q_step(
+          dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h,
+          q_scale_h, q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h, q16_h,
+          q_ids_ptr, i, TQ, H, D, BQ, BK, False, IDS, SMOOTH_Q, Q_PER_TOKEN, DS16, CONVERT,
+          DOT_PRECISION)
     if CAUSAL:  # straight-line diagonal steps, as the forward's (forward.py says why)
       for s in tl.static_range(max(BK // BQ, 1)):
         if start + s < full:
-          dk, dv = _q_step(dk, dv, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h,
-                           q_scale_h, q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h,
-                           dv_start_h, q16_h, q_ids_ptr, start + s, TQ, H, D, BQ, BK, True, IDS,
-                           SMOOTH_Q, Q_PER_TOKEN, DS16, CONVERT, DOT_PRECISION)
-    for i in range(full, nq):
-      dk, dv = _q_step(dk, dv, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h, q_scale_h,
-                       q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h, q16_h,
-                       q_ids_ptr, i, TQ, H, D, BQ, BK, False, IDS, SMOOTH_Q, Q_PER_TOKEN, DS16,
-                       CONVERT, DOT_PRECISION)
+          dk_lo, dk_hi, dv_lo, dv_hi = _q_step(
+              dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h,
+              q_scale_h, q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h,
+              q16_h, q_ids_ptr, start + s, TQ, H, D, BQ, BK, True, IDS, SMOOTH_Q,
+              Q_PER_TOKEN, DS16, CONVERT, DOT_PRECISION)
   # Q was quantized as Q * scale * log2(e): the int8 product carries log2(e);
   # the 16-bit one is of Q itself.
-  tl.store(dk_ptr + tokens, (dk * (SCALE if DS16 else LN_2)).to(dk_ptr.dtype.element_ty))
-  tl.store(dv_ptr + tokens, dv.to(dv_ptr.dtype.element_ty))
+  dk_factor = SCALE if DS16 else LN_2
+  lo = tl.arange(0, D // 2)
+  out = (b * TK + keys[:, None]) * HKV * D + kvh * D
+  tl.store(dk_ptr + out + lo[None, :], (dk_lo * dk_factor).to(dk_ptr.dtype.element_ty))
+  tl.store(dk_ptr + out + (D // 2 + lo)[None, :], (dk_hi * dk_factor).to(dk_ptr.dtype.element_ty))
+  tl.store(dv_ptr + out + lo[None, :], dv_lo.to(dv_ptr.dtype.element_ty))
+  tl.store(dv_ptr + out + (D // 2 + lo)[None, :], dv_hi.to(dv_ptr.dtype.element_ty))
 
 
 def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: Masks,
