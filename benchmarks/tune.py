@@ -29,7 +29,7 @@ from sagebwd_jax.sagebwd import sagebwd_attention
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
-def _sweeps(backend: str, causal: bool):
+def _sweeps(backend: str):
   """(forward variants, backward variants), each a list of (label, backend);
   a backward variant runs with the best forward's `forward_launch`."""
   if backend == "pallas":
@@ -41,7 +41,7 @@ def _sweeps(backend: str, causal: bool):
             [(k, PallasBackend(LaunchConfig(), c)) for k, c in settings.items()])
   from pallas_kernels.jax_triton.backend import TritonBackend
   from pallas_kernels.jax_triton.launch import LaunchConfig
-  default = TritonBackend.tuned(causal=causal)
+  default = TritonBackend.tuned()
   # 64 rows at 4 warps, 128 at 8 (a 64-row slice per warpgroup; at 64 rows 8
   # warps split the columns, ~1.7x the instructions); the conversion choice
   # trades instructions for the unit that also runs exp2 (tiles.py).
@@ -82,13 +82,13 @@ def main():
   parser.add_argument("--seq", type=int, default=4096)
   parser.add_argument("--dims", default="128,64")
   args = parser.parse_args()
+  forward, backward = _sweeps(args.backend)
   for head_dim in map(int, args.dims.split(",")):
     batch, heads = 16384 // args.seq, 2048 // head_dim
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, do = (jax.random.normal(kk, (batch, args.seq, heads, head_dim), jnp.bfloat16)
                    for kk in keys)
     for causal in (False, True):
-      forward, backward = _sweeps(args.backend, causal)
       flops = 4 * batch * heads * args.seq**2 * head_dim * (0.5 if causal else 1.0)
       ref = functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                               implementation="cudnn")

@@ -35,15 +35,14 @@ class TritonBackend:
   dkdv_launch: LaunchConfig = LaunchConfig(num_warps=8, num_stages=3, block_rows=128)
 
   @classmethod
-  def tuned(cls, *, causal: bool = False, interpret: bool = False) -> "TritonBackend":
+  def tuned(cls, *, interpret: bool = False) -> "TritonBackend":
     """The launches `python -m benchmarks.tune --backend triton` chose on an
-    H200 (docs/performance.md): the forward at 3 stages; dQ at 2; dK/dV 128
-    keys at 8 warps, 3 stages, or 2 when causal. At 128 keys each warpgroup
-    keeps whole 64-key rows (64 keys at 8 warps split every tile's columns
-    between the warpgroups) and the two share each query block's loads."""
+    H200 (docs/performance.md): the forward and dK/dV at 3 pipeline stages,
+    dQ at 2; dK/dV 128 keys at 8 warps: each warpgroup keeps whole 64-key
+    rows (64 keys at 8 warps split every tile's columns between the
+    warpgroups) and the two share each query block's loads."""
     return cls(LaunchConfig(interpret=interpret, num_stages=3), LaunchConfig(interpret=interpret),
-               LaunchConfig(interpret=interpret, num_warps=8, num_stages=2 if causal else 3,
-                            block_rows=128))
+               LaunchConfig(interpret=interpret, num_warps=8, num_stages=3, block_rows=128))
 
   def quantize(self, q, k, v, k_mean, config: Config) -> QuantizedQKV:
     _check_blocks(config)

@@ -35,7 +35,7 @@ NOTHING_SEEN = tl.constexpr(nm.NOTHING_SEEN)
 
 
 @device_function
-def _kv_step(acc_lo, acc_hi, m, e, l, q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_ptr, v8_t_ptr,
+def _kv_step(acc, m, e, l, q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_ptr, v8_t_ptr,
              v_scale_ptr, pv_init_ptr, kv_ids_ptr, j, TK: tl.constexpr, D: tl.constexpr,
              BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr, IDS: tl.constexpr,
              SMOOTH_Q: tl.constexpr, CONVERT: tl.constexpr):
@@ -61,19 +61,11 @@ def _kv_step(acc_lo, acc_hi, m, e, l, q8, q_scale, q_mean, q_pos, q_ids, k8_ptr,
   l = l * alpha + tl.sum(p, axis=1) * (1.0 / v_scale)
   p8 = tiles.unsigned_byte(p)
 
-  lo = tl.arange(0, D // 2)
-  hi = D // 2 + lo
-  v8 = tl.load(v8_t_ptr + lo[:, None] * TK + keys[None, :])
-  pv_init = tl.load(pv_init_ptr + j * D + lo)
-  pv = tl.dot(p8, tl.trans(v8), acc=tl.broadcast_to(pv_init[None, :], (BQ, D // 2)),
+  v8 = tl.load(v8_t_ptr + dims[:, None] * TK + keys[None, :])
+  pv_init = tl.load(pv_init_ptr + j * D + dims)
+  pv = tl.dot(p8, tl.trans(v8), acc=tl.broadcast_to(pv_init[None, :], (BQ, D)),
               out_dtype=tl.int32)
-  acc_lo = acc_lo * alpha[:, None] + tiles.exact_float(pv)
-  v8 = tl.load(v8_t_ptr + hi[:, None] * TK + keys[None, :])
-  pv_init = tl.load(pv_init_ptr + j * D + hi)
-  pv = tl.dot(p8, tl.trans(v8), acc=tl.broadcast_to(pv_init[None, :], (BQ, D // 2)),
-              out_dtype=tl.int32)
-  acc_hi = acc_hi * alpha[:, None] + tiles.exact_float(pv)
-  return acc_lo, acc_hi, m_new, e_new, l
+  return acc * alpha[:, None] + tiles.exact_float(pv), m_new, e_new, l
 
 
 @triton.jit
@@ -102,8 +94,7 @@ def _forward_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_p
   pv_init_ptr += kv_head * (TK // BK) * D
   kv_ids_ptr += b * TK
 
-  acc_lo = tl.zeros((BQ, D // 2), tl.float32)
-  acc_hi = tl.zeros((BQ, D // 2), tl.float32)
+  acc = tl.zeros((BQ, D), tl.float32)
   m = tl.full((BQ,), NOTHING_SEEN, tl.float32)
   e = tl.full((BQ,), float("-inf"), tl.float32)
   l = tl.zeros((BQ,), tl.float32)
@@ -111,7 +102,7 @@ def _forward_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_p
   if CAUSAL:
     full, end = tiles.causal_kv_blocks(i, BQ, BK, TK // BK)
   for j in range(0, full):
-    acc_lo, acc_hi, m, e, l = _kv_step(acc_lo, acc_hi, m, e, l, q8, q_scale, q_mean, rows[:, None], q_ids, k8_ptr,
+    acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, rows[:, None], q_ids, k8_ptr,
                             k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr, kv_ids_ptr, j, TK,
                             D, BQ, BK, False, IDS, SMOOTH_Q, CONVERT)
   if CAUSAL:
@@ -120,7 +111,7 @@ def _forward_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_p
     # registers that cost a program per SM (docs/performance.md).
     for s in tl.static_range(max(BQ // BK, 1)):
       if full + s < end:
-        acc_lo, acc_hi, m, e, l = _kv_step(acc_lo, acc_hi, m, e, l, q8, q_scale, q_mean, rows[:, None], q_ids,
+        acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, rows[:, None], q_ids,
                                 k8_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr,
                                 kv_ids_ptr, full + s, TK, D, BQ, BK, True, IDS, SMOOTH_Q,
                                 CONVERT)
@@ -129,10 +120,9 @@ def _forward_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_p
   empty = l == 0
   l = tl.where(empty, 1.0, l)
   lse = tl.where(empty, float("inf"), e + tl.log2(l) - LOG2_LEVELS)
-  lo = tl.arange(0, D // 2)
-  out = (b * TQ + rows[:, None]) * H * D + h * D
-  tl.store(o_ptr + out + lo[None, :], (acc_lo / l[:, None]).to(o_ptr.dtype.element_ty))
-  tl.store(o_ptr + out + (D // 2 + lo)[None, :], (acc_hi / l[:, None]).to(o_ptr.dtype.element_ty))
+  o = acc / l[:, None]
+  tl.store(o_ptr + tiles.token_offsets(b, rows, h, TQ, H, D),
+           o.to(o_ptr.dtype.element_ty))
   tl.store(lse_ptr + q_head * TQ + rows, lse)
 
 
