@@ -89,14 +89,14 @@ def inverse_scale(amax):
 @device_function
 def quantize_rows(x, NONNEGATIVE: tl.constexpr):
   """Per-token int8 of a tile, one scale per row (numerics.quantize_rows):
-  (int8 tile, row scales)."""
-  if NONNEGATIVE:
-    amax = tl.max(x, axis=1)
-    y = tl.minimum(x * inverse_scale(amax)[:, None], INT8_MAX)
-  else:
-    amax = tl.max(tl.abs(x), axis=1)
-    y = tl.clamp(x * inverse_scale(amax)[:, None], -INT8_MAX, INT8_MAX)
-  return low_byte(y + MAGIC_F32), amax / INT8_MAX
+  (int8 tile, row scales).
+
+  numerics' clip to +-127 is left out: |x| <= amax and 127 / amax is
+  correctly rounded, so |x * (127 / amax)| <= 127 (1 + 2**-23) < 127.5, which
+  rounds to at most 127. One instruction per element less in the dS loops.
+  """
+  amax = tl.max(x, axis=1) if NONNEGATIVE else tl.max(tl.abs(x), axis=1)
+  return low_byte(x * inverse_scale(amax)[:, None] + MAGIC_F32), amax / INT8_MAX
 
 
 @device_function
