@@ -65,6 +65,14 @@ class TritonLaunch:
   def compile(self, arch: int, num_warps: int | None = None,
               num_stages: int | None = None) -> bytes:
     """The launch's cubin for sm_`arch`, by Triton's own compiler (no GPU)."""
+    return self.compiled(arch, num_warps, num_stages).asm["cubin"]
+
+  def shared_memory(self, arch: int) -> int:
+    """Bytes of shared memory the launch asks for per program on sm_`arch`."""
+    return self.compiled(arch).metadata.shared
+
+  def compiled(self, arch: int, num_warps: int | None = None, num_stages: int | None = None):
+    """Triton's compiled kernel of the launch (its own cache makes a repeat cheap)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile
     pointers = [n for n in self.kernel.arg_names if n not in self.constants]
@@ -72,10 +80,9 @@ class TritonLaunch:
     attrs = {(self.kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in pointers}
     options = dict(num_warps=num_warps or self.num_warps,
                    num_stages=num_stages or self.num_stages)
-    compiled = triton_compile(ASTSource(self.kernel, signature, constexprs=self.constants,
-                                        attrs=attrs),
-                              target=GPUTarget("cuda", arch, 32), options=options)
-    return compiled.asm["cubin"]
+    return triton_compile(ASTSource(self.kernel, signature, constexprs=self.constants,
+                                    attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def triton_launches(fn, *args) -> list[TritonLaunch]:

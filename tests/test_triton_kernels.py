@@ -21,7 +21,7 @@ from benchmarks import sass  # noqa: E402
 from pallas_kernels.jax_triton.backend import TritonBackend  # noqa: E402
 from pallas_kernels.jax_triton.backward_prepass import backward_prepass  # noqa: E402
 from pallas_kernels.jax_triton import tiles  # noqa: E402
-from pallas_kernels.jax_triton.launch import LaunchConfig  # noqa: E402
+from pallas_kernels.jax_triton.launch import HOPPER_SHARED_MEMORY, LaunchConfig  # noqa: E402
 from pallas_kernels.types import Masks  # noqa: E402
 from sagebwd_jax import dot_product_attention, metrics  # noqa: E402
 from sagebwd_jax.reference import TRITON_NUMERICS  # noqa: E402
@@ -216,6 +216,43 @@ def test_forward_keeps_three_programs_per_sm(tmp_path):
   cubin.write_bytes(forward.compile(90))
   registers, stack = sass.resources(str(cubin))
   assert stack == 0 and sass.programs_per_sm(registers, 32 * forward.num_warps) >= 3, registers
+
+
+@pytest.mark.parametrize("block_q,block_kv,dtype,ds_precision", [
+    (64, 64, jnp.bfloat16, "int8"), (128, 64, jnp.bfloat16, "int8"),
+    (64, 128, jnp.bfloat16, "int8"), (128, 128, jnp.bfloat16, "int8"),
+    (64, 64, jnp.float32, "int8"), (128, 128, jnp.float32, "int8"),
+    (128, 128, jnp.bfloat16, "bf16")])
+def test_every_launch_fits_hopper_shared_memory(block_q, block_kv, dtype, ds_precision):
+  """Each kernel of forward+backward at its default launch, compiled for
+  sm_90, asks for no more shared memory than an H200 program has: dK/dV at 3
+  pipeline stages with 128-query steps once asked for 298 KB and failed at
+  launch (LaunchConfig.fitted now drops stages)."""
+  shape = jax.ShapeDtypeStruct((1, 256, 2, 128), dtype)
+  loss = lambda q, k, v: dot_product_attention(
+      q, k, v, implementation="triton", is_causal=True, block_q=block_q,
+      block_kv=block_kv, ds_precision=ds_precision).astype(jnp.float32).sum()
+  for launch in sass.triton_launches(jax.grad(loss, argnums=(0, 1, 2)), shape, shape, shape):
+    assert launch.shared_memory(90) <= HOPPER_SHARED_MEMORY, launch.name  # launch.py's
+
+
+def test_fitted_keeps_the_stages_that_fit(monkeypatch):
+  """Stages are dropped, down to one, until fixed + stages * per-stage bytes
+  (plus Triton's slack) fit the device's limit, found by compute capability."""
+  from pallas_kernels.jax_triton import launch as launch_module
+  monkeypatch.setattr(launch_module.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(launch_module.jax, "devices",
+                      lambda: [type("Gpu", (), {"compute_capability": "8.9"})()])
+  launch_module.shared_memory_limit.cache_clear()
+  try:
+    assert launch_module.shared_memory_limit() == 101376  # an RTX 4090 / L40S
+    three = LaunchConfig(num_stages=3)
+    room = 101376 - launch_module.SHARED_MEMORY_SLACK
+    assert three.fitted(fixed_bytes=room - 3 * 1000, stage_bytes=1000) == three
+    assert three.fitted(fixed_bytes=room - 3 * 1000 + 1, stage_bytes=1000).num_stages == 2
+    assert three.fitted(fixed_bytes=room, stage_bytes=1000).num_stages == 1
+  finally:
+    launch_module.shared_memory_limit.cache_clear()
 
 
 # Compiled on a GPU (run through the device tool).

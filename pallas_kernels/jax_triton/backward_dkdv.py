@@ -194,7 +194,12 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
             placeholder(q_ids, jnp.int32)]
     shape = jax.ShapeDtypeStruct(v.shape, v.dtype)
     keys = launch.rows_per_program(kv_len, config.block_kv)
-    dk, dv = launch.call(
+    # Kept: the key tile's K8 and V; per stage, a query step's Q8, Q8^T, dO8^T
+    # and dO (and Q with 16-bit dS).
+    size, ds16 = v.dtype.itemsize, q16 is not None
+    fitted = launch.fitted(fixed_bytes=keys * head_dim * (1 + size),
+                           stage_bytes=config.block_q * head_dim * (3 + size * (1 + ds16)))
+    dk, dv = fitted.call(
         _dkdv_kernel, args, [shape, shape], grid=(kv_len // keys, batch, kv_heads),
         name="sagebwd_triton_backward_dkdv", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
         D=head_dim, BQ=config.block_q, BK=keys, SCALE=config.scale, CAUSAL=config.causal,

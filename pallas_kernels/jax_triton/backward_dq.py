@@ -113,7 +113,12 @@ def backward_dq(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, config: Conf
             placeholder(q_ids, jnp.int32), k8, k8_t, k_scale, v, placeholder(k16, v.dtype),
             placeholder(kv_ids, jnp.int32)]
     rows = launch.rows_per_program(q_len, config.block_q, free=q_mean is None)
-    (dq,) = launch.call(
+    # Kept: the query tile's Q8 and dO; per stage, a key block's K8, K8^T and V
+    # (and K with 16-bit dS).
+    size, ds16 = v.dtype.itemsize, k16 is not None
+    fitted = launch.fitted(fixed_bytes=rows * head_dim * (1 + size),
+                           stage_bytes=config.block_kv * head_dim * (2 + size * (1 + ds16)))
+    (dq,) = fitted.call(
         _dq_kernel, args, [jax.ShapeDtypeStruct(do.shape, do.dtype)],
         grid=(q_len // rows, batch, heads), name="sagebwd_triton_backward_dq",
         H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len, D=head_dim, BQ=rows,

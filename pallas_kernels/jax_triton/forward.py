@@ -140,7 +140,9 @@ def forward(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
     out_shape = [jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), out_dtype),
                  jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)]
     rows = launch.rows_per_program(q_len, config.block_q, free=q_mean is None)
-    o, lse = launch.call(
+    # Kept: the query tile's Q8; per stage, a key block's K8 and V8^T.
+    fitted = launch.fitted(fixed_bytes=rows * head_dim, stage_bytes=2 * config.block_kv * head_dim)
+    o, lse = fitted.call(
         _forward_kernel, args, out_shape, grid=(q_len // rows, batch, heads),
         name="sagebwd_triton_forward", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
         D=head_dim, BQ=rows, BK=config.block_kv, CAUSAL=config.causal,

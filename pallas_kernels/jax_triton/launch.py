@@ -27,6 +27,27 @@ from pallas_kernels.jax_triton import interpreter
 _SIXTEEN_BIT_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
+# A program's shared memory (CUDA's opt-in limit per block) by compute
+# capability, as CUDA's programming guide lists it; the H200 refused 232449.
+SHARED_MEMORY = {"7.0": 98304, "7.5": 65536, "8.0": 166912, "8.6": 101376, "8.7": 166912,
+                 "8.9": 101376, "9.0": 232448, "10.0": 232448, "12.0": 101376}
+HOPPER_SHARED_MEMORY = SHARED_MEMORY["9.0"]
+# Beyond the pipelined tiles, Triton's own scratch (layout conversions,
+# reductions): within 1 KB of the tiles' bytes in every kernel here.
+SHARED_MEMORY_SLACK = 4096
+
+
+@functools.cache
+def shared_memory_limit() -> int:
+  """Bytes of shared memory a program may take on device 0; Hopper's without
+  a GPU (the CPU's compile checks, tests and benchmarks.sass, target it); the
+  smallest listed for a GPU not listed."""
+  if jax.default_backend() != "gpu":
+    return HOPPER_SHARED_MEMORY
+  capability = getattr(jax.devices()[0], "compute_capability", None)
+  return SHARED_MEMORY.get(capability, min(SHARED_MEMORY.values()))
+
+
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
   """How kernels are launched (does not change results). `interpret` runs them
@@ -59,6 +80,14 @@ class LaunchConfig:
     kernels read scales per token."""
     rows = self.block_rows or block
     return rows if free and length % rows == 0 else block
+
+  def fitted(self, *, fixed_bytes: int, stage_bytes: int) -> "LaunchConfig":
+    """This launch with as many of its pipeline stages (at least one) as fit
+    in a program's shared memory, for a kernel that keeps `fixed_bytes` there
+    and `stage_bytes` per stage (its tiles loaded for one loop step)."""
+    room = shared_memory_limit() - SHARED_MEMORY_SLACK - fixed_bytes
+    stages = max(1, min(self.num_stages, room // stage_bytes))
+    return self if stages == self.num_stages else dataclasses.replace(self, num_stages=stages)
 
   def call(self, kernel: triton.JITFunction, args: Sequence[jax.Array],
            out_shape: Sequence[jax.ShapeDtypeStruct], *, grid: tuple[int, ...], name: str,
