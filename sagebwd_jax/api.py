@@ -106,9 +106,10 @@ def dot_product_attention(
       resorts, "cudnn" and "xla": these are NOT SageBwd but full-precision
       attention by `jax.nn.dot_product_attention` ("cudnn" takes only bf16
       and fp16 on a GPU, and no segment_ids or smoothing options apply).
-      None: ("mosaic", "pallas") on a GPU, "reference" without one ("triton"
-      stays opt-in until it is measured at least as fast as "pallas";
-      docs/performance.md).
+      None: ("mosaic", "pallas") on a Hopper GPU, ("triton", "pallas") on
+      other GPUs (triton's kernels, where the packages are installed, for
+      their faster forward+backward; docs/performance.md), "reference"
+      without a GPU.
     return_residual: also return the log-sum-exp of the scores (natural
       log, jax.nn's layout (B, Tq, H) or (Tq, H), the output's dtype; -inf
       for rows that see no key). Unlike jax.nn's (a stopped gradient), it
@@ -280,8 +281,9 @@ def _full_precision(name: str, query, key, value, case: _Case, return_residual: 
 def _implementations(implementation) -> tuple[str, ...]:
   """`implementation` as the names to try, in order."""
   if implementation is None:
-    return (("mosaic", "pallas") if _platform() in _GPU_PLATFORMS
-            else ("reference",))
+    if _platform() not in _GPU_PLATFORMS:
+      return ("reference",)
+    return ("mosaic", "pallas") if _hopper() else ("triton", "pallas")
   names = ((implementation,) if isinstance(implementation, str)
            else tuple(implementation) if isinstance(implementation, Sequence) else None)
   known = SAGE_IMPLEMENTATIONS + FULL_PRECISION_IMPLEMENTATIONS
@@ -321,12 +323,10 @@ def _platform() -> str:
   return device if isinstance(device, str) else device.platform
 
 
-def _backend(implementation: str | None, causal: bool) -> Backend:
-  """The SageBwd backend of one name (None: the default's first that takes
-  it); NotImplementedError where that backend cannot run here."""
+def _backend(implementation: str, causal: bool) -> Backend:
+  """The SageBwd backend of one name; NotImplementedError where it cannot run
+  here."""
   on_gpu = _platform() in _GPU_PLATFORMS
-  if implementation is None:
-    implementation = ("mosaic" if _hopper() else "pallas") if on_gpu else "reference"
   if implementation == "reference":
     return ReferenceBackend()
   if implementation == "triton":

@@ -115,13 +115,22 @@ def test_tuned_launches():
 
 
 def test_default_implementation_without_gpu_is_reference():
-  assert isinstance(api._backend(None, causal=False), ReferenceBackend)
+  assert api._implementations(None) == ("reference",)
+  assert isinstance(api._backend("reference", causal=False), ReferenceBackend)
+
+
+def test_default_implementation_off_hopper_is_triton_then_pallas(monkeypatch):
+  monkeypatch.setattr(api, "_platform", lambda: "gpu")
+  monkeypatch.setattr(api, "_hopper", lambda: False)
+  assert api._implementations(None) == ("triton", "pallas")
+  monkeypatch.setattr(api, "_hopper", lambda: True)
+  assert api._implementations(None) == ("mosaic", "pallas")
 
 
 @pytest.mark.gpu
 def test_gpu_default_is_mosaic_on_hopper():
   hopper = jax.devices()[0].compute_capability == "9.0"
-  backend = api._backend(None, causal=True)
+  backend = api._backend(api._implementations(None)[0], causal=True)
   assert isinstance(backend, MosaicBackend) == hopper
   if not hopper:
     with pytest.raises(NotImplementedError, match="Hopper"):
