@@ -125,6 +125,27 @@ def test_tiny_grid_tables_plots_and_resume(tmp_path, monkeypatch):
   assert any("FAILED: RuntimeError: RESOURCE_EXHAUSTED: out of memory (" in m for m in logged)
 
 
+def test_a_study_resumed_grid_by_grid_keeps_every_grid_in_its_summary(tmp_path, monkeypatch):
+  """Running one grid into a study folder that holds another's runs rewrites
+  the summary with both (it once kept only the grid just run)."""
+  other = Grid("other", "another test", (Cell(attention="full", smooth_k=False),), ())
+  monkeypatch.setattr(study, "grids", lambda scale: {"tiny": TINY, "other": other})
+  data, out = _json_data(), str(tmp_path)
+  for cell in TINY.cells:  # the tiny grid's runs, as a finished study leaves them
+    cfg = run_config(CPU, cell, 0, out, data)
+    os.makedirs(cfg.out)
+    with open(f"{cfg.out}/metrics.jsonl", "w") as f:
+      f.write(json.dumps({"step": cfg.steps, "tokens": 1, "val_loss": 1.5}) + "\n")
+  monkeypatch.setattr(study_child, "train", lambda cfg, cache, share: {"val_loss": 1.0})
+  monkeypatch.setattr(study_report, "plot_grid", lambda *a: [])
+  study.run([other], CPU, 1, out, data, log=lambda *a: None)
+  summary = (tmp_path / "summary.md").read_text()
+  assert "## other: another test" in summary and "## tiny: a test" in summary
+  assert summary.index("## other") < summary.index("## tiny")  # the chosen grids first
+  study.run([other], CPU, 1, str(tmp_path / "fresh"), data, log=lambda *a: None)
+  assert "## tiny" not in (tmp_path / "fresh" / "summary.md").read_text()
+
+
 def test_jobs_run_at_once_sharing_the_gpu_first_seeds_first(tmp_path, monkeypatch):
   """With --jobs 2 two runs train at once (each waits for the other at a
   barrier), sharing the GPU's memory, every first seed before any second
@@ -137,8 +158,8 @@ def test_jobs_run_at_once_sharing_the_gpu_first_seeds_first(tmp_path, monkeypatc
     return {"val_loss": 1.0}
 
   monkeypatch.setattr(study_child, "train", train)
-  monkeypatch.setattr(study_report, "write_tables", lambda *a: None)
-  monkeypatch.setattr(study_report, "write_all", lambda *a: [])
+  monkeypatch.setattr(study_report, "write_tables", lambda *a: [])
+  monkeypatch.setattr(study_report, "plot_grid", lambda *a: [])
   study.run([TINY], CPU, 2, str(tmp_path), _json_data(), log=lambda *a: None, jobs=2)
   assert started == [(0, True)] * 2 + [(1, True)] * 2
 

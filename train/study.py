@@ -30,7 +30,8 @@ checkpoints. Runs at the largest setting record telemetry four times
 (`--telemetry-every`). A run that finished or diverged is never run again, so
 the same command resumes a stopped study; an unfinished one starts over.
 After each run <out>/summary.md, summary.csv and gaps.csv are rewritten
-(train/study_report.py); once a grid is complete, its plots: <grid>-curves.png
+(train/study_report.py), for the chosen grids and every other grid with runs
+in <out>, so a study run grid by grid keeps one summary; once a grid is complete, its plots: <grid>-curves.png
 (validation loss per cell and seed) and gap-vs-tokens.png (SageBwd minus full
 against tokens per step, with the seed spread). A run that fails is logged
 and the others go on. A gap "exceeds the seed spread" when
@@ -100,6 +101,7 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
   os.makedirs(out, exist_ok=True)
   if todo:  # a bad --data ends the study here, not each run; the runs read it again
     train_data.load(todo[0].data, todo[0].val_fraction, todo[0].seq_len)
+  reported = _reported(chosen, scale, seeds, out, data)
   drawn = {g.name for g in chosen if _finished(g, scale, seeds, out, data)}
   failed, lock = [], threading.Lock()
 
@@ -131,16 +133,27 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
         i, cfg = pending.pop(future)
         outcome, seconds = future.result()
         say(f"[{i}/{len(todo)}] {os.path.basename(cfg.out)}: {outcome} ({seconds:.0f}s)")
-      study_report.write_tables(chosen, scale, seeds, out, data)
+      study_report.write_tables(reported, scale, seeds, out, data)
       for grid in chosen:  # a stopped study keeps the plots of its finished grids
         if grid.name not in drawn and _finished(grid, scale, seeds, out, data):
           drawn.add(grid.name)
           study_report.plot_grid(grid, scale, seeds, out, data)
-  paths = study_report.write_all(chosen, scale, seeds, out, data)
+  paths = study_report.write_tables(reported, scale, seeds, out, data)
+  for grid in chosen:
+    paths += study_report.plot_grid(grid, scale, seeds, out, data)
   if failed:
     raise StudyError(f"{len(failed)} run(s) failed: {', '.join(failed)} (the log above says "
                      f"why); the rest is in {out}, and the same command retries them")
   return paths
+
+
+def _reported(chosen: list[Grid], scale: Scale, seeds: int, out: str,
+              data: list[str]) -> list[Grid]:
+  """The chosen grids, then every other named grid with a run in `out`: a
+  study resumed grid by grid keeps one summary of all of them."""
+  names = {g.name for g in chosen}
+  return list(chosen) + [g for g in grids(scale).values() if g.name not in names and any(
+      holds_run(cfg.out) for _, cfg in plan([g], scale, seeds, out, data))]
 
 
 def _finished(grid: Grid, scale: Scale, seeds: int, out: str, data: list[str]) -> bool:

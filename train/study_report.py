@@ -169,15 +169,6 @@ def write_tables(chosen: list[Grid], scale: Scale, seeds: int, out: str,
   return paths
 
 
-def write_all(chosen: list[Grid], scale: Scale, seeds: int, out: str,
-              data: list[str]) -> list[str]:
-  """The tables and the plots; returns every path written."""
-  paths = write_tables(chosen, scale, seeds, out, data)
-  for grid in chosen:
-    paths += plot_grid(grid, scale, seeds, out, data)
-  return paths
-
-
 def plot_grid(grid: Grid, scale: Scale, seeds: int, out: str, data: list[str]) -> list[str]:
   """<grid>-curves.png, and gap-vs-tokens.png for the tokens grid."""
   import matplotlib
