@@ -28,7 +28,8 @@ _SIXTEEN_BIT_FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 # A program's shared memory (CUDA's opt-in limit per block) by compute
-# capability, as CUDA's programming guide lists it; the H200 refused 232449.
+# capability, as CUDA's programming guide lists it (the H200 names its 232448
+# when a launch asks for more).
 SHARED_MEMORY = {"7.0": 98304, "7.5": 65536, "8.0": 166912, "8.6": 101376, "8.7": 166912,
                  "8.9": 101376, "9.0": 232448, "10.0": 232448, "12.0": 101376}
 HOPPER_SHARED_MEMORY = SHARED_MEMORY["9.0"]
