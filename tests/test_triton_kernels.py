@@ -251,6 +251,8 @@ def test_fitted_keeps_the_stages_that_fit(monkeypatch):
     assert three.fitted(fixed_bytes=room - 3 * 1000, stage_bytes=1000) == three
     assert three.fitted(fixed_bytes=room - 3 * 1000 + 1, stage_bytes=1000).num_stages == 2
     assert three.fitted(fixed_bytes=room, stage_bytes=1000).num_stages == 1
+    with pytest.raises(ValueError, match="stage_bytes"):
+      three.fitted(fixed_bytes=0, stage_bytes=0)
   finally:
     launch_module.shared_memory_limit.cache_clear()
 

@@ -31,9 +31,10 @@ checkpoints. Runs at the largest setting record telemetry four times
 the same command resumes a stopped study; an unfinished one starts over.
 After each run <out>/summary.md, summary.csv and gaps.csv are rewritten
 (train/study_report.py), for the chosen grids and every other grid with runs
-in <out>, so a study run grid by grid keeps one summary; once a grid is complete, its plots: <grid>-curves.png
-(validation loss per cell and seed) and gap-vs-tokens.png (SageBwd minus full
-against tokens per step, with the seed spread). A run that fails is logged
+in <out>, so a study run grid by grid keeps one summary; once a grid is
+complete, its plots: <grid>-curves.png (validation loss per cell and seed)
+and gap-vs-tokens.png (SageBwd minus full against tokens per step, with the
+seed spread). A run that fails is logged
 and the others go on. A gap "exceeds the seed spread" when
 its mean over seeds is larger than the largest range of either cell's final
 validation loss over the seeds.
@@ -102,7 +103,7 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
   if todo:  # a bad --data ends the study here, not each run; the runs read it again
     train_data.load(todo[0].data, todo[0].val_fraction, todo[0].seq_len)
   reported = _reported(chosen, scale, seeds, out, data)
-  drawn = {g.name for g in chosen if _finished(g, scale, seeds, out, data)}
+  plots: dict[str, list[str]] = {}  # each grid's, drawn once it is complete
   failed, lock = [], threading.Lock()
 
   def say(message: str) -> None:  # whole lines, whichever run's thread speaks
@@ -135,12 +136,13 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
         say(f"[{i}/{len(todo)}] {os.path.basename(cfg.out)}: {outcome} ({seconds:.0f}s)")
       study_report.write_tables(reported, scale, seeds, out, data)
       for grid in chosen:  # a stopped study keeps the plots of its finished grids
-        if grid.name not in drawn and _finished(grid, scale, seeds, out, data):
-          drawn.add(grid.name)
-          study_report.plot_grid(grid, scale, seeds, out, data)
+        if grid.name not in plots and _finished(grid, scale, seeds, out, data):
+          plots[grid.name] = study_report.plot_grid(grid, scale, seeds, out, data)
   paths = study_report.write_tables(reported, scale, seeds, out, data)
   for grid in chosen:
-    paths += study_report.plot_grid(grid, scale, seeds, out, data)
+    if grid.name not in plots:
+      plots[grid.name] = study_report.plot_grid(grid, scale, seeds, out, data)
+    paths += plots[grid.name]
   if failed:
     raise StudyError(f"{len(failed)} run(s) failed: {', '.join(failed)} (the log above says "
                      f"why); the rest is in {out}, and the same command retries them")

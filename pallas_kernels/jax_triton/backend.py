@@ -36,13 +36,15 @@ class TritonBackend:
 
   @classmethod
   def tuned(cls, *, interpret: bool = False) -> "TritonBackend":
-    """The launches `python -m benchmarks.tune --backend triton` chose on an
-    H200 (docs/performance.md): the forward and dK/dV at 3 pipeline stages,
-    dQ at 2; dK/dV 128 keys at 8 warps: each warpgroup keeps whole 64-key
-    rows (64 keys at 8 warps split every tile's columns between the
-    warpgroups) and the two share each query block's loads."""
-    return cls(LaunchConfig(interpret=interpret, num_stages=3), LaunchConfig(interpret=interpret),
-               LaunchConfig(interpret=interpret, num_warps=8, num_stages=3, block_rows=128))
+    """The default launches (interpreted or not), as `python -m benchmarks.tune
+    --backend triton` chose them on an H200 (docs/performance.md): the
+    forward and dK/dV at 3 pipeline stages, dQ at 2; dK/dV 128 keys at 8
+    warps: each warpgroup keeps whole 64-key rows (64 keys at 8 warps split
+    every tile's columns between the warpgroups) and the two share each
+    query block's loads."""
+    default = cls()
+    return cls(*(dataclasses.replace(launch, interpret=interpret) for launch in
+                 (default.forward_launch, default.dq_launch, default.dkdv_launch)))
 
   def quantize(self, q, k, v, k_mean, config: Config) -> QuantizedQKV:
     _check_blocks(config)

@@ -47,11 +47,11 @@ def _kv_step(dq, q8, q_scale, q_mean, q_pos, q_ids, lse, delta, do, k8_ptr, k8_t
 
 @triton.jit
 def _dq_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_ids_ptr, k8_ptr,
-            k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, dq_ptr, H: tl.constexpr,
-            HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr,
-            BQ: tl.constexpr, BK: tl.constexpr, SCALE: tl.constexpr, CAUSAL: tl.constexpr,
-            IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, DS16: tl.constexpr,
-            CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, dq_ptr, H: tl.constexpr,
+               HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr,
+               BQ: tl.constexpr, BK: tl.constexpr, SCALE: tl.constexpr, CAUSAL: tl.constexpr,
+               IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, DS16: tl.constexpr,
+               CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
   i = tl.program_id(0)
   if CAUSAL:  # the longest rows first, so the last wave is of short ones
     i = TQ // BQ - 1 - i

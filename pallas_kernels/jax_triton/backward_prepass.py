@@ -14,7 +14,7 @@ from pallas_kernels.jax_triton.launch import LaunchConfig, batch_folded
 
 @triton.jit
 def _prepass_kernel(o_ptr, do_ptr, delta_ptr, do8_t_ptr, do_scale_ptr, T: tl.constexpr,
-            H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr):
+                    H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr):
   t = tl.program_id(0)
   b = tl.program_id(1).to(tl.int64)
   h = tl.program_id(2)

@@ -70,10 +70,10 @@ def _kv_step(acc, m, e, l, q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_pt
 
 @triton.jit
 def _forward_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr,
-            pv_init_ptr, q_ids_ptr, kv_ids_ptr, o_ptr, lse_ptr, H: tl.constexpr,
-            HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr,
-            BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr, IDS: tl.constexpr,
-            SMOOTH_Q: tl.constexpr, CONVERT: tl.constexpr):
+                    pv_init_ptr, q_ids_ptr, kv_ids_ptr, o_ptr, lse_ptr, H: tl.constexpr,
+                    HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr,
+                    BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr, IDS: tl.constexpr,
+                    SMOOTH_Q: tl.constexpr, CONVERT: tl.constexpr):
   i = tl.program_id(0)
   if CAUSAL:  # the longest rows first, so the last wave is of short ones
     i = TQ // BQ - 1 - i

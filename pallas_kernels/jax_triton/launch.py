@@ -86,6 +86,9 @@ class LaunchConfig:
     """This launch with as many of its pipeline stages (at least one) as fit
     in a program's shared memory, for a kernel that keeps `fixed_bytes` there
     and `stage_bytes` per stage (its tiles loaded for one loop step)."""
+    if stage_bytes < 1 or fixed_bytes < 0:
+      raise ValueError(f"stage_bytes must be positive and fixed_bytes not negative; got "
+                       f"{stage_bytes} and {fixed_bytes}")
     room = shared_memory_limit() - SHARED_MEMORY_SLACK - fixed_bytes
     stages = max(1, min(self.num_stages, room // stage_bytes))
     return self if stages == self.num_stages else dataclasses.replace(self, num_stages=stages)

@@ -15,10 +15,10 @@ from pallas_kernels.types import Config, QuantizedQKV
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, mean_ptr, x8_ptr, x8_t_ptr, scale_ptr, row_mean_ptr, T: tl.constexpr,
-            H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, MULTIPLIER: tl.constexpr,
-            HAS_MEAN: tl.constexpr, SMOOTH_ROWS: tl.constexpr, PER_ROW: tl.constexpr,
-            NATURAL: tl.constexpr, TRANSPOSED: tl.constexpr):
+def _quantize_kernel(x_ptr, mean_ptr, x8_ptr, x8_t_ptr, scale_ptr, row_mean_ptr,
+                     T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                     MULTIPLIER: tl.constexpr, HAS_MEAN: tl.constexpr, SMOOTH_ROWS: tl.constexpr,
+                     PER_ROW: tl.constexpr, NATURAL: tl.constexpr, TRANSPOSED: tl.constexpr):
   t = tl.program_id(0)
   b = tl.program_id(1).to(tl.int64)
   h = tl.program_id(2)
