@@ -330,7 +330,7 @@ def _backend(implementation: str, causal: bool) -> Backend:
   if implementation == "reference":
     return ReferenceBackend()
   if implementation == "triton":
-    return _triton_backend(on_gpu)
+    return _triton_backend(on_gpu, causal)
   if implementation == "pallas":
     return PallasBackend.tuned(causal=causal, interpret=not on_gpu)
   if implementation == "mosaic":
@@ -347,7 +347,7 @@ def _backend(implementation: str, causal: bool) -> Backend:
                    f"got {implementation!r}")
 
 
-def _triton_backend(on_gpu: bool) -> Backend:
+def _triton_backend(on_gpu: bool, causal: bool) -> Backend:
   """The Triton kernels, compiled through jax_triton on a GPU, interpreted by
   Triton without one; NotImplementedError where the packages are missing."""
   try:
@@ -357,7 +357,7 @@ def _triton_backend(on_gpu: bool) -> Backend:
   except ImportError as e:
     needs = "triton and jax-triton (pip install 'sagebwd-jax[gpu]')" if on_gpu else "triton"
     raise NotImplementedError(f"implementation='triton' needs the packages {needs}: {e}") from e
-  return TritonBackend.tuned(interpret=not on_gpu)
+  return TritonBackend.tuned(causal=causal, interpret=not on_gpu)
 
 
 def _device() -> jax.Device:

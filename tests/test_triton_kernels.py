@@ -28,7 +28,7 @@ from sagebwd_jax.reference import TRITON_NUMERICS  # noqa: E402
 from sagebwd_jax.sagebwd import key_mean  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
-TRITON = TritonBackend.tuned(interpret=not ON_GPU)
+TRITON = TritonBackend.tuned(causal=False, interpret=not ON_GPU)
 REFERENCE = TRITON_NUMERICS
 # Kernel against reference on the same int8 tensors, fp32 results: contracted
 # multiply-adds (and, compiled, the GPU's approximate exp2) move a few P and dS
@@ -198,18 +198,20 @@ def test_kernels_compile_for_hopper_and_ampere(op_kwargs):
 
 
 @pytest.mark.skipif(ON_GPU, reason="a compile-only check")
-def test_forward_keeps_three_programs_per_sm(tmp_path):
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_keeps_three_programs_per_sm(tmp_path, causal):
   """The forward at its default launch (4 warps, 64 x 64 tiles) fits three
   programs per SM in registers: one 128-thread warpgroup per program hides
   its latencies only with others beside it. A row-scale reshape once took it
   to 207 registers (two programs) and its forward from 383 to 311 TOPS on the
-  H200."""
+  H200; the causal diagonal's steps after the loop took it to 240."""
   try:
     sass.tool("cuobjdump")
   except SystemExit as e:
     pytest.skip(str(e))
   q, k, v, _ = gaussian_qkv(jax.random.key(7), 1, 4096, 4096, 2, 2, 128)
-  attn = lambda q, k, v: dot_product_attention(q, k, v, implementation="triton")
+  attn = lambda q, k, v: dot_product_attention(q, k, v, implementation="triton",
+                                               is_causal=causal)
   (forward,) = [launch for launch in sass.triton_launches(attn, q, k, v)
                 if launch.name == "sagebwd_triton_forward"]
   cubin = tmp_path / "forward.cubin"

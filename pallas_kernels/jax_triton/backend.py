@@ -35,16 +35,20 @@ class TritonBackend:
   dkdv_launch: LaunchConfig = LaunchConfig(num_warps=8, num_stages=3, block_rows=128)
 
   @classmethod
-  def tuned(cls, *, interpret: bool = False) -> "TritonBackend":
+  def tuned(cls, *, causal: bool, interpret: bool = False) -> "TritonBackend":
     """The default launches (interpreted or not), as `python -m benchmarks.tune
     --backend triton` chose them on an H200 (docs/performance.md): the
-    forward and dK/dV at 3 pipeline stages, dQ at 2; dK/dV 128 keys at 8
-    warps: each warpgroup keeps whole 64-key rows (64 keys at 8 warps split
+    forward at 3 pipeline stages, 2 when causal (the causal forward keeps
+    three programs per SM only at 2), dK/dV at 3, dQ at 2; dK/dV 128 keys at
+    8 warps: each warpgroup keeps whole 64-key rows (64 keys at 8 warps split
     every tile's columns between the warpgroups) and the two share each
     query block's loads."""
     default = cls()
+    forward_launch = default.forward_launch
+    if causal:
+      forward_launch = dataclasses.replace(forward_launch, num_stages=2)
     return cls(*(dataclasses.replace(launch, interpret=interpret) for launch in
-                 (default.forward_launch, default.dq_launch, default.dkdv_launch)))
+                 (forward_launch, default.dq_launch, default.dkdv_launch)))
 
   def quantize(self, q, k, v, k_mean, config: Config) -> QuantizedQKV:
     _check_blocks(config)

@@ -101,20 +101,22 @@ def _forward_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_p
   full = TK // BK
   if CAUSAL:
     full, end = tiles.causal_kv_blocks(i, BQ, BK, TK // BK)
-  for j in range(0, full):
-    acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, rows[:, None], q_ids, k8_ptr,
-                            k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr, kv_ids_ptr, j, TK,
-                            D, BQ, BK, False, IDS, SMOOTH_Q, CONVERT)
-  if CAUSAL:
-    # The diagonal's masked blocks (at most BQ / BK) as straight-line steps: in
-    # a loop the compiler hoisted the mask's per-element positions out of it,
-    # registers that cost a program per SM (docs/performance.md).
+    # The diagonal's masked blocks (at most BQ / BK) first, as straight-line
+    # steps: after the pipelined loop a second pass of the step held ~70 more
+    # registers, a program per SM (docs/performance.md). Each step quantizes P
+    # against its own block's top (numerics.folded_softmax_step), so the order
+    # changes no P tile of the reference's ascending one, but a block's whose
+    # top lies E_FLOOR below the row's maximum so far (P < 2**-52 of the row's).
     for s in tl.static_range(max(BQ // BK, 1)):
       if full + s < end:
         acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, rows[:, None], q_ids,
                                 k8_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr,
                                 kv_ids_ptr, full + s, TK, D, BQ, BK, True, IDS, SMOOTH_Q,
                                 CONVERT)
+  for j in range(0, full):
+    acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, rows[:, None], q_ids, k8_ptr,
+                            k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr, kv_ids_ptr, j, TK,
+                            D, BQ, BK, False, IDS, SMOOTH_Q, CONVERT)
 
   # numerics.finalize_folded_rows: rows that saw no key give O = 0, lse = +inf.
   empty = l == 0
