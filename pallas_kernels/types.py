@@ -79,11 +79,13 @@ class QuantizedQKV(NamedTuple):
   """
 
   q8: jax.Array  # (B, H, Tq, D) int8
+  # The transposed layouts feed the backward only: None in a forward that no
+  # backward follows (`Backend.quantize`'s for_backward=False).
   q8_t: jax.Array | None  # (B, H, D, Tq) int8; None with `Config.q_per_token` (unused)
   q_scale: jax.Array  # (B, H, Tq) fp32: each row's, or its block's (`Config.q_per_token`)
   q_mean: jax.Array | None  # (B, H, Tq // block_q, D) fp32, Q-smoothing only
   k8: jax.Array  # (B, Hkv, Tk, D) int8
-  k8_t: jax.Array  # (B, Hkv, D, Tk) int8
+  k8_t: jax.Array | None  # (B, Hkv, D, Tk) int8
   k_scale: jax.Array  # (B, Hkv, Tk) fp32
   v8_t: jax.Array  # (B, Hkv, D, Tk) int8
   v_scale: jax.Array  # (B, Hkv, Tk) fp32
@@ -97,8 +99,10 @@ class Backend(Protocol):
   """One implementation of SageBwd's stages. Inputs are (B, T, H, D)."""
 
   def quantize(self, q: jax.Array, k: jax.Array, v: jax.Array,
-               k_mean: jax.Array | None, config: Config) -> QuantizedQKV:
-    """psi of Q (scaled, optionally smoothed), K - k_mean and V, per block."""
+               k_mean: jax.Array | None, config: Config, *,
+               for_backward: bool = True) -> QuantizedQKV:
+    """psi of Q (scaled, optionally smoothed), K - k_mean and V, per block;
+    the backward's transposed layouts only `for_backward`."""
     ...
 
   def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config,

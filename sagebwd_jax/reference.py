@@ -85,7 +85,8 @@ class ReferenceBackend:
   unsigned_p: bool = False
   unsigned_p_t: bool = False
 
-  def quantize(self, q, k, v, k_mean, config: Config) -> QuantizedQKV:
+  def quantize(self, q, k, v, k_mean, config: Config, *,
+               for_backward: bool = True) -> QuantizedQKV:
     # Scores are base-2 logits: scale * log2(e) goes into Q's scale.
     multiplier = config.scale * nm.LOG2_E
     q_blocks = _blocks(_heads(q).astype(_f32), config.block_q)
@@ -111,9 +112,9 @@ class ReferenceBackend:
     q8, k8, v8 = _unblock(q8), _unblock(k8), _unblock(v8)
     # Per-token Q goes with 16-bit dS, where dK = dS^T.Q is a 16-bit product:
     # Q8 enters Q.K^T only, and no kernel reads it transposed.
-    q8_t = None if config.q_per_token else _transposed(q8)
+    q8_t = None if config.q_per_token or not for_backward else _transposed(q8)
     return QuantizedQKV(q8=q8, q8_t=q8_t, q_scale=q_scale, q_mean=q_mean,
-                        k8=k8, k8_t=_transposed(k8), k_scale=k_scale,
+                        k8=k8, k8_t=_transposed(k8) if for_backward else None, k_scale=k_scale,
                         v8_t=_transposed(v8), v_scale=v_scale)
 
   def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype):

@@ -28,11 +28,12 @@ def log_sum_exp(query, key, value, masks: Masks, config: Config, backend: Backen
   `sagebwd_attention` returns only O, so this runs the forward once more
   (under jit XLA merges the two where it can prove them equal).
   """
-  return _forward(query, key, value, masks, config, backend, smooth_k)[0]
+  return _forward(query, key, value, masks, config, backend, smooth_k, for_backward=False)[0]
 
 
-def _forward(query, key, value, masks, config, backend, smooth_k):
-  qkv = quantize(query, key, value, masks, config, backend, smooth_k)
+def _forward(query, key, value, masks, config, backend, smooth_k, for_backward=True):
+  # As the op's forward quantizes (sagebwd_attention), so that XLA can merge them.
+  qkv = quantize(query, key, value, masks, config, backend, smooth_k, for_backward)
   lse = jnp.swapaxes(backend.forward(qkv, masks, config, query.dtype)[1], 1, 2) * nm.LN_2
   if smooth_k:
     # The kernels' scores are of K - mean(K): each row is shifted by q . mean.

@@ -40,11 +40,12 @@ def key_mean(k: jax.Array, kv_ids: jax.Array | None) -> jax.Array:
 def sagebwd_attention(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks,
                       config: Config, backend: Backend, smooth_k: bool) -> jax.Array:
   """INT8 attention on block-padded (B, T, H, D) inputs; output like q."""
-  return _forward(q, k, v, masks, config, backend, smooth_k)[0]
+  # Undifferentiated: no backward reads the transposed int8 layouts.
+  return _forward(q, k, v, masks, config, backend, smooth_k, for_backward=False)[0]
 
 
 def quantize(q, k, v, masks: Masks, config: Config, backend: Backend,
-             smooth_k: bool) -> QuantizedQKV:
+             smooth_k: bool, for_backward: bool = True) -> QuantizedQKV:
   """K-smoothing and the quantization pass (and, with 16-bit dS, the 16-bit
   operands of dS's products).
 
@@ -56,7 +57,7 @@ def quantize(q, k, v, masks: Masks, config: Config, backend: Backend,
   with the earlier queries. (K-smoothing's mean spreads a NaN key so anyway.)
   """
   k_mean = key_mean(k, masks.kv_ids) if smooth_k else None
-  qkv = backend.quantize(q, k, v, k_mean, config)
+  qkv = backend.quantize(q, k, v, k_mean, config, for_backward=for_backward)
   if config.ds_precision == "bf16":
     # dS.K and dS^T.Q in 16 bits: their second operands unquantized. K is the
     # smoothed one, as in the int8 product: rows of dS sum to zero only up to
@@ -66,8 +67,8 @@ def quantize(q, k, v, masks: Masks, config: Config, backend: Backend,
   return qkv._replace(k_scale=nm.spread_nan(qkv.k_scale), v_scale=nm.spread_nan(qkv.v_scale))
 
 
-def _forward(q, k, v, masks, config, backend, smooth_k):
-  qkv = quantize(q, k, v, masks, config, backend, smooth_k)
+def _forward(q, k, v, masks, config, backend, smooth_k, for_backward=True):
+  qkv = quantize(q, k, v, masks, config, backend, smooth_k, for_backward)
   o, lse = backend.forward(qkv, masks, config, q.dtype)
   return o, (qkv, v, o, lse, masks)
 

@@ -197,6 +197,20 @@ def test_kernels_compile_for_hopper_and_ampere(op_kwargs):
       assert captured.compile(arch), (captured.name, arch)
 
 
+def test_forward_alone_writes_no_transposed_layouts():
+  """The transposed int8 Q and K feed the backward only: a forward that no
+  gradient follows leaves them out of the quantization pass (V's transposed
+  layout is the forward's own operand), a differentiated one writes them."""
+  q, k, v, _ = gaussian_qkv(jax.random.key(7), 1, 128, 128, 2, 2, 64)
+  attn = lambda q, k, v: dot_product_attention(q, k, v, implementation="triton")
+  loss = lambda q, k, v: attn(q, k, v).astype(jnp.float32).sum()
+  for fn, expected in ((attn, [False, False, True]),
+                       (jax.grad(loss, argnums=(0, 1, 2)), [True, True, True])):
+    quantized = [launch.constants["TRANSPOSED"] for launch in sass.triton_launches(fn, q, k, v)
+                 if launch.name == "sagebwd_triton_quantize"]
+    assert quantized == expected
+
+
 @pytest.mark.skipif(ON_GPU, reason="a compile-only check")
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_keeps_three_programs_per_sm(tmp_path, causal):

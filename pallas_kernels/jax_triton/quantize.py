@@ -75,14 +75,18 @@ def quantize(x: jax.Array, *, block: int, launch: LaunchConfig, multiplier: floa
   return batch_folded(run)(x, mean)
 
 
-def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig) -> QuantizedQKV:
-  """The forward's quantization pass (docs/algorithm.md, forward steps 1-3)."""
+def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig,
+                 for_backward: bool) -> QuantizedQKV:
+  """The forward's quantization pass (docs/algorithm.md, forward steps 1-3);
+  Q's and K's transposed layouts, which only the backward reads, if
+  `for_backward`."""
   # Per-token Q goes with 16-bit dS: no int8 dK product reads Q8 transposed.
   q8, q8_t, q_scale, q_mean = quantize(q, block=config.block_q, launch=launch,
                                        multiplier=config.scale * nm.LOG2_E,
                                        smooth_rows=config.smooth_q, per_row=config.q_per_token,
-                                       transposed=not config.q_per_token)
-  k8, k8_t, k_scale, _ = quantize(k, block=config.block_kv, launch=launch, mean=k_mean)
+                                       transposed=for_backward and not config.q_per_token)
+  k8, k8_t, k_scale, _ = quantize(k, block=config.block_kv, launch=launch, mean=k_mean,
+                                  transposed=for_backward)
   _, v8_t, v_scale, _ = quantize(v, block=config.block_kv, launch=launch, natural=False)
   return QuantizedQKV(q8=q8, q8_t=q8_t, q_scale=q_scale, q_mean=q_mean, k8=k8, k8_t=k8_t,
                       k_scale=k_scale, v8_t=v8_t, v_scale=v_scale)

@@ -64,8 +64,9 @@ class MosaicBackend:
     return cls(fallback, forward_mosaic=forward.ForwardTuning(),
                dkdv_tuning=BackwardTuning(schedule_barrier=False), dq_tuning=BackwardTuning())
 
-  def quantize(self, q, k, v, k_mean, config: Config) -> QuantizedQKV:
-    return self.fallback.quantize(q, k, v, k_mean, config)
+  def quantize(self, q, k, v, k_mean, config: Config, *,
+               for_backward: bool = True) -> QuantizedQKV:
+    return self.fallback.quantize(q, k, v, k_mean, config, for_backward=for_backward)
 
   def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype):
     q_len, head_dim = qkv.q8.shape[2:]

@@ -33,8 +33,9 @@ class PallasBackend:
     return cls(LaunchConfig(interpret=interpret, num_warps=4, num_stages=3 if causal else 2),
                LaunchConfig(interpret=interpret, num_warps=4, num_stages=2))
 
-  def quantize(self, q, k, v, k_mean, config: Config) -> QuantizedQKV:
-    return quantize_qkv(q, k, v, k_mean, config, self.forward_launch)
+  def quantize(self, q, k, v, k_mean, config: Config, *,
+               for_backward: bool = True) -> QuantizedQKV:
+    return quantize_qkv(q, k, v, k_mean, config, self.forward_launch, for_backward)
 
   def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype):
     return forward(qkv, masks, config, out_dtype, self.forward_launch)

@@ -85,17 +85,23 @@ def quantize(x, *, block: int, launch: LaunchConfig, multiplier: float = 1.0, me
                      out_shape=out_shape, name="sagebwd_quantize")(*args)
 
 
-def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig) -> QuantizedQKV:
-  """The forward's quantization pass (docs/algorithm.md, forward steps 1-3)."""
+def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig,
+                 for_backward: bool) -> QuantizedQKV:
+  """The forward's quantization pass (docs/algorithm.md, forward steps 1-3);
+  Q's and K's transposed layouts, which only the backward reads, if
+  `for_backward`."""
   # Per-token Q goes with 16-bit dS: no int8 dK product reads Q8 transposed.
+  q_transposed = for_backward and not config.q_per_token
   q_out = list(quantize(q, block=config.block_q, launch=launch,
                         multiplier=config.scale * nm.LOG2_E, smooth_rows=config.smooth_q,
-                        per_row=config.q_per_token, transposed=not config.q_per_token))
+                        per_row=config.q_per_token, transposed=q_transposed))
   q8 = q_out.pop(0)
-  q8_t = None if config.q_per_token else q_out.pop(0)
+  q8_t = q_out.pop(0) if q_transposed else None
   q_scale = q_out.pop(0)
   q_mean = q_out.pop(0) if config.smooth_q else None
-  k8, k8_t, k_scale = quantize(k, block=config.block_kv, launch=launch, mean=k_mean)
+  k_out = list(quantize(k, block=config.block_kv, launch=launch, mean=k_mean,
+                        transposed=for_backward))
+  k8, k8_t, k_scale = k_out if for_backward else (k_out[0], None, k_out[1])
   v8_t, v_scale = quantize(v, block=config.block_kv, launch=launch, natural=False)
   return QuantizedQKV(q8=q8, q8_t=q8_t, q_scale=q_scale, q_mean=q_mean, k8=k8, k8_t=k8_t,
                       k_scale=k_scale, v8_t=v8_t, v_scale=v_scale)
