@@ -100,8 +100,6 @@ class AttentionTestBase:
   """
 
   implementation: ClassVar[str]
-  # False where the backend refuses sliding windows (NotImplementedError).
-  takes_windows: ClassVar[bool] = True
   params: ClassVar[dict[str, Sequence[Any]]] = {
       "sigma": sorted(TABLE1_REL_L2),
       "tq,tk": [(100, 75), (75, 100), (17, 200)],
@@ -235,13 +233,7 @@ class AttentionTestBase:
     tq, tk, causal, window = window_case
     q, k, v, do = gaussian_qkv(jax.random.key(tq + tk), 2, tq, tk, 2, 1, 64)
     kw = dict(is_causal=causal, local_window_size=window)
-    run = lambda: sage(q, k, v, do, block_q=32, block_kv=32,
-                       implementation=self.implementation, **kw)
-    if not self.takes_windows:
-      with pytest.raises(NotImplementedError, match="local_window_size"):
-        run()
-      return
-    got = run()
+    got = sage(q, k, v, do, block_q=32, block_kv=32, implementation=self.implementation, **kw)
     want = _jax_nn(*(x.astype(jnp.float32) for x in (q, k, v, do)), **kw)
     assert_close_to_oracle(got, want)
     for name, x, ref in zip(NAMES, _flat(got), _flat(want)):

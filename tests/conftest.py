@@ -199,6 +199,7 @@ KERNEL_CASES = {
     "smooth_q": dict(smooth_q=True, is_causal=True),
     "no_smooth_k": dict(smooth_k=False),
     "d128": dict(head_dim=128, is_causal=True),
+    "window": dict(local_window_size=(50, 20)),
 }
 
 

@@ -21,7 +21,6 @@ class TestPallasGpu(AttentionTestBase):
 
 class TestTritonGpu(AttentionTestBase):
   implementation = "triton"
-  takes_windows = False
 
   def test_matches_reference_backend(self, case, monkeypatch):
     """The reference with the Triton kernels' P and P^T (`TRITON_NUMERICS`)."""

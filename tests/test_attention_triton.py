@@ -18,7 +18,6 @@ pytest.importorskip("triton", reason="the Triton kernels need the package triton
                     reason="compiled on the GPU by tests/test_attention_gpu.py")
 class TestTritonInterpret(AttentionTestBase):
   implementation = "triton"
-  takes_windows = False
   # The interpreter runs a kernel's Python body once per program, about 5 ms
   # per tile: Table 1 at T=4096 alone would take minutes. Its accuracy is the
   # reference's with unsigned P and P^T (which test_matches_reference_backend

@@ -115,19 +115,22 @@ def test_backward_matches_reference_fp32(causal, smooth_q, ids, heads, seq):
     assert float(metrics.relative_l2(a, b)) <= TOLERANCE, name
 
 
-@pytest.mark.parametrize("causal,smooth_q,ids,seq,convert", [
-    (True, False, True, 256, False), (False, True, False, 256, True),
-    (True, False, False, 192, False)])
-def test_other_launches_match_reference(causal, smooth_q, ids, seq, convert):
+@pytest.mark.parametrize("causal,window,smooth_q,ids,seq,convert", [
+    (True, None, False, True, 256, False), (False, None, True, False, 256, True),
+    (True, None, False, False, 192, False), (False, (70, 30), False, False, 256, False),
+    (True, (100, 0), False, True, 256, True)])
+def test_other_launches_match_reference(causal, window, smooth_q, ids, seq, convert):
   """Every kernel with 128 rows (queries, or dK/dV's keys) per program where
   they tile T, over 64-token quantization blocks: scales are read per token,
   so the results are the 64-row programs'. Q-smoothing (means per Q block)
   and T=192 keep 64 query rows. `convert=False`: the products that start
-  from zero by default start biased instead (the same exact values)."""
+  from zero by default start biased instead (the same exact values). A
+  window's edges off the 64-token grid cross three blocks of a 128-row tile
+  (tiles.edge_blocks)."""
   launch = LaunchConfig(interpret=not ON_GPU, num_warps=8, block_rows=128, convert=convert)
   backend = TritonBackend(launch, launch, launch)
   q, k, v, do = gaussian_qkv(jax.random.key(10), 2, seq, seq, 4, 2, 64, dtype=jnp.float32)
-  config = kernel_config(causal=causal, smooth_q=smooth_q)
+  config = kernel_config(causal=causal, smooth_q=smooth_q, window=window)
   masks = _masks(seq, seq) if ids else Masks()
   qkv = REFERENCE.quantize(q, k, v, key_mean(k, None), config)
   o, lse = backend.forward(qkv, masks, config, jnp.float32)

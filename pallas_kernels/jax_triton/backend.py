@@ -53,10 +53,6 @@ class TritonBackend:
   def quantize(self, q, k, v, k_mean, config: Config, *,
                for_backward: bool = True) -> QuantizedQKV:
     _check_blocks(config)
-    if config.window is not None:
-      raise NotImplementedError(
-          f"local_window_size={config.window}: the Triton kernels mask causally only; "
-          "implementation='pallas' or 'reference' run sliding windows")
     return quantize_qkv(q, k, v, k_mean, config, self.forward_launch, for_backward)
 
   def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype):

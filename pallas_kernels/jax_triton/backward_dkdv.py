@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from pallas_kernels import numerics as nm
+from pallas_kernels import causal_blocks, numerics as nm
 from pallas_kernels.jax_triton import tiles
 from pallas_kernels.jax_triton.backward_dq import dot_precision
 from pallas_kernels.jax_triton.interpreter import device_function
@@ -63,8 +63,9 @@ def _dk_half(dk, ds_t, ds8_t, scale, p_scale, q8_t_ptr, q_mean_ptr, q16_ptr, i, 
 def _q_step(dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, q8_t_ptr,
             q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr,
             dv_start_ptr, q16_ptr, q_ids_ptr, i, TQ: tl.constexpr, H: tl.constexpr,
-            D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr,
-            IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, Q_PER_TOKEN: tl.constexpr,
+            D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, LEFT: tl.constexpr,
+            RIGHT: tl.constexpr, IDS: tl.constexpr, SMOOTH_Q: tl.constexpr,
+            Q_PER_TOKEN: tl.constexpr,
             DS16: tl.constexpr, CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
   rows = i * BQ + tl.arange(0, BQ)
   dims = tl.arange(0, D)
@@ -79,7 +80,7 @@ def _q_step(dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, 
   bias = tiles.q_smoothing_bias(k8, k_scale, q_mean)[:, None] if SMOOTH_Q else 0.0
   x, c = tiles.score_tile(k8, q8, k_scale[:, None], q_scale, bias, SMOOTH_Q, CONVERT)
   q_ids = tl.load(q_ids_ptr + rows)[None, :] if IDS else 0
-  x = tiles.masked(x, rows[None, :], kv_pos, q_ids, kv_ids, CAUSAL, IDS)
+  x = tiles.masked(x, rows[None, :], kv_pos, q_ids, kv_ids, LEFT, RIGHT, IDS)
   a = tiles.minus_lse(x, c, tl.load(lse_ptr + rows)[None, :], SMOOTH_Q)
   # numerics.unsigned_rows: P^T = pq * exp2(top), pq in 0..255.
   top = tl.max(a, axis=1)
@@ -113,8 +114,9 @@ def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_sca
                  q_mean_ptr, lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr, dv_start_ptr,
                  q16_ptr, q_ids_ptr, dk_ptr, dv_ptr, H: tl.constexpr, HKV: tl.constexpr,
                  TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr,
-                 BK: tl.constexpr, SCALE: tl.constexpr, CAUSAL: tl.constexpr,
-                 IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, Q_PER_TOKEN: tl.constexpr,
+                 BK: tl.constexpr, SCALE: tl.constexpr, LEFT: tl.constexpr,
+                 RIGHT: tl.constexpr, IDS: tl.constexpr, SMOOTH_Q: tl.constexpr,
+                 Q_PER_TOKEN: tl.constexpr,
                  DS16: tl.constexpr, CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
   j = tl.program_id(0)
   b = tl.program_id(1).to(tl.int64)
@@ -129,10 +131,10 @@ def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_sca
   kv_ids = tl.load(kv_ids_ptr + b * TK + keys)[:, None] if IDS else 0
   q_ids_ptr += b * TQ
   nq = TQ // BQ
-  start = 0
-  full = 0
-  if CAUSAL:
-    start, full = tiles.causal_q_blocks(j, BQ, BK, nq)
+  full_start = 0
+  full_end = nq
+  if LEFT is not None or RIGHT is not None:
+    start, full_start, full_end, end = tiles.q_range(j, BQ, BK, nq, LEFT, RIGHT)
 
   dk_lo = tl.full((BK, D // 2), 0.0, tl.float32)
   dk_hi = tl.full((BK, D // 2), 0.0, tl.float32)
@@ -152,22 +154,29 @@ def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_sca
     do8_t_h = do8_t_ptr + q_head * D * TQ
     do_scale_h = do_scale_ptr + q_head * TQ
     dv_start_h = dv_start_ptr + q_head * nq * D
-    for i in range(full, nq):
+    for i in range(full_start, full_end):
       dk_lo, dk_hi, dv_lo, dv_hi = _q_step(
           dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h,
           q_scale_h, q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h, q16_h,
-          q_ids_ptr, i, TQ, H, D, BQ, BK, False, IDS, SMOOTH_Q, Q_PER_TOKEN, DS16, CONVERT,
-          DOT_PRECISION)
-    # The diagonal's masked steps last, straight-line as the forward's
+          q_ids_ptr, i, TQ, H, D, BQ, BK, None, None, IDS, SMOOTH_Q, Q_PER_TOKEN, DS16,
+          CONVERT, DOT_PRECISION)
+    # The band's masked steps last, straight-line as the forward's
     # (forward.py says why): before the loop they cost it spills. Only the
     # fp32 sums' order differs from the reference's; every int8 tile is its.
-    if CAUSAL:
-      for s in tl.static_range(max(BK // BQ, 1)):
-        if start + s < full:
+    if LEFT is not None or RIGHT is not None:
+      for s in tl.static_range(tiles.edge_blocks(BK, BQ, RIGHT)):  # causal: the diagonal
+        if start + s < full_start:
           dk_lo, dk_hi, dv_lo, dv_hi = _q_step(
               dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h,
               q_scale_h, q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h,
-              q16_h, q_ids_ptr, start + s, TQ, H, D, BQ, BK, True, IDS, SMOOTH_Q,
+              q16_h, q_ids_ptr, start + s, TQ, H, D, BQ, BK, LEFT, RIGHT, IDS, SMOOTH_Q,
+              Q_PER_TOKEN, DS16, CONVERT, DOT_PRECISION)
+      for s in tl.static_range(tiles.edge_blocks(BK, BQ, LEFT)):
+        if full_end + s < end:
+          dk_lo, dk_hi, dv_lo, dv_hi = _q_step(
+              dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h,
+              q_scale_h, q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h,
+              q16_h, q_ids_ptr, full_end + s, TQ, H, D, BQ, BK, LEFT, RIGHT, IDS, SMOOTH_Q,
               Q_PER_TOKEN, DS16, CONVERT, DOT_PRECISION)
   # Q was quantized as Q * scale * log2(e): the int8 product carries log2(e);
   # the 16-bit one is of Q itself.
@@ -197,6 +206,7 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
             placeholder(q_ids, jnp.int32)]
     shape = jax.ShapeDtypeStruct(v.shape, v.dtype)
     keys = launch.rows_per_program(kv_len, config.block_kv)
+    left, right = causal_blocks.band(config.causal, config.window)
     # Kept: the key tile's K8 and V; per stage, a query step's Q8, Q8^T, dO8^T
     # and dO (and Q with 16-bit dS).
     size, ds16 = v.dtype.itemsize, q16 is not None
@@ -205,7 +215,7 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
     dk, dv = fitted.call(
         _dkdv_kernel, args, [shape, shape], grid=(kv_len // keys, batch, kv_heads),
         name="sagebwd_triton_backward_dkdv", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
-        D=head_dim, BQ=config.block_q, BK=keys, SCALE=config.scale, CAUSAL=config.causal,
+        D=head_dim, BQ=config.block_q, BK=keys, SCALE=config.scale, LEFT=left, RIGHT=right,
         IDS=q_ids is not None, SMOOTH_Q=q_mean is not None,
         Q_PER_TOKEN=config.q_per_token, DS16=q16 is not None,
         CONVERT=launch.convert, DOT_PRECISION=dot_precision(v.dtype))

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
+from pallas_kernels import causal_blocks
 from pallas_kernels.jax_triton import tiles
 from pallas_kernels.jax_triton.interpreter import device_function
 from pallas_kernels.jax_triton.launch import LaunchConfig, batch_folded, placeholder
@@ -21,12 +22,12 @@ from pallas_kernels.types import Config, Masks, QuantizedQKV
 @device_function
 def _kv_step(dq, q8, q_scale, q_mean, q_pos, q_ids, lse, delta, do, k8_ptr, k8_t_ptr,
              k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, j, TK: tl.constexpr, HKV: tl.constexpr,
-             D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr,
-             IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, DS16: tl.constexpr,
-             CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+             D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, LEFT: tl.constexpr,
+             RIGHT: tl.constexpr, IDS: tl.constexpr, SMOOTH_Q: tl.constexpr,
+             DS16: tl.constexpr, CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
   x, c, keys, k_scale = tiles.key_block_scores(q8, q_scale, q_mean, q_pos, q_ids, k8_ptr,
-                                               k_scale_ptr, kv_ids_ptr, j, D, BK, CAUSAL,
-                                               IDS, SMOOTH_Q, CONVERT)
+                                               k_scale_ptr, kv_ids_ptr, j, D, BK, LEFT,
+                                               RIGHT, IDS, SMOOTH_Q, CONVERT)
   dims = tl.arange(0, D)
   # exp2(S - lse): rows that saw no key have lse = +inf, so P = 0 there.
   p = tl.exp2(tiles.minus_lse(x, c, lse[:, None], SMOOTH_Q))
@@ -49,11 +50,11 @@ def _kv_step(dq, q8, q_scale, q_mean, q_pos, q_ids, lse, delta, do, k8_ptr, k8_t
 def _dq_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_ids_ptr, k8_ptr,
                k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, dq_ptr, H: tl.constexpr,
                HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr,
-               BQ: tl.constexpr, BK: tl.constexpr, SCALE: tl.constexpr, CAUSAL: tl.constexpr,
-               IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, DS16: tl.constexpr,
-               CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               BQ: tl.constexpr, BK: tl.constexpr, SCALE: tl.constexpr, LEFT: tl.constexpr,
+               RIGHT: tl.constexpr, IDS: tl.constexpr, SMOOTH_Q: tl.constexpr,
+               DS16: tl.constexpr, CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
   i = tl.program_id(0)
-  if CAUSAL:  # the longest rows first, so the last wave is of short ones
+  if RIGHT is not None:  # the longest rows first, so the last wave is of short ones
     i = TQ // BQ - 1 - i
   b = tl.program_id(1).to(tl.int64)
   h = tl.program_id(2)
@@ -78,19 +79,28 @@ def _dq_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_id
   kv_ids_ptr += b * TK
 
   dq = tl.full((BQ, D), 0.0, tl.float32)
-  full = TK // BK
-  if CAUSAL:
-    full, end = tiles.causal_kv_blocks(i, BQ, BK, TK // BK)
-  for j in range(0, full):
+  full_start = 0
+  full_end = TK // BK
+  if LEFT is not None or RIGHT is not None:
+    start, full_start, full_end, end = tiles.kv_range(i, BQ, BK, TK // BK, LEFT, RIGHT)
+  for j in range(full_start, full_end):
     dq = _kv_step(dq, q8, q_scale, q_mean, rows[:, None], q_ids, lse, delta, do, k8_ptr,
                   k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, j, TK, HKV, D, BQ, BK,
-                  False, IDS, SMOOTH_Q, DS16, CONVERT, DOT_PRECISION)
-  if CAUSAL:  # straight-line diagonal steps, as the forward's (forward.py says why)
-    for s in tl.static_range(max(BQ // BK, 1)):
-      if full + s < end:
+                  None, None, IDS, SMOOTH_Q, DS16, CONVERT, DOT_PRECISION)
+  if LEFT is not None or RIGHT is not None:
+    # The band's masked blocks as straight-line steps (forward.py says why),
+    # after the loop: the order dQ's launch was tuned with.
+    for s in tl.static_range(tiles.edge_blocks(BQ, BK, RIGHT)):  # causal: the diagonal
+      if full_end + s < end:
         dq = _kv_step(dq, q8, q_scale, q_mean, rows[:, None], q_ids, lse, delta, do, k8_ptr,
-                      k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, full + s, TK, HKV, D,
-                      BQ, BK, True, IDS, SMOOTH_Q, DS16, CONVERT, DOT_PRECISION)
+                      k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, full_end + s, TK,
+                      HKV, D, BQ, BK, LEFT, RIGHT, IDS, SMOOTH_Q, DS16, CONVERT,
+                      DOT_PRECISION)
+    for s in tl.static_range(tiles.edge_blocks(BQ, BK, LEFT)):
+      if start + s < full_start:
+        dq = _kv_step(dq, q8, q_scale, q_mean, rows[:, None], q_ids, lse, delta, do, k8_ptr,
+                      k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, start + s, TK, HKV,
+                      D, BQ, BK, LEFT, RIGHT, IDS, SMOOTH_Q, DS16, CONVERT, DOT_PRECISION)
   # S was formed from Q * scale * log2(e): dQ takes `scale` once (the 16-bit
   # product, of dS and K, too).
   tl.store(dq_ptr + tokens, (dq * SCALE).to(dq_ptr.dtype.element_ty))
@@ -113,6 +123,7 @@ def backward_dq(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, config: Conf
             placeholder(q_ids, jnp.int32), k8, k8_t, k_scale, v, placeholder(k16, v.dtype),
             placeholder(kv_ids, jnp.int32)]
     rows = launch.rows_per_program(q_len, config.block_q, free=q_mean is None)
+    left, right = causal_blocks.band(config.causal, config.window)
     # Kept: the query tile's Q8 and dO; per stage, a key block's K8, K8^T and V
     # (and K with 16-bit dS).
     size, ds16 = v.dtype.itemsize, k16 is not None
@@ -122,7 +133,7 @@ def backward_dq(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, config: Conf
         _dq_kernel, args, [jax.ShapeDtypeStruct(do.shape, do.dtype)],
         grid=(q_len // rows, batch, heads), name="sagebwd_triton_backward_dq",
         H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len, D=head_dim, BQ=rows,
-        BK=config.block_kv, SCALE=config.scale, CAUSAL=config.causal, IDS=q_ids is not None,
+        BK=config.block_kv, SCALE=config.scale, LEFT=left, RIGHT=right, IDS=q_ids is not None,
         SMOOTH_Q=q_mean is not None, DS16=k16 is not None, CONVERT=launch.convert,
         DOT_PRECISION=dot_precision(v.dtype))
     return (dq,)

@@ -2,8 +2,8 @@
 
 One program per (query tile, batch, query head; the tile is the launch's
 `rows_per_program`, Q's scales read per token) loops over the key blocks its
-queries can see (causal block skipping; the mask only on the diagonal blocks,
-or on every block with ids). P follows numerics.folded_softmax_step with one
+queries can see (block skipping under causality or a window; the mask only on
+the blocks the band's edges cross, or on every block with ids). P follows numerics.folded_softmax_step with one
 key block per step and 255 levels (`reference.TRITON_NUMERICS`): V's
 block scale is folded into P, which is quantized per row of the tile against
 E, its row's largest folded score. Per score that is one add and one
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from pallas_kernels import numerics as nm
+from pallas_kernels import causal_blocks, numerics as nm
 from pallas_kernels.jax_triton import tiles
 from pallas_kernels.jax_triton.interpreter import device_function
 from pallas_kernels.jax_triton.launch import LaunchConfig, batch_folded, placeholder
@@ -37,10 +37,10 @@ NOTHING_SEEN = tl.constexpr(nm.NOTHING_SEEN)
 @device_function
 def _kv_step(acc, m, e, l, q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_ptr, v8_t_ptr,
              v_scale_ptr, pv_init_ptr, kv_ids_ptr, j, TK: tl.constexpr, D: tl.constexpr,
-             BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr, IDS: tl.constexpr,
-             SMOOTH_Q: tl.constexpr, CONVERT: tl.constexpr):
+             BQ: tl.constexpr, BK: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+             IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, CONVERT: tl.constexpr):
   x, c, keys, _ = tiles.key_block_scores(q8, q_scale, q_mean, q_pos, q_ids, k8_ptr,
-                                         k_scale_ptr, kv_ids_ptr, j, D, BK, CAUSAL, IDS,
+                                         k_scale_ptr, kv_ids_ptr, j, D, BK, LEFT, RIGHT, IDS,
                                          SMOOTH_Q, CONVERT)
   dims = tl.arange(0, D)
 
@@ -72,10 +72,10 @@ def _kv_step(acc, m, e, l, q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_pt
 def _forward_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr,
                     pv_init_ptr, q_ids_ptr, kv_ids_ptr, o_ptr, lse_ptr, H: tl.constexpr,
                     HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr,
-                    BQ: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr, IDS: tl.constexpr,
-                    SMOOTH_Q: tl.constexpr, CONVERT: tl.constexpr):
+                    BQ: tl.constexpr, BK: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+                    IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, CONVERT: tl.constexpr):
   i = tl.program_id(0)
-  if CAUSAL:  # the longest rows first, so the last wave is of short ones
+  if RIGHT is not None:  # the longest rows first, so the last wave is of short ones
     i = TQ // BQ - 1 - i
   b = tl.program_id(1).to(tl.int64)
   h = tl.program_id(2)
@@ -98,25 +98,32 @@ def _forward_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_p
   m = tl.full((BQ,), NOTHING_SEEN, tl.float32)
   e = tl.full((BQ,), float("-inf"), tl.float32)
   l = tl.zeros((BQ,), tl.float32)
-  full = TK // BK
-  if CAUSAL:
-    full, end = tiles.causal_kv_blocks(i, BQ, BK, TK // BK)
-    # The diagonal's masked blocks (at most BQ / BK) first, as straight-line
-    # steps: after the pipelined loop a second pass of the step held ~70 more
-    # registers, a program per SM (docs/performance.md). Each step quantizes P
-    # against its own block's top (numerics.folded_softmax_step), so the order
-    # changes no P tile of the reference's ascending one, but a block's whose
-    # top lies E_FLOOR below the row's maximum so far (P < 2**-52 of the row's).
-    for s in tl.static_range(max(BQ // BK, 1)):
-      if full + s < end:
+  full_start = 0
+  full_end = TK // BK
+  if LEFT is not None or RIGHT is not None:
+    start, full_start, full_end, end = tiles.kv_range(i, BQ, BK, TK // BK, LEFT, RIGHT)
+    # The band's masked blocks first, as straight-line steps: after the
+    # pipelined loop a second pass of the step held ~70 more registers, a
+    # program per SM (docs/performance.md). Each step quantizes P against its
+    # own block's top (numerics.folded_softmax_step), so the order changes no
+    # P tile of the reference's ascending one, but a block's whose top lies
+    # E_FLOOR below the row's maximum so far (P < 2**-52 of the row's).
+    for s in tl.static_range(tiles.edge_blocks(BQ, BK, RIGHT)):  # causal: the diagonal
+      if full_end + s < end:
         acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, rows[:, None], q_ids,
                                 k8_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr,
-                                kv_ids_ptr, full + s, TK, D, BQ, BK, True, IDS, SMOOTH_Q,
-                                CONVERT)
-  for j in range(0, full):
+                                kv_ids_ptr, full_end + s, TK, D, BQ, BK, LEFT, RIGHT, IDS,
+                                SMOOTH_Q, CONVERT)
+    for s in tl.static_range(tiles.edge_blocks(BQ, BK, LEFT)):
+      if start + s < full_start:
+        acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, rows[:, None], q_ids,
+                                k8_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr,
+                                kv_ids_ptr, start + s, TK, D, BQ, BK, LEFT, RIGHT, IDS,
+                                SMOOTH_Q, CONVERT)
+  for j in range(full_start, full_end):
     acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, rows[:, None], q_ids, k8_ptr,
                             k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr, kv_ids_ptr, j, TK,
-                            D, BQ, BK, False, IDS, SMOOTH_Q, CONVERT)
+                            D, BQ, BK, None, None, IDS, SMOOTH_Q, CONVERT)
 
   # numerics.finalize_folded_rows: rows that saw no key give O = 0, lse = +inf.
   empty = l == 0
@@ -142,12 +149,13 @@ def forward(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
     out_shape = [jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), out_dtype),
                  jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)]
     rows = launch.rows_per_program(q_len, config.block_q, free=q_mean is None)
+    left, right = causal_blocks.band(config.causal, config.window)
     # Kept: the query tile's Q8; per stage, a key block's K8 and V8^T.
     fitted = launch.fitted(fixed_bytes=rows * head_dim, stage_bytes=2 * config.block_kv * head_dim)
     o, lse = fitted.call(
         _forward_kernel, args, out_shape, grid=(q_len // rows, batch, heads),
         name="sagebwd_triton_forward", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
-        D=head_dim, BQ=rows, BK=config.block_kv, CAUSAL=config.causal,
+        D=head_dim, BQ=rows, BK=config.block_kv, LEFT=left, RIGHT=right,
         IDS=q_ids is not None, SMOOTH_Q=q_mean is not None, CONVERT=launch.convert)
     return o, lse
 

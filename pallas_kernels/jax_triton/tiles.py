@@ -26,6 +26,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import triton
 import triton.language as tl
 
 from pallas_kernels import numerics as nm
@@ -130,18 +131,19 @@ def score_tile(a8, b8, a_scale, b_scale, b_bias, SMOOTH_Q: tl.constexpr,
 
 @device_function
 def key_block_scores(q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_ptr, kv_ids_ptr, j,
-                     D: tl.constexpr, BK: tl.constexpr, CAUSAL: tl.constexpr,
-                     IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, CONVERT: tl.constexpr):
-  """`score_tile` of a query block (rows) against key block j (columns), masked;
-  returns (x, c, keys, k_scale). The forward and dQ loop over key blocks
-  with it."""
+                     D: tl.constexpr, BK: tl.constexpr, LEFT: tl.constexpr,
+                     RIGHT: tl.constexpr, IDS: tl.constexpr, SMOOTH_Q: tl.constexpr,
+                     CONVERT: tl.constexpr):
+  """`score_tile` of a query block (rows) against key block j (columns),
+  `masked`; returns (x, c, keys, k_scale). The forward and dQ loop over key
+  blocks with it."""
   keys = j * BK + tl.arange(0, BK)
   k8 = tl.load(k8_ptr + keys[:, None] * D + tl.arange(0, D)[None, :])
   k_scale = tl.load(k_scale_ptr + j * BK)
   bias = q_smoothing_bias(k8, k_scale, q_mean)[None, :] if SMOOTH_Q else 0.0
   x, c = score_tile(q8, k8, q_scale, k_scale, bias, SMOOTH_Q, CONVERT)
   kv_ids = tl.load(kv_ids_ptr + keys)[None, :] if IDS else 0
-  x = masked(x, q_pos, keys[None, :], q_ids, kv_ids, CAUSAL, IDS)
+  x = masked(x, q_pos, keys[None, :], q_ids, kv_ids, LEFT, RIGHT, IDS)
   return x, c, keys, k_scale
 
 
@@ -190,28 +192,70 @@ def token_offsets(b, rows, h, T: tl.constexpr, H: tl.constexpr, D: tl.constexpr)
 
 
 @device_function
-def masked(x, q_pos, kv_pos, q_ids, kv_ids, CAUSAL: tl.constexpr, IDS: tl.constexpr):
-  """x with -inf where a query may not see a key (numerics.tile_mask).
-  Positions and ids are broadcastable to x: queries along one axis, keys along
-  the other."""
+def masked(x, q_pos, kv_pos, q_ids, kv_ids, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+           IDS: tl.constexpr):
+  """x with -inf where a query may not see a key (numerics.tile_mask): other
+  ids, or keys outside q_pos - LEFT ..  q_pos + RIGHT (None: unbounded; a
+  tile inside the band passes None for both). Positions and ids are
+  broadcastable to x: queries along one axis, keys along the other."""
   if IDS:
     x = tl.where(q_ids == kv_ids, x, float("-inf"))
-  if CAUSAL:
-    x = tl.where(q_pos >= kv_pos, x, float("-inf"))
+  if RIGHT is not None:
+    x = tl.where(kv_pos <= q_pos + RIGHT, x, float("-inf"))
+  if LEFT is not None:
+    x = tl.where(kv_pos >= q_pos - LEFT, x, float("-inf"))
   return x
 
 
 @device_function
-def causal_kv_blocks(i, BQ: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr):
-  """causal_blocks.kv_blocks: key blocks [0, full) whole, [full, end) masked."""
-  full = tl.minimum((i * BQ) // BK, NK)
-  end = tl.minimum(((i + 1) * BQ + BK - 1) // BK, NK)
-  return full, end
+def kv_range(i, BQ: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, LEFT: tl.constexpr,
+             RIGHT: tl.constexpr):
+  """causal_blocks.kv_range (at least one side bounded): key blocks [start,
+  full_start) and [full_end, end) masked, [full_start, full_end) whole.
+  Triton's integer division truncates toward 0, as lax.div there."""
+  start = 0
+  full_start = 0
+  full_end = NK
+  end = NK
+  if RIGHT is not None:
+    full_end = tl.minimum((i * BQ + RIGHT) // BK, NK)
+    end = tl.minimum(((i + 1) * BQ + RIGHT + BK - 1) // BK, NK)
+  if LEFT is not None:
+    start = _clip((i * BQ - LEFT) // BK, 0, end)
+    full_start = _clip(((i + 1) * BQ - LEFT + BK - 2) // BK, start, end)
+    full_end = _clip(full_end, full_start, end)
+  return start, full_start, full_end, end
 
 
 @device_function
-def causal_q_blocks(j, BQ: tl.constexpr, BK: tl.constexpr, NQ: tl.constexpr):
-  """causal_blocks.q_blocks: query blocks [start, full) masked, [full, NQ) whole."""
-  start = tl.minimum((j * BK) // BQ, NQ)
-  full = tl.minimum(((j + 1) * BK + BQ - 2) // BQ, NQ)
-  return start, full
+def q_range(j, BQ: tl.constexpr, BK: tl.constexpr, NQ: tl.constexpr, LEFT: tl.constexpr,
+            RIGHT: tl.constexpr):
+  """causal_blocks.q_range (at least one side bounded): query blocks [start,
+  full_start) and [full_end, end) masked, [full_start, full_end) whole."""
+  start = 0
+  full_start = 0
+  full_end = NQ
+  end = NQ
+  if RIGHT is not None:
+    start = _clip((j * BK - RIGHT) // BQ, 0, NQ)
+    full_start = _clip(((j + 1) * BK + BQ - 2 - RIGHT) // BQ, 0, NQ)
+  if LEFT is not None:
+    end = _clip(((j + 1) * BK + LEFT + BQ - 1) // BQ, start, NQ)
+    full_start = _clip(full_start, start, end)
+    full_end = _clip((j * BK + LEFT) // BQ, full_start, end)
+  return start, full_start, full_end, end
+
+
+@device_function
+def _clip(x, lo, hi):
+  return tl.minimum(tl.maximum(x, lo), hi)
+
+
+@triton.constexpr_function
+def edge_blocks(own: int, other: int, offset: int | None) -> int:
+  """The most blocks of `other` tokens that one edge of the band crosses
+  beside a block of `own` (`kv_range`'s and `q_range`'s masked runs): 0 on
+  an unbounded side."""
+  if offset is None:
+    return 0
+  return -(-own // other) + (offset % other != 0)
