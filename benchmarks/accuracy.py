@@ -1,6 +1,6 @@
 """The paper's Table 1: SageBwd's error against fp64 attention, beside the paper's.
 
-    python -m benchmarks.accuracy [--implementation pallas] [--seq 4096] [--ds-precision bf16]
+    python -m benchmarks.accuracy [--implementation triton] [--seq 4096] [--ds-precision bf16]
 
 Gaussian Q, K with sigma in {1, 3, 5, 8, 10}, V and dO with sigma 1, bf16
 inputs, B=1, H=1, D=128. Prints cosine similarity / relative L2 of O, dQ, dK,
@@ -44,7 +44,7 @@ def errors(sigma: float, seq: int, implementation: str | None, ds_precision: str
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--implementation", default=None, choices=["triton", "pallas", "mosaic", "reference"])
+  parser.add_argument("--implementation", default=None, choices=["triton", "mosaic", "reference"])
   parser.add_argument("--seq", type=int, default=4096)
   parser.add_argument("--ds-precision", default="int8", choices=["int8", "bf16"],
                       help="precision of the backward's dS.K and dS^T.Q (default int8)")

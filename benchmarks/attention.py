@@ -1,6 +1,5 @@
-"""Attention speed: SageBwd's kernels (Pallas, Mosaic GPU, Triton) against
-cuDNN BF16, XLA and jax's own Pallas `mha`, in one process, forward and
-forward+backward.
+"""Attention speed: SageBwd's kernels (Triton, Mosaic GPU) against cuDNN BF16,
+XLA and jax's own Pallas `mha`, in one process, forward and forward+backward.
 
     python -m benchmarks.attention [--quick] [--out DIR]
 
@@ -18,20 +17,16 @@ import functools
 import os
 import statistics
 import time
-import warnings
 
 import jax
 import jax.numpy as jnp
 
 import sagebwd_jax
 
-warnings.filterwarnings("ignore", category=DeprecationWarning)
-
 
 def implementations() -> dict:
   """{name: attn(q, k, v, causal)} for every implementation the benchmarks
-  compare (sage = implementation="pallas", sage_mosaic = "mosaic",
-  sage_triton = "triton")."""
+  compare (sage_triton = implementation="triton", sage_mosaic = "mosaic")."""
   from jax.experimental.pallas.ops.gpu import attention as pallas_mha
 
   def mha(q, k, v, causal):
@@ -41,8 +36,6 @@ def implementations() -> dict:
     return pallas_mha.mha(q, k, v, None, sm_scale=d**-0.5, causal=causal, block_sizes=sizes)
 
   return {
-      "sage": lambda q, k, v, causal: sagebwd_jax.dot_product_attention(
-          q, k, v, is_causal=causal, implementation="pallas"),
       "sage_mosaic": lambda q, k, v, causal: sagebwd_jax.dot_product_attention(
           q, k, v, is_causal=causal, implementation="mosaic"),
       "sage_triton": lambda q, k, v, causal: sagebwd_jax.dot_product_attention(
@@ -103,7 +96,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
                       help="only B=4, T=4096, H=16, D=128 (the issue's shape)")
-  parser.add_argument("--impls", default="sage,cudnn,xla,pallas_mha")
+  parser.add_argument("--impls", default="sage_triton,cudnn,xla,pallas_mha")
   parser.add_argument("--seqs", default="1024,2048,4096,8192,16384",
                       help="sequence lengths (B*T = 16k)")
   parser.add_argument("--dims", default="128,64", help="head dims (H*D = 2048)")
@@ -121,7 +114,7 @@ def main():
       for name, attn in impls.items():
         if name == "xla" and seq > 8192:
           continue  # materializes B*H*T*T fp32 logits
-        with_memory = seq == 16384 and name in ("sage", "sage_mosaic", "sage_triton", "cudnn")
+        with_memory = seq == 16384 and name in ("sage_mosaic", "sage_triton", "cudnn")
         rows.append(measure(name, attn, batch, seq, heads, head_dim, causal, with_memory))
         print(_fmt(rows[-1]), flush=True)
   _ratios(rows)

@@ -1,7 +1,7 @@
 """Where the time goes: device time per kernel of one attention call, from a
 `jax.profiler` trace, forward and forward+backward.
 
-    python -m benchmarks.breakdown [--impls sage,cudnn] \
+    python -m benchmarks.breakdown [--impls sage_triton,cudnn] \
         [--seq 4096 --heads 16 --dim 128] [--out DIR]
 
 For each implementation and causality, runs the jitted forward and gradient
@@ -74,7 +74,7 @@ def report(label: str, times: dict[str, tuple[float, float]], width: int = 60) -
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--impls", default="sage,sage_mosaic,cudnn")
+  parser.add_argument("--impls", default="sage_triton,sage_mosaic,cudnn")
   parser.add_argument("--batch", type=int, default=4)
   parser.add_argument("--seq", type=int, default=4096)
   parser.add_argument("--heads", type=int, default=16)

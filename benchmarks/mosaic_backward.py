@@ -1,38 +1,34 @@
-"""The Mosaic GPU backward kernels against the portable (Triton) ones and cuDNN.
+"""The Mosaic GPU backward kernels against the Triton ones and cuDNN.
 
     python -m benchmarks.mosaic_backward [--seq 4096] [--variants all]
 
 B=4, T=4096, H=16, D=128 by default, causal and not. Every backward is timed
-on the same inputs (the portable quantization pass, forward and pre-pass);
+on the same inputs (the Triton quantization pass, forward and pre-pass);
 dK/dV and dQ apart. cuDNN's backward is its forward+backward minus its
 forward, both timed here. TOPS = 2.5 * 4*B*H*T*T*D / time (halved when
 causal). Each Mosaic variant's dQ, dK, dV are compared with the Triton
-kernels' in the same run (relative L2; the Mosaic kernels quantize P^T to
-0..255, the Triton ones to 0..127, so they differ by ~1e-2). Writes mosaic_backward.csv to --out
-(default $OUT, else nothing).
+kernels' in the same run (relative L2; both quantize P^T per key to
+0..255). Writes mosaic_backward.csv to --out (default $OUT, else nothing).
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
 
 from benchmarks.attention import time_call, write_csv
 from benchmarks.variants import Rows, parse_args, random_inputs, rel_l2
-from pallas_kernels.triton.backend import PallasBackend
-from pallas_kernels.triton.backward_dkdv import backward_dkdv
-from pallas_kernels.triton.backward_dq import backward_dq
-from pallas_kernels.triton.backward_prepass import backward_prepass
+from pallas_kernels.jax_triton.backend import TritonBackend
+from pallas_kernels.jax_triton.backward_dkdv import backward_dkdv
+from pallas_kernels.jax_triton.backward_dq import backward_dq
 from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
 from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
 from pallas_kernels.types import Config, Masks
 from sagebwd_jax.sagebwd import key_mean
 
-warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 VARIANTS = {
     "mosaic": BackwardTuning(),
@@ -49,14 +45,13 @@ def main():
   table = Rows(args, width=20)
   for causal in (False, True):
     config = Config(scale=d**-0.5, causal=causal, smooth_q=False, block_q=64, block_kv=64)
-    pallas = PallasBackend.tuned(causal=causal)
-    launch = pallas.backward_launch
+    triton = TritonBackend.tuned(causal=causal)
 
     @jax.jit
     def residuals(q, k, v, do):
-      qkv = pallas.quantize(q, k, v, key_mean(k, None), config)
-      o, lse = pallas.forward(qkv, Masks(), config, jnp.bfloat16)
-      return (qkv, lse) + backward_prepass(o, do, block_q=config.block_q, launch=launch)
+      qkv = triton.quantize(q, k, v, key_mean(k, None), config)
+      o, lse = triton.forward(qkv, Masks(), config, jnp.bfloat16)
+      return (qkv, lse) + triton.prepass(o, do, config)
 
     qkv, lse, delta, do8_t, do_scale = jax.block_until_ready(residuals(q, k, v, do))
     dkdv_args = (qkv, v, lse, delta, do, do8_t, do_scale)
@@ -70,8 +65,8 @@ def main():
     cudnn_fwd = time_call(jax.jit(attn), q, k, v)
     cudnn_both = time_call(jax.jit(jax.grad(loss, (0, 1, 2))), q, k, v)
     ref_row = record("cudnn_bwd", cudnn_both - cudnn_fwd)
-    record("prepass", time_call(jax.jit(lambda o, do: backward_prepass(
-        o, do, block_q=config.block_q, launch=launch)), q, do))  # q: any random O
+    record("prepass", time_call(jax.jit(lambda o, do: triton.prepass(o, do, config)),
+                                q, do))  # q: any random O
 
     def time_pair(name, dkdv, dq, want=None):
       dkdv, dq = jax.jit(dkdv), jax.jit(dq)
@@ -90,8 +85,8 @@ def main():
       return dq_out, dk, dv
 
     want = time_pair("triton",
-                     lambda *a: backward_dkdv(*a, Masks(), config, launch),
-                     lambda *a: backward_dq(*a, Masks(), config, launch))
+                     lambda *a: backward_dkdv(*a, Masks(), config, triton.dkdv_launch),
+                     lambda *a: backward_dq(*a, Masks(), config, triton.dq_launch))
     for name in names:
       time_pair(name,
                 lambda *a, l=VARIANTS[name]: backward_dkdv_mosaic(*a, Masks(), config, l),

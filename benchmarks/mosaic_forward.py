@@ -1,4 +1,4 @@
-"""The Mosaic GPU forward against the portable (Triton) forward and cuDNN BF16.
+"""The Mosaic GPU forward against the Triton forward and cuDNN BF16.
 
     python -m benchmarks.mosaic_forward [--seq 4096] [--variants all]
 
@@ -14,22 +14,20 @@ mosaic_forward.csv to --out (default $OUT, else nothing).
 from __future__ import annotations
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
 
 from benchmarks.attention import time_call, write_csv
 from benchmarks.variants import Rows, parse_args, random_inputs, rel_l2
+from pallas_kernels.jax_triton.backend import TritonBackend
+from pallas_kernels.jax_triton.forward import forward
 from pallas_kernels.mosaic import registers
 from pallas_kernels.mosaic.forward import ForwardTuning, forward_mosaic
-from pallas_kernels.triton.backend import PallasBackend
-from pallas_kernels.triton.forward import forward
 from pallas_kernels.types import Config, Masks
 from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import key_mean
 
-warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 VARIANTS = {
     "mosaic": ForwardTuning(),
@@ -46,8 +44,8 @@ def main():
   table = Rows(args, width=16)
   for causal in (False, True):
     config = Config(scale=d**-0.5, causal=causal, smooth_q=False, block_q=64, block_kv=64)
-    pallas = PallasBackend.tuned(causal=causal)
-    quantize = jax.jit(lambda q, k, v: pallas.quantize(q, k, v, key_mean(k, None), config))
+    triton = TritonBackend.tuned(causal=causal)
+    quantize = jax.jit(lambda q, k, v: triton.quantize(q, k, v, key_mean(k, None), config))
     qkv = jax.block_until_ready(quantize(q, k, v))
     record = functools.partial(table.record, causal=causal,
                                flops=4 * b * h * t * t * d * (0.5 if causal else 1.0))
@@ -59,7 +57,7 @@ def main():
         *vt.shape[:3], -1, 64), 2, 3))
     record("v_layout_pass", time_call(layout, qkv.v8_t))
     triton = jax.jit(lambda qkv: forward(qkv, Masks(), config, jnp.bfloat16,
-                                         pallas.forward_launch))
+                                         triton.forward_launch))
     record("triton_fwd", time_call(triton, qkv))
     reference = jax.jit(lambda qkv: ReferenceBackend(p_block=128, unsigned_p=True).forward(
         qkv, Masks(), config, jnp.bfloat16))

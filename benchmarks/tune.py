@@ -1,14 +1,13 @@
-"""Sweep the portable kernels' launch settings (warps, pipeline stages) on a GPU.
+"""Sweep the Triton kernels' launch settings (warps, pipeline stages) on a GPU.
 
-    python -m benchmarks.tune [--backend pallas|triton] [--seq 4096] [--dims 128,64]
+    python -m benchmarks.tune [--seq 4096] [--dims 128,64]
 
 For each head dim and causal flag: the forward alone under each forward
 setting, then forward+backward under each backward setting (with the best
 forward), as TOPS and the ratio to cuDNN BF16 timed in the same process.
-`--backend triton` sweeps each Triton kernel's launch (the others at their
-defaults): 4 warps x 64 rows or 8 x 128, 1 to 3 stages, conversion by
-instruction or not.
-The winners go into `PallasBackend.tuned` or `TritonBackend.tuned`.
+Each kernel's launch is swept with the others at their defaults: 4 warps x
+64 rows or 8 x 128, 1 to 3 stages, conversion by instruction or not. The
+winners go into `TritonBackend.tuned`.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import argparse
 import dataclasses
 import functools
 import itertools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -26,19 +24,10 @@ from benchmarks.attention import time_call
 from pallas_kernels.types import Config, Masks
 from sagebwd_jax.sagebwd import sagebwd_attention
 
-warnings.filterwarnings("ignore", category=DeprecationWarning)
 
-
-def _sweeps(backend: str):
+def _sweeps():
   """(forward variants, backward variants), each a list of (label, backend);
   a backward variant runs with the best forward's `forward_launch`."""
-  if backend == "pallas":
-    from pallas_kernels.triton.backend import PallasBackend
-    from pallas_kernels.triton.common import LaunchConfig
-    settings = {f"w{w} s{s}": LaunchConfig(num_warps=w, num_stages=s)
-                for w, s in itertools.product((4, 8), (2, 3, 4))}
-    return ([(k, PallasBackend(c, LaunchConfig())) for k, c in settings.items()],
-            [(k, PallasBackend(LaunchConfig(), c)) for k, c in settings.items()])
   from pallas_kernels.jax_triton.backend import TritonBackend
   from pallas_kernels.jax_triton.launch import LaunchConfig
   default = TritonBackend.tuned(causal=False)  # only the forward's launch differs
@@ -78,11 +67,10 @@ def _rate(attn, q, k, v, do, flops, *, backward: bool) -> float:
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--backend", default="pallas", choices=["pallas", "triton"])
   parser.add_argument("--seq", type=int, default=4096)
   parser.add_argument("--dims", default="128,64")
   args = parser.parse_args()
-  forward, backward = _sweeps(args.backend)
+  forward, backward = _sweeps()
   for head_dim in map(int, args.dims.split(",")):
     batch, heads = 16384 // args.seq, 2048 // head_dim
     keys = jax.random.split(jax.random.key(0), 4)

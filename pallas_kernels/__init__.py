@@ -1,1 +1,2 @@
-"""Pallas GPU kernels for SageBwd attention."""
+"""GPU kernels for SageBwd attention: Triton (`jax_triton`, any NVIDIA GPU) and
+Mosaic GPU through Pallas (`mosaic`, Hopper), with the rules they share."""

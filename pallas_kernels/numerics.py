@@ -1,14 +1,12 @@
 """The arithmetic rules every SageBwd implementation shares.
 
-The Pallas kernels and the pure-JAX reference call these same functions on
-tiles of the same shape, so the int8 values they form agree bit for bit (one
-rounding rule, docs/algorithm.md). Each rule has two exact instruction
-selections: plain XLA ops (`jnp.round`, conversions), and, with
-`bit_tricks=True`, fp32 bit manipulations that Pallas' Triton lowering
-accepts (it has no round) and that are often cheaper on the GPU. The kernels
-use the tricks where they measured faster; the reference does not, because
-XLA:GPU fusions were measured to miscompile them (wrong int8 under jit on an
-H200, right op by op).
+The Mosaic GPU kernels and the pure-JAX reference call these same functions
+on tiles of the same shape, and the Triton kernels follow them in Triton's
+language (jax_triton/tiles.py), so the int8 values they form agree bit for
+bit (one rounding rule, docs/algorithm.md). The kernels round and convert
+with fp32 bit tricks (the magic constants below: exact, and cheaper on the
+GPU); the reference does not, because XLA:GPU fusions were measured to
+miscompile them (wrong int8 under jit on an H200, right op by op).
 """
 
 from __future__ import annotations
@@ -27,43 +25,22 @@ LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 # 1.5 * 2**23: adding it to an fp32 |x| < 2**22 leaves round-half-even(x) in
-# the low mantissa bits. Triton has no round instruction in Pallas' lowering,
-# and this is one fp32 add instead of a quarter-rate conversion.
+# the low mantissa bits: one fp32 add instead of a quarter-rate conversion.
 ROUND_MAGIC_F32 = 12582912.0
 ROUND_MAGIC_I32 = 0x4B400000  # its bits as an int32
 
 
-def round_to_int8(x: jax.Array, *, nonnegative: bool = False,
-                  bit_tricks: bool = False) -> jax.Array:
+def round_to_int8(x: jax.Array, *, nonnegative: bool = False) -> jax.Array:
   """Clip fp32 values to [-127, 127], round half-to-even, return int8.
 
   The clip is the algorithm's (docs/algorithm.md), and it also matters for
   exactness: it stands between the scaling multiply and the rounding add, so
   no compiler can contract the two into one FMA that rounds differently on
-  one backend than on another.
-  With `bit_tricks` the rounded integer is read off the low byte of
-  x + 1.5 * 2**23 (whose own low byte is 0). `nonnegative` (P) skips the
-  lower clip.
+  one backend than on another. `nonnegative` (P) skips the lower clip.
   """
   x = jnp.minimum(x, INT8_MAX) if nonnegative else jnp.clip(x, -INT8_MAX, INT8_MAX)
-  if not bit_tricks:  # via int32: Mosaic GPU has no direct fp32 -> int8 conversion
-    return jnp.round(x).astype(jnp.int32).astype(jnp.int8)
-  return lax.bitcast_convert_type(x + ROUND_MAGIC_F32, jnp.int32).astype(jnp.int8)
-
-
-def int32_to_float(x: jax.Array, *, bit_tricks: bool = False) -> jax.Array:
-  """Exact int32 -> fp32 for |x| < 2**22 (any int8 dot of depth <= 256).
-
-  The bit trick is an integer add and a float subtract instead of a
-  quarter-rate conversion instruction. Which is faster depends on the kernel:
-  the trick takes two issue slots on the pipe that all of a tile's other
-  elementwise work shares; the conversion takes one, on the unit that exp2
-  also uses. Each kernel picks per product, by measurement.
-  """
-  if not bit_tricks:
-    return x.astype(jnp.float32)
-  biased = lax.bitcast_convert_type(x + ROUND_MAGIC_I32, jnp.float32)
-  return biased - ROUND_MAGIC_F32
+  # Via int32: Mosaic GPU has no direct fp32 -> int8 conversion.
+  return jnp.round(x).astype(jnp.int32).astype(jnp.int8)
 
 
 def inverse_scale(amax: jax.Array) -> jax.Array:
@@ -87,16 +64,15 @@ def abs_max(x: jax.Array, axis: int | None = None) -> jax.Array:
   return jnp.where(amax < jnp.inf, amax, jnp.nan)
 
 
-def quantize_tile(x: jax.Array, *, bit_tricks: bool = False) -> tuple[jax.Array, jax.Array]:
+def quantize_tile(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """psi(X) on one tile: symmetric int8 with one fp32 scale for the tile (NaN
   when the tile holds a NaN or an infinity; its int8 values are then
   meaningless, and every product with them is multiplied by the NaN)."""
   amax = abs_max(x)
-  return round_to_int8(x * inverse_scale(amax), bit_tricks=bit_tricks), amax / INT8_MAX
+  return round_to_int8(x * inverse_scale(amax)), amax / INT8_MAX
 
 
-def quantize_rows(x: jax.Array, *, nonnegative: bool = False, bit_tricks: bool = False
-                  ) -> tuple[jax.Array, jax.Array]:
+def quantize_rows(x: jax.Array, *, nonnegative: bool = False) -> tuple[jax.Array, jax.Array]:
   """Per-token int8: one fp32 scale per row of the tile (NaN for a row that
   holds a NaN or an infinity, as `quantize_tile`).
 
@@ -105,8 +81,7 @@ def quantize_rows(x: jax.Array, *, nonnegative: bool = False, bit_tricks: bool =
   `nonnegative` (P) spares the lower clip.
   """
   row_amax = abs_max(x, axis=-1)
-  x8 = round_to_int8(x * inverse_scale(row_amax)[..., None], nonnegative=nonnegative,
-                     bit_tricks=bit_tricks)
+  x8 = round_to_int8(x * inverse_scale(row_amax)[..., None], nonnegative=nonnegative)
   return x8, row_amax / INT8_MAX
 
 
@@ -131,10 +106,9 @@ def int8_dot(a: jax.Array, b: jax.Array) -> jax.Array:
       preferred_element_type=jnp.int32)
 
 
-def dequantize(acc: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
-               bit_tricks: bool = False) -> jax.Array:
+def dequantize(acc: jax.Array, a_scale: jax.Array, b_scale: jax.Array) -> jax.Array:
   """An int32 product back to fp32: one multiply by the product of scales."""
-  return int32_to_float(acc, bit_tricks=bit_tricks) * (a_scale * b_scale)
+  return acc.astype(jnp.float32) * (a_scale * b_scale)
 
 
 def float_dot(a: jax.Array, b: jax.Array) -> jax.Array:

@@ -1,6 +1,6 @@
 """What flows between the stages: quantize -> forward -> residuals -> backward.
 
-Every backend (the Pallas kernels, the pure-JAX reference) consumes and
+Every backend (the Triton and Mosaic kernels, the pure-JAX reference) consumes and
 produces these same containers, so one backend's quantized tensors can be fed
 to another's forward and compared exactly.
 """

@@ -16,17 +16,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import numerics as nm
-from pallas_kernels.triton.backend import PallasBackend
 from pallas_kernels.mosaic.backend import MosaicBackend
 from pallas_kernels.types import Backend, Config, Masks
 from sagebwd_jax import arguments, residual
 from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import sagebwd_attention
 
-Implementation = Literal["triton", "pallas", "mosaic", "reference", "cudnn", "xla"]
+Implementation = Literal["triton", "mosaic", "reference", "cudnn", "xla"]
 DsPrecision = Literal["int8", "bf16"]
-SAGE_IMPLEMENTATIONS = ("triton", "pallas", "mosaic", "reference")
-KERNEL_IMPLEMENTATIONS = ("triton", "pallas", "mosaic")
+SAGE_IMPLEMENTATIONS = ("triton", "mosaic", "reference")
+KERNEL_IMPLEMENTATIONS = ("triton", "mosaic")
 FULL_PRECISION_IMPLEMENTATIONS = ("cudnn", "xla")
 SegmentIds = jax.Array | tuple[jax.Array, jax.Array]
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
@@ -89,27 +88,23 @@ def dot_product_attention(
       (docs/algorithm.md); exact for softmax, essential for accuracy.
     smooth_q: per-block Q-smoothing with its fp32 bias (off by default).
     block_q, block_kv: tile sizes (powers of two >= 16); they fix the
-      quantization blocks, so results depend on them. Default: the Pallas
+      quantization blocks, so results depend on them. Default: the
       kernels' tuned sizes for this head dim.
     implementation: a name or a sequence of names tried in order: a backend
       that cannot take the case raises NotImplementedError (with the reason)
       and the next one is tried. "triton" (the portable GPU kernels in
       Triton through jax_triton, `pip install sagebwd-jax[gpu]`; Triton's
       interpreter on a machine without a GPU; its forward quantizes P per
-      row of each key block to 0..255, docs/algorithm.md), "pallas" (the
-      same kernels in Pallas, lowered through Pallas' deprecated Triton
-      backend; Pallas interpret mode on a machine without a GPU), "mosaic" (the Hopper
-      kernels in Mosaic GPU where they take the case, the portable kernels
-      for the rest; needs an sm_90 GPU; its forward quantizes P per 128-key
-      row to 0..255, docs/algorithm.md), "reference" (pure JAX, the portable
-      kernels' arithmetic); and, as last
+      row of each key block to 0..255, docs/algorithm.md), "mosaic" (the Hopper
+      kernels in Mosaic GPU where they take the case, the Triton kernels
+      for the rest; needs an sm_90 GPU and the Triton packages; its forward
+      quantizes P per 128-key row to 0..255, docs/algorithm.md), "reference"
+      (pure JAX, the kernels' arithmetic); and, as last
       resorts, "cudnn" and "xla": these are NOT SageBwd but full-precision
       attention by `jax.nn.dot_product_attention` ("cudnn" takes only bf16
       and fp16 on a GPU, and no segment_ids or smoothing options apply).
-      None: ("mosaic", "pallas") on a Hopper GPU, ("triton", "pallas") on
-      other GPUs (triton's kernels, where the packages are installed, for
-      their faster forward+backward; docs/performance.md), "reference"
-      without a GPU.
+      None: ("mosaic", "triton") on a Hopper GPU, "triton" on other GPUs,
+      "reference" without a GPU.
     return_residual: also return the log-sum-exp of the scores (natural
       log, jax.nn's layout (B, Tq, H) or (Tq, H), the output's dtype; -inf
       for rows that see no key). Unlike jax.nn's (a stopped gradient), it
@@ -132,15 +127,16 @@ def dot_product_attention(
 
   NaN or an infinity in the valid tokens of `query`, `key`, `value` or the
   output's cotangent comes out as NaN in every output and gradient element
-  that jax.nn's makes non-finite (the reference and the portable kernels;
+  that jax.nn's makes non-finite (the reference and the Triton kernels;
   tests/test_nan.py). int8 has no NaN: a block's scale carries it, so it
   spreads further, within its batch row and key/value head group: a query
   makes its whole `block_q`-row block of the output and of dQ NaN (with
-  causal masking or a window, its head's whole dQ); a key or a value makes
-  the whole output and all gradients of its head group NaN (K-smoothing's
-  mean carries a key that far anyway, and jax.nn's 0 x NaN nearly so); a
-  cotangent row makes its head group's whole dV NaN, and dK on the whole
-  key blocks its query block sees. Query rows that see no key still output 0.
+  causal masking or a window, its head's whole dQ) and its head group's
+  whole dK and dV; a key or a value makes the whole output and all
+  gradients of its head group NaN (K-smoothing's mean carries a key that
+  far anyway, and jax.nn's 0 x NaN nearly so); a cotangent row makes its
+  head group's whole dK and dV NaN. Query rows that see no key still
+  output 0.
   """
   unbatched = arguments.check_qkv(query, key, value)
   arguments.check_trivial("bias", bias, lambda x: not np.any(x), "all zeros",
@@ -283,13 +279,15 @@ def _implementations(implementation) -> tuple[str, ...]:
   if implementation is None:
     if _platform() not in _GPU_PLATFORMS:
       return ("reference",)
-    return ("mosaic", "pallas") if _hopper() else ("triton", "pallas")
+    return ("mosaic", "triton") if _hopper() else ("triton",)
   names = ((implementation,) if isinstance(implementation, str)
            else tuple(implementation) if isinstance(implementation, Sequence) else None)
   known = SAGE_IMPLEMENTATIONS + FULL_PRECISION_IMPLEMENTATIONS
   if not names or any(name not in known for name in names):
+    # The same kernels were once lowered through Pallas' (deprecated) Triton backend.
+    hint = "; 'pallas' is now 'triton'" if names and "pallas" in names else ""
     raise ValueError(f"implementation must be one of {known}, a non-empty sequence of "
-                     f"them, or None; got {implementation!r}")
+                     f"them, or None; got {implementation!r}{hint}")
   return names
 
 
@@ -305,7 +303,7 @@ def _check_no_auto_sharding(names: tuple[str, ...], *arrays: jax.Array) -> None:
   spread = any(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
                and len(x.sharding.device_set) > 1 for x in arrays)
   if automatic or spread:
-    kind = "Triton" if names[0] == "triton" else "Pallas"
+    kind = "Triton" if names[0] == "triton" else "Mosaic GPU"
     where = (f"mesh axes {tuple(automatic)} are not manual" if automatic
              else "the inputs are spread over several devices")
     raise ValueError(
@@ -331,8 +329,6 @@ def _backend(implementation: str, causal: bool) -> Backend:
     return ReferenceBackend()
   if implementation == "triton":
     return _triton_backend(on_gpu, causal)
-  if implementation == "pallas":
-    return PallasBackend.tuned(causal=causal, interpret=not on_gpu)
   if implementation == "mosaic":
     if not (on_gpu and _hopper()):
       device = _device()
@@ -341,22 +337,23 @@ def _backend(implementation: str, causal: bool) -> Backend:
                else f"computations go to {_platform()}")
       raise NotImplementedError(
           f"implementation='mosaic' needs an NVIDIA Hopper GPU (compute capability 9.0); "
-          f"{where}. Use implementation='pallas' (Pallas interpret mode without a GPU).")
-    return MosaicBackend.tuned(PallasBackend.tuned(causal=causal))
+          f"{where}. Use implementation='triton' (Triton's interpreter without a GPU).")
+    return MosaicBackend.tuned(_triton_backend(on_gpu, causal))
   raise ValueError(f"implementation must be one of {SAGE_IMPLEMENTATIONS} or None; "
                    f"got {implementation!r}")
 
 
 def _triton_backend(on_gpu: bool, causal: bool) -> Backend:
   """The Triton kernels, compiled through jax_triton on a GPU, interpreted by
-  Triton without one; NotImplementedError where the packages are missing."""
+  Triton without one; NotImplementedError where the packages are missing
+  (the Hopper backend's quantization pass and fallback are these too)."""
   try:
     from pallas_kernels.jax_triton.backend import TritonBackend
     if on_gpu:
       import jax_triton  # noqa: F401  (only whether it imports)
   except ImportError as e:
     needs = "triton and jax-triton (pip install 'sagebwd-jax[gpu]')" if on_gpu else "triton"
-    raise NotImplementedError(f"implementation='triton' needs the packages {needs}: {e}") from e
+    raise NotImplementedError(f"the Triton kernels need the packages {needs}: {e}") from e
   return TritonBackend.tuned(causal=causal, interpret=not on_gpu)
 
 

@@ -1,7 +1,7 @@
 """SageBwd in pure JAX, tile for tile as the kernels compute it; and an oracle.
 
 `ReferenceBackend` is the CPU fallback and the kernels' test oracle. It forms
-the same tiles as the Pallas kernels (`block_q` query rows by `block_kv` key
+the same tiles as the kernels (`block_q` query rows by `block_kv` key
 rows), calls the same rules from `pallas_kernels.numerics` on them, and so
 produces the same int8 tensors. Where the kernels loop, it vectorizes over
 the query blocks and scans over key blocks, like the forward and dQ kernels.

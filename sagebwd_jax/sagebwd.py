@@ -4,8 +4,8 @@ forward:  K-smoothing -> quantize Q, K, V -> INT8 attention -> residuals
 backward: Delta and psi(dO) -> recomputed P -> INT8 dV, dQ, dK (dP in bf16;
           dQ, dK too with ds_precision="bf16")
 
-Which code runs each stage is the `backend` (Pallas kernels or the pure-JAX
-reference); this file only wires the stages together. Sequences arrive padded
+Which code runs each stage is the `backend` (Triton or Mosaic GPU kernels, or
+the pure-JAX reference); this file only wires the stages together. Sequences arrive padded
 to whole blocks, with the true lengths in `masks`.
 """
 
@@ -84,9 +84,25 @@ def _backward(config, backend, smooth_k, residuals, do):
     # fusion, with log2's multiply contracted: jit and eager would differ.)
     lse = nm.spread_nan(jax.lax.optimization_barrier(lse))
   dq, dk, dv = backend.backward(qkv, v, o, lse, do, masks, config)
+  dq, dk, dv = _head_group_nan(qkv, lse, do, dq, dk, dv)
   dk, dv = _unseen_keys_nan(qkv, lse, do, dk, dv, config)
   # q, k and v share one dtype (the op checks it), which o carries too.
   return dq.astype(o.dtype), dk.astype(o.dtype), dv.astype(o.dtype), None
+
+
+def _head_group_nan(qkv: QuantizedQKV, lse, do, dq, dk, dv):
+  """dQ, dK, dV NaN on the head group of a NaN input, as jax.nn's 0 x NaN
+  (nearly) has them. The kernels' row maxima (Triton's max skips NaN) can
+  miss a NaN column of a dS or P^T tile: a key or value (their scales) for
+  dQ, dK and dV; a query, its lse or a cotangent row for dK and dV."""
+  batch, kv_heads = dk.shape[0], dk.shape[2]
+  group = lambda bad: jnp.any(bad.reshape(batch, kv_heads, -1), axis=-1)[:, None, :, None]
+  bad_kv = group(jnp.isnan(qkv.k_scale) | jnp.isnan(qkv.v_scale))
+  bad_do = ~jnp.all(jnp.isfinite(jnp.swapaxes(do, 1, 2)), axis=-1)
+  bad_q = bad_kv | group(jnp.isnan(qkv.q_scale) | jnp.isnan(lse) | bad_do)
+  nan = lambda x, bad: jnp.where(bad, jnp.nan, x)
+  return (nan(dq, jnp.repeat(bad_kv, dq.shape[2] // kv_heads, axis=2)), nan(dk, bad_q),
+          nan(dv, bad_q))
 
 
 def _unseen_keys_nan(qkv: QuantizedQKV, lse, do, dk, dv, config: Config):

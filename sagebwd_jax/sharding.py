@@ -1,6 +1,6 @@
 """Running the op on a device mesh: batch on one axis, heads on another.
 
-The Pallas kernels refuse arrays sharded over automatic mesh axes, so the op
+The kernels refuse arrays sharded over automatic mesh axes, so the op
 runs inside `jax.shard_map`: every device sees whole sequences of its own
 batch rows and heads. That split is exact: SageBwd's quantization blocks,
 K-smoothing mean and softmax statistics never mix batch rows or key/value

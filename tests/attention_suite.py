@@ -8,8 +8,8 @@ once per backend as `Test<Backend>`; pytest collects only those subclasses,
 because this module's name does not start with `test_`.
 
 The parameter lists of the tests live in `params`, keyed by the argument names
-they fill, so a backend that is slow on this machine (the Pallas kernels in
-interpret mode) runs a narrower list by overriding a few keys.
+they fill, so a backend that is slow on this machine (the Triton kernels in
+Triton's interpreter) runs a narrower list by overriding a few keys.
 """
 
 from __future__ import annotations

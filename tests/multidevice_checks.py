@@ -53,7 +53,7 @@ def op() -> dict:
   seg = jnp.asarray(np.repeat(np.arange(2), T // 2)[None].repeat(B, 0))
   lengths = jnp.asarray([T, T - 5, 40, 64, 17, 33, 64, 60], jnp.int32)
   out = {"devices": jax.device_count()}
-  for impl in ("reference", "pallas"):
+  for impl in ("reference", "triton"):
     kw = dict(is_causal=True, implementation=impl)
     single = jax.jit(lambda q, k, v, do: _value_and_grads(
         lambda q, k, v: dot_product_attention(q, k, v, **kw), q, k, v, do))(q, k, v, do)
@@ -99,7 +99,7 @@ def pmap() -> dict:
   """The op inside jax.pmap over 8 devices (one batch row each) vs one device."""
   q, k, v, do = _qkv()
   out = {"devices": jax.device_count()}
-  for impl in ("reference", "pallas"):
+  for impl in ("reference", "triton"):
     kw = dict(is_causal=True, implementation=impl)
     fn = lambda q, k, v: dot_product_attention(q, k, v, **kw)
     single = jax.jit(lambda *a: _value_and_grads(fn, *a))(q, k, v, do)

@@ -81,8 +81,9 @@ BAD_KWARGS = [
     (dict(block_kv=True), ValueError, "block_kv must be a power of two >= 16"),
     (dict(implementation="cuda"), ValueError,
      r"implementation must be one of "
-     r"\('triton', 'pallas', 'mosaic', 'reference', 'cudnn', 'xla'\)"),
+     r"\('triton', 'mosaic', 'reference', 'cudnn', 'xla'\)"),
     (dict(implementation="Reference"), ValueError, "implementation must be"),
+    (dict(implementation="pallas"), ValueError, "'pallas' is now 'triton'"),
     (dict(implementation=()), ValueError, "a non-empty sequence"),
     (dict(implementation=("reference", "flash")), ValueError, "implementation must be"),
     (dict(implementation=3), ValueError, "implementation must be"),

@@ -12,8 +12,8 @@ import pytest
 from conftest import gaussian_qkv, oracle64, rel_l2, value_and_grads
 from sagebwd_jax import dot_product_attention, full_precision_attention
 
-# Pallas runs in interpret mode on the CPU: tiny shapes keep it quick.
-IMPLS = ["reference", "pallas"]
+# The Triton kernels run in its interpreter on the CPU: tiny shapes keep it quick.
+IMPLS = ["reference", "triton"]
 
 
 def _outputs(q, k, v, do, **kwargs):
@@ -61,7 +61,7 @@ def test_padded_rows_change_no_valid_output_and_no_gradient(implementation, garb
 
 @pytest.mark.parametrize("implementation,head_dim", [
     ("reference", 16), ("reference", 32), ("reference", 80), ("reference", 96),
-    ("reference", 256), ("pallas", 16), ("pallas", 80), ("pallas", 256)])
+    ("reference", 256), ("triton", 16), ("triton", 80), ("triton", 256)])
 def test_any_head_dim_matches_float64_attention(implementation, head_dim):
   q, k, v, do = gaussian_qkv(jax.random.key(head_dim), 2, 48, 48, 2, 2, head_dim)
   o, dq, dk, dv = _run(q, k, v, do, is_causal=True, implementation=implementation)
@@ -236,11 +236,11 @@ def test_empty_batch(implementation):
 # ----------------------------------------------------- strict rank promotion
 
 def test_op_wrapper_runs_under_strict_rank_promotion():
-  """The Pallas path exercises everything api.py adds around the kernels
+  """The Triton path exercises everything api.py adds around the kernels
   (lengths, padding, segments, residual) under rank promotion 'raise'."""
   q, k, v, do = gaussian_qkv(jax.random.key(11), 2, 40, 40, 2, 1, 80)
   kw = dict(query_seq_lengths=jnp.array([20, 40]), key_value_seq_lengths=jnp.array([30, 40]),
-            segment_ids=jnp.zeros((2, 40), jnp.int32), is_causal=True, implementation="pallas")
+            segment_ids=jnp.zeros((2, 40), jnp.int32), is_causal=True, implementation="triton")
   with jax.numpy_rank_promotion("raise"):
     strict = _run(q, k, v, do, **kw)
     dot_product_attention(q, k, v, return_residual=True, **kw)

@@ -1,5 +1,5 @@
 """The behaviour suite against the GPU backends, compiled, every case: the
-portable Pallas and Triton kernels on any GPU, the Hopper backend ("mosaic")
+Triton kernels on any GPU, the Hopper backend ("mosaic")
 on an H100/H200. (The reference runs on the GPU too, from
 test_attention_reference.py.)"""
 
@@ -13,10 +13,6 @@ from conftest import (HOPPER_CASES, check_against_reference, use_hopper_numerics
                       use_triton_numerics)
 
 pytestmark = pytest.mark.gpu
-
-
-class TestPallasGpu(AttentionTestBase):
-  implementation = "pallas"
 
 
 class TestTritonGpu(AttentionTestBase):
@@ -37,7 +33,10 @@ class TestMosaicGpu(AttentionTestBase):
   implementation = "mosaic"
 
   def test_matches_reference_backend(self, case, monkeypatch):
-    """Where the Mosaic forward takes the case, the reference quantizes P as it does."""
+    """The reference quantizes P as the kernels that run the case do: the
+    Mosaic forward where it takes the case, the Triton kernels elsewhere."""
     if case in HOPPER_CASES:
       use_hopper_numerics(monkeypatch)
+    else:
+      use_triton_numerics(monkeypatch)
     check_against_reference(case, self.implementation)

@@ -56,23 +56,21 @@ def test_bf16_ds_quantizes_q_per_token():
   assert len(np.unique(np.asarray(qkv.q_scale)[0, 0, :64])) > 1
 
 
-@pytest.mark.parametrize("implementation", ["pallas", "triton"])
 @pytest.mark.parametrize("case", [dict(is_causal=True, heads=(4, 2)),
                                   dict(is_causal=True, smooth_q=True),
                                   dict(smooth_q=True, lengths=(192, 128)),
                                   dict(lengths=(100, 75), is_causal=True, smooth_k=False)])
-def test_portable_kernels_match_reference(implementation, case, monkeypatch):
-  """The Pallas and the Triton kernels (interpreted on the CPU, compiled on a
-  GPU) against the reference with their P and P^T, through the op."""
-  if implementation == "triton":
-    pytest.importorskip("triton")
-    use_triton_numerics(monkeypatch)
+def test_triton_kernels_match_reference(case, monkeypatch):
+  """The Triton kernels (interpreted on the CPU, compiled on a GPU) against
+  the reference with their P and P^T, through the op."""
+  pytest.importorskip("triton")
+  use_triton_numerics(monkeypatch)
   case = dict(case)
   heads, kv_heads = case.pop("heads", (2, 2))
   q_len, kv_len = case.pop("lengths", (128, 128))
   q, k, v, do = gaussian_qkv(jax.random.key(5), 2, q_len, kv_len, heads, kv_heads, 64,
                              sigma=2.0)
-  ours = sage(q, k, v, do, implementation=implementation, ds_precision="bf16", **case)
+  ours = sage(q, k, v, do, implementation="triton", ds_precision="bf16", **case)
   with jax.default_device(CPU):  # not through `sage`, whose jit cache has one reference
     ref = value_and_grads(lambda q, k, v: dot_product_attention(
         q, k, v, implementation="reference", ds_precision="bf16", **case), q, k, v, do)

@@ -12,9 +12,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("sagebwd_jax", "pallas_kernels", "train", "benchmarks")
-TRITON, MOSAIC = "pallas_kernels.triton", "pallas_kernels.mosaic"
-JAX_TRITON = "pallas_kernels.jax_triton"
-BACKENDS = (TRITON, MOSAIC, JAX_TRITON)
+MOSAIC, TRITON = "pallas_kernels.mosaic", "pallas_kernels.jax_triton"
+BACKENDS = (MOSAIC, TRITON)
 MAX_LINES = 400
 LONG_REASON = "Longer than 400 lines because"
 
@@ -100,17 +99,17 @@ def test_long_modules_say_why():
 # The checkers themselves, on sources made up for the purpose.
 
 @pytest.mark.parametrize("source,module,is_package,expected", [
-    ("import pallas_kernels.mosaic.common as c", "pallas_kernels.triton.forward", False,
+    ("import pallas_kernels.mosaic.common as c", "pallas_kernels.jax_triton.forward", False,
      {"pallas_kernels.mosaic.common"}),
-    ("from pallas_kernels import mosaic", "pallas_kernels.triton.forward", False,
+    ("from pallas_kernels import mosaic", "pallas_kernels.jax_triton.forward", False,
      {"pallas_kernels", "pallas_kernels.mosaic"}),
-    ("from ..mosaic.common import BLOCK", "pallas_kernels.triton.forward", False,
+    ("from ..mosaic.common import BLOCK", "pallas_kernels.jax_triton.forward", False,
      {"pallas_kernels.mosaic.common", "pallas_kernels.mosaic.common.BLOCK"}),
-    ("from .. import mosaic", "pallas_kernels.triton", True,
+    ("from .. import mosaic", "pallas_kernels.jax_triton", True,
      {"pallas_kernels", "pallas_kernels.mosaic"}),
-    ("from . import common", "pallas_kernels.triton.forward", False,
-     {"pallas_kernels.triton", "pallas_kernels.triton.common"}),
-    ("def f():\n  import pallas_kernels.mosaic", "pallas_kernels.triton.forward", False,
+    ("from . import common", "pallas_kernels.jax_triton.forward", False,
+     {"pallas_kernels.jax_triton", "pallas_kernels.jax_triton.common"}),
+    ("def f():\n  import pallas_kernels.mosaic", "pallas_kernels.jax_triton.forward", False,
      {"pallas_kernels.mosaic"}),
 ])
 def test_imported_modules_resolves_every_import_form(source, module, is_package, expected):

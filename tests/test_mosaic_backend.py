@@ -2,8 +2,9 @@
 dispatch: which kernels it runs for which case, and the op's results.
 
 CI checks the wiring: the op on every kernel case with the three Mosaic entry
-points swapped for their portable twins (same contract; Pallas interpret mode),
-against the CPU reference, recording which entry points ran. The Mosaic kernels
+points swapped for their Triton twins (same contract; Triton's interpreter),
+against the CPU reference with the Triton kernels' P quantization, recording
+which entry points ran. The Mosaic kernels
 themselves are checked one by one (tests/test_mosaic.py, tests/test_mosaic_backward.py).
 The op compiled on a Hopper GPU is checked by the behaviour suite
 (tests/test_attention_gpu.py).
@@ -18,13 +19,13 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import (HOPPER_CASES, KERNEL_CASES, check_against_reference, gaussian_qkv,
-                      mosaic_config)
+                      mosaic_config, use_triton_numerics)
+from pallas_kernels.jax_triton.backend import TritonBackend
+from pallas_kernels.jax_triton.backward_dkdv import backward_dkdv
+from pallas_kernels.jax_triton.backward_dq import backward_dq
+from pallas_kernels.jax_triton.forward import forward
+from pallas_kernels.jax_triton.launch import LaunchConfig
 from pallas_kernels.mosaic import backend as mosaic_backend
-from pallas_kernels.triton.backend import PallasBackend
-from pallas_kernels.triton.backward_dkdv import backward_dkdv
-from pallas_kernels.triton.backward_dq import backward_dq
-from pallas_kernels.triton.common import LaunchConfig
-from pallas_kernels.triton.forward import forward
 from pallas_kernels.mosaic.backend import MosaicBackend, backward_takes
 from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic import forward as mosaic_forward
@@ -36,7 +37,7 @@ INTERPRET = LaunchConfig(interpret=True)
 
 
 def _tuned(causal: bool, interpret: bool) -> MosaicBackend:
-  return MosaicBackend.tuned(PallasBackend.tuned(causal=causal, interpret=interpret))
+  return MosaicBackend.tuned(TritonBackend.tuned(causal=causal, interpret=interpret))
 
 
 def _portable_forward(causal: bool, interpret: bool) -> MosaicBackend:
@@ -65,7 +66,10 @@ def test_op_wiring(case, make_backend, monkeypatch):
   twin(mosaic_backend, "backward_dkdv_mosaic", backward_dkdv)
   twin(mosaic_backend, "backward_dq_mosaic", backward_dq)
   backend = make_backend(causal=KERNEL_CASES[case].get("is_causal", False), interpret=True)
-  monkeypatch.setattr(api, "_backend", lambda implementation, causal: backend)
+  original = api._backend
+  monkeypatch.setattr(api, "_backend", lambda implementation, causal: (
+      backend if implementation == "mosaic" else original(implementation, causal)))
+  use_triton_numerics(monkeypatch)  # the twins quantize P as the Triton kernels do
   check_against_reference(case, "mosaic")
   expected = set()
   if case in HOPPER_CASES:
@@ -101,12 +105,12 @@ def test_backward_takes():
   assert not backward_takes(qkv_192, Masks(), config_192, jnp.bfloat16)
   assert backward_takes(qkv_192, Masks(), config_192, jnp.bfloat16,
                         BackwardTuning(compute_wgs=1, schedule_barrier=False))
-  qkv_w, config_w = _qkv(128, 64, True, window=(16, 0))  # windows: the portable kernels
+  qkv_w, config_w = _qkv(128, 64, True, window=(16, 0))  # windows: the Triton kernels
   assert not backward_takes(qkv_w, Masks(), config_w, jnp.bfloat16)
 
 
 def test_tuned_launches():
-  portable = PallasBackend.tuned(causal=True)
+  portable = TritonBackend.tuned(causal=True)
   causal, plain = _tuned(True, False), _tuned(False, False)
   assert causal.fallback == portable
   assert causal.forward_mosaic == plain.forward_mosaic == mosaic_forward.ForwardTuning()
@@ -119,12 +123,12 @@ def test_default_implementation_without_gpu_is_reference():
   assert isinstance(api._backend("reference", causal=False), ReferenceBackend)
 
 
-def test_default_implementation_off_hopper_is_triton_then_pallas(monkeypatch):
+def test_default_implementation_on_gpus(monkeypatch):
   monkeypatch.setattr(api, "_platform", lambda: "gpu")
   monkeypatch.setattr(api, "_hopper", lambda: False)
-  assert api._implementations(None) == ("triton", "pallas")
+  assert api._implementations(None) == ("triton",)
   monkeypatch.setattr(api, "_hopper", lambda: True)
-  assert api._implementations(None) == ("mosaic", "pallas")
+  assert api._implementations(None) == ("mosaic", "triton")
 
 
 @pytest.mark.gpu

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 
 from conftest import CPU, assert_lowers_to_mosaic_gpu, gaussian_qkv, mosaic_config, rel_l2
+from pallas_kernels.jax_triton.backward_prepass import backward_prepass
+from pallas_kernels.jax_triton.launch import LaunchConfig
 from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
 from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
-from pallas_kernels.triton.backward_prepass import backward_prepass
-from pallas_kernels.triton.common import LaunchConfig
 from pallas_kernels.types import Masks
 from sagebwd_jax.reference import HOPPER_NUMERICS
 from sagebwd_jax.sagebwd import key_mean

@@ -1,6 +1,6 @@
 """NaN and infinity in, NaN out (issue 17): every output and gradient element
 that jax.nn's attention makes non-finite is NaN here too, on the reference
-and on the Pallas kernels (interpret mode; compiled on a GPU). int8 has no
+and on the Triton kernels (interpreted; compiled on a GPU). int8 has no
 NaN, so a non-finite value travels in its block's scale, and where block
 skipping leaves no product to carry it, through `numerics.spread_nan`; the
 spread beyond jax.nn's elements stays within the batch row and the key/value
@@ -18,7 +18,7 @@ import pytest
 from conftest import gaussian_qkv, sage, value_and_grads
 
 NAMES = ("O", "dQ", "dK", "dV")
-IMPLS = ["reference", "pallas"]
+IMPLS = ["reference", "triton"]
 # Two batch rows, two key/value heads of two query heads; three 32-token
 # blocks, so causal masking skips blocks.
 B, T, H, HKV, D, BLOCK = 2, 96, 4, 2, 16, 32

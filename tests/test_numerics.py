@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,55 +22,50 @@ def _round_grid() -> np.ndarray:
   return values.astype(np.float32)
 
 
-BIT_TRICKS = pytest.mark.parametrize("bit_tricks", [False, True])
-
-
-@BIT_TRICKS
-def test_round_to_int8_is_clipped_round_half_even(bit_tricks):
+def test_round_to_int8_is_clipped_round_half_even():
   x = _round_grid()
-  got = np.asarray(jax.jit(functools.partial(nm.round_to_int8, bit_tricks=bit_tricks))(
-      jnp.asarray(x)))
+  got = np.asarray(jax.jit(nm.round_to_int8)(jnp.asarray(x)))
   assert got.dtype == np.int8
   want = np.clip(np.rint(x.astype(np.float64)), -127, 127).astype(np.int64)
   np.testing.assert_array_equal(got.astype(np.int64), want)
 
 
-@BIT_TRICKS
-def test_round_to_int8_ties_go_to_even(bit_tricks):
+def test_round_to_int8_ties_go_to_even():
   x = np.array([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5, 125.5, -0.0], np.float32)
-  got = np.asarray(nm.round_to_int8(jnp.asarray(x), bit_tricks=bit_tricks))
+  got = np.asarray(nm.round_to_int8(jnp.asarray(x)))
   np.testing.assert_array_equal(got, [0, 2, 2, 0, -2, -2, 126, -126, 126, 0])
 
 
-@BIT_TRICKS
-def test_round_to_int8_limits(bit_tricks):
+def test_round_to_int8_limits():
   # The int8 range is symmetric: -128 never appears, and +-127.5 (a tie that
   # half-to-even would send to +-128) clips to +-127.
   x = np.array([127.0, -127.0, 127.5, -127.5, 128.0, -128.0, 1e6, -1e6,
                 np.nextafter(np.float32(127.5), np.float32(0)),
                 np.nextafter(np.float32(-127.5), np.float32(0))], np.float32)
-  got = np.asarray(nm.round_to_int8(jnp.asarray(x), bit_tricks=bit_tricks))
+  got = np.asarray(nm.round_to_int8(jnp.asarray(x)))
   np.testing.assert_array_equal(got, [127, -127, 127, -127, 127, -127, 127, -127, 127, -127])
 
 
-@BIT_TRICKS
-def test_round_to_int8_nonnegative(bit_tricks):
+def test_round_to_int8_nonnegative():
   x = np.array([0.0, 0.5, 1.5, 63.5, 126.5, 127.0, 127.5, 1e6], np.float32)
-  got = np.asarray(nm.round_to_int8(jnp.asarray(x), nonnegative=True, bit_tricks=bit_tricks))
+  got = np.asarray(nm.round_to_int8(jnp.asarray(x), nonnegative=True))
   np.testing.assert_array_equal(got, [0, 0, 2, 64, 126, 127, 127, 127])
 
 
-@BIT_TRICKS
-def test_int32_to_float_exact(bit_tricks):
+def test_magic_constants_round_and_convert_exactly():
+  """The kernels' bit tricks, in numpy fp32: x + 1.5 * 2**23 keeps
+  round-half-even(x) in its low byte for |x| <= 127.5, and an int32 |n| < 2**22
+  added to 0x4B400000 reads as the fp32 1.5 * 2**23 + n."""
+  x = np.clip(_round_grid(), -127.4, 127.4).astype(np.float32)
+  biased = (x + np.float32(nm.ROUND_MAGIC_F32)).view(np.int32)
+  np.testing.assert_array_equal(biased.astype(np.int8), np.rint(x).astype(np.int8))
+  assert np.float32(nm.ROUND_MAGIC_F32).view(np.int32) == nm.ROUND_MAGIC_I32
   rng = np.random.default_rng(1)
   lim = 2 ** 22 - 1
-  x = np.concatenate([rng.integers(-lim, lim + 1, 50000), np.arange(-1000, 1001),
-                      [lim, -lim, 2 ** 21, -2 ** 21, 127 * 127 * 256, -127 * 127 * 256]])
-  x = x.astype(np.int32)
-  got = np.asarray(jax.jit(functools.partial(nm.int32_to_float, bit_tricks=bit_tricks))(
-      jnp.asarray(x)))
-  assert got.dtype == np.float32
-  np.testing.assert_array_equal(got.astype(np.float64), x.astype(np.float64))
+  n = np.concatenate([rng.integers(-lim, lim + 1, 50000), np.arange(-1000, 1001),
+                      [lim, -lim, 2 ** 21, -2 ** 21, 127 * 127 * 256]]).astype(np.int32)
+  read = (n + np.int32(nm.ROUND_MAGIC_I32)).view(np.float32) - np.float32(nm.ROUND_MAGIC_F32)
+  np.testing.assert_array_equal(read.astype(np.float64), n.astype(np.float64))
 
 
 def test_inverse_scale():
@@ -157,9 +150,6 @@ def test_int8_dot_exact(m, n, k):
   want = a.astype(np.int64) @ b.astype(np.int64).T
   assert want[0, 0] == 127 * 127 * k and want[1, 0] == -127 * 127 * k
   np.testing.assert_array_equal(got.astype(np.int64), want)
-  # And back to float exactly (|sum| < 2**22 for depth <= 256).
-  np.testing.assert_array_equal(np.asarray(nm.int32_to_float(jnp.asarray(got))),
-                                want.astype(np.float32))
 
 
 def test_dequantize():
@@ -358,8 +348,7 @@ def test_non_finite_group_gets_a_nan_scale(x):
   assert np.isnan(scale)
   _, row_scales = jax.jit(nm.quantize_rows)(jnp.asarray(tile))
   assert np.isnan(row_scales[37]) and np.all(np.isfinite(np.delete(row_scales, 37)))
-  _, row_scales = nm.quantize_rows(jnp.abs(jnp.asarray(tile)), nonnegative=True,
-                                   bit_tricks=True)
+  _, row_scales = nm.quantize_rows(jnp.abs(jnp.asarray(tile)), nonnegative=True)
   assert np.isnan(row_scales[37]) and np.all(np.isfinite(np.delete(row_scales, 37)))
 
 

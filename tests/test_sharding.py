@@ -64,9 +64,9 @@ def _checks(name: str) -> dict:
 
 def test_op_under_shard_map_equals_one_device():
   """Forward and dQ, dK, dV with batch on "data", heads on "model", or both, for
-  the reference and the Pallas kernels (interpret mode): the single-device values."""
+  the reference and the Triton kernels (its interpreter): the single-device values."""
   r = _checks("op")
-  for impl in ("reference", "pallas"):
+  for impl in ("reference", "triton"):
     for split in ("data", "heads", "both"):
       assert r[f"{impl}/{split}"] <= 1e-5, (impl, split, r)
   assert r["reference/both/lengths"] <= 1e-5  # masks split with the batch, eager call
@@ -79,7 +79,7 @@ def test_op_under_shard_map_equals_one_device():
 def test_op_under_pmap_equals_one_device():
   r = _checks("pmap")
   assert r["reference"] <= 1e-5, r
-  assert r["pallas"] <= 1e-5, r
+  assert r["triton"] <= 1e-5, r
 
 
 def test_llama_with_mesh_equals_without():
@@ -256,7 +256,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from sagebwd_jax import dot_product_attention
 mesh = jax.make_mesh((2,), ("data",))
 q = jax.device_put(jnp.ones((2, 32, 2, 64)), NamedSharding(mesh, P("data")))
-attend = lambda q: dot_product_attention(q, q, q, implementation="pallas")
+attend = lambda q: dot_product_attention(q, q, q, implementation="triton")
 def explicit():
   with jax.set_mesh(mesh):
     return jax.jit(attend)(q)
@@ -270,10 +270,10 @@ print("reference", dot_product_attention(q, q, q, implementation="reference").sh
 """
 
 
-def test_pallas_on_sharded_inputs_outside_shard_map_says_what_to_do():
+def test_kernels_on_sharded_inputs_outside_shard_map_say_what_to_do():
   out = _finish(_spawn(["-c", _SHARDED_INPUTS], "--xla_force_host_platform_device_count=2"))
-  assert "eager implementation='pallas' runs Pallas kernels" in out, out
+  assert "eager implementation='triton' runs Triton kernels" in out, out
   assert "the inputs are spread over several devices" in out, out
-  assert "explicit implementation='pallas'" in out and "mesh axes ('data',)" in out, out
+  assert "explicit implementation='triton'" in out and "mesh axes ('data',)" in out, out
   assert out.count("sharded_attention(mesh, q, k, v, ...)") == 2, out
   assert "reference (2, 32, 2, 64)" in out  # the reference partitions automatically

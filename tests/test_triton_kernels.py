@@ -43,11 +43,14 @@ def _masks(q_len: int, kv_len: int) -> Masks:
                jnp.asarray(rng.integers(0, 3, (2, kv_len)), jnp.int32))
 
 
-@pytest.mark.parametrize("head_dim,smooth_q,smooth_k", [(64, False, True), (128, True, False)])
-def test_quantization_pass_forms_the_reference_int8_tensors(head_dim, smooth_q, smooth_k):
+@pytest.mark.parametrize("head_dim,smooth_q,smooth_k,ds_precision", [
+    (64, False, True, "int8"), (128, True, False, "int8"), (64, True, True, "bf16")])
+def test_quantization_pass_forms_the_reference_int8_tensors(head_dim, smooth_q, smooth_k,
+                                                           ds_precision):
+  """int8 tensors and scales as the reference's; with 16-bit dS, Q per token."""
   # Sums (the Q-smoothing means) may add in another order than XLA's.
   check_quantization_pass(TRITON, REFERENCE, head_dim, smooth_q, smooth_k,
-                          int8_exact=not ON_GPU, sum_atol=1e-6)
+                          int8_exact=not ON_GPU, sum_atol=1e-6, ds_precision=ds_precision)
 
 
 def test_backward_prepass_matches_reference_rules():
@@ -176,7 +179,7 @@ def test_tiles_above_128_fall_through_to_the_next_implementation():
 def test_missing_package_names_it(monkeypatch):
   monkeypatch.setitem(sys.modules, "pallas_kernels.jax_triton.backend", None)
   q, k, v, _ = gaussian_qkv(jax.random.key(6), 1, 64, 64, 2, 2, 64)
-  with pytest.raises(NotImplementedError, match="needs the packages triton"):
+  with pytest.raises(NotImplementedError, match="need the packages triton"):
     dot_product_attention(q, k, v, implementation="triton")
 
 

@@ -55,7 +55,7 @@ class Config:
   qk_norm: bool = True
   # Share the token embedding with the output layer.
   tie_embeddings: bool = False
-  # sage: SageBwd INT8 (Mosaic on H100/H200, Pallas on other GPUs, pure JAX on CPU); full: jax.nn; reference: pure-JAX SageBwd.
+  # sage: SageBwd INT8 (Mosaic on H100/H200, Triton on other GPUs, pure JAX on CPU); full: jax.nn; reference: pure-JAX SageBwd.
   attention: str = "sage"
   # Subtract K's per-channel mean before quantizing (sage, reference).
   smooth_k: bool = True

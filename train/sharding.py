@@ -8,7 +8,7 @@ where the state and the batches live on it.
   (each process loads only the rows its devices hold); under jit XLA reduces
   the gradients of the replicated parameters across "data" itself.
 - Attention runs under `jax.shard_map` over the mesh, batch on "data" and
-  heads on "model" (`sagebwd_jax.sharding`): the Pallas kernels refuse arrays
+  heads on "model" (`sagebwd_jax.sharding`): the kernels refuse arrays
   sharded over automatic mesh axes. Everything else in the model is left to
   XLA's sharding propagation.
 - Multi-host: `jax.distributed.initialize` from `--coordinator`,

@@ -82,9 +82,10 @@ def _q_step(dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, 
   q_ids = tl.load(q_ids_ptr + rows)[None, :] if IDS else 0
   x = tiles.masked(x, rows[None, :], kv_pos, q_ids, kv_ids, LEFT, RIGHT, IDS)
   a = tiles.minus_lse(x, c, tl.load(lse_ptr + rows)[None, :], SMOOTH_Q)
-  # numerics.unsigned_rows: P^T = pq * exp2(top), pq in 0..255.
+  # numerics.unsigned_rows: P^T = pq * exp2(top), pq in 0..255. (tl.max
+  # skips a NaN column: sagebwd.py carries it to dV.)
   top = tl.max(a, axis=1)
-  top = tl.where(top > float("-inf"), top, 0.0) - tiles.LOG2_UINT8_MAX
+  top = tl.where(top == float("-inf"), 0.0, top) - tiles.LOG2_UINT8_MAX
   pq_t = tl.exp2(a - top[:, None])
   p_scale = tl.exp2(top)
 
@@ -100,7 +101,7 @@ def _q_step(dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, 
   dv_hi = _dv_half(dv_hi, p8_t, dv_scale, do8_t_ptr, dv_start_ptr, i, rows, hi, TQ, BK, D)
   ds8_t, dk_scale = ds_t, 0.0
   if not DS16:
-    ds8_t, ds_scale = tiles.quantize_rows(ds_t, False)
+    ds8_t, ds_scale = tiles.quantize_rows(ds_t, tl.max(tl.abs(ds_t), axis=1))
     dk_scale = (ds_scale * p_scale)[:, None] * q_scale
   dk_lo = _dk_half(dk_lo, ds_t, ds8_t, dk_scale, p_scale, q8_t_ptr, q_mean_ptr, q16_ptr, i,
                    rows, lo, TQ, H, D, SMOOTH_Q, DS16, CONVERT, DOT_PRECISION)

@@ -40,7 +40,7 @@ def _kv_step(dq, q8, q_scale, q_mean, q_pos, q_ids, lse, delta, do, k8_ptr, k8_t
     k16 = tl.load(k16_ptr + tokens)
     dq += tl.dot(ds.to(k16.dtype), k16, input_precision=DOT_PRECISION)
   else:
-    ds8, ds_scale = tiles.quantize_rows(ds, False)
+    ds8, ds_scale = tiles.quantize_rows(ds, tl.max(tl.abs(ds), axis=1))
     k8_t = tl.load(k8_t_ptr + dims[:, None] * TK + keys[None, :])
     dq += tiles.int8_product(ds8, k8_t, CONVERT) * (ds_scale[:, None] * k_scale)
   return dq

@@ -44,9 +44,10 @@ def _kv_step(acc, m, e, l, q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_pt
                                          SMOOTH_Q, CONVERT)
   dims = tl.arange(0, D)
 
-  # numerics.folded_v_scales: an all-zero V block folds with scale 1.
+  # numerics.folded_v_scales: an all-zero V block folds with scale 1 (a NaN
+  # scale stays NaN).
   v_scale = tl.load(v_scale_ptr + j * BK)
-  v_scale = tl.where(v_scale > 0, v_scale, 1.0)
+  v_scale = tl.where(v_scale == 0, 1.0, v_scale)
   log2_v = tl.log2(v_scale)
   x_top, top = tiles.row_top(x, c, SMOOTH_Q)
   top = top + log2_v  # -inf where the row sees no key here

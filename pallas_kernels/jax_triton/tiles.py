@@ -88,22 +88,33 @@ def inverse_scale(amax):
 
 
 @device_function
-def quantize_rows(x, NONNEGATIVE: tl.constexpr):
-  """Per-token int8 of a tile, one scale per row (numerics.quantize_rows):
-  (int8 tile, row scales).
+def abs_max(x, axis):
+  """max |x| along `axis` (None: all), NaN where any element is NaN or
+  infinite (numerics.abs_max: on the bits, since Triton's float maximum
+  skips NaN)."""
+  bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=axis)
+  amax = bits.to(tl.float32, bitcast=True)
+  return tl.where(amax < float("inf"), amax, float("nan"))
+
+
+@device_function
+def quantize_rows(x, amax):
+  """Per-token int8 of a tile against its row maxima |x| `amax`, one scale per
+  row (numerics.quantize_rows): (int8 tile, row scales). `abs_max` carries
+  NaN as the reference does; the dS loops take tl.max, which skips a NaN
+  column (sagebwd.py carries those to the head group's gradients).
 
   numerics' clip to +-127 is left out: |x| <= amax and 127 / amax is
   correctly rounded, so |x * (127 / amax)| <= 127 (1 + 2**-23) < 127.5, which
   rounds to at most 127: a clip would only cost the dS loops instructions.
   """
-  amax = tl.max(x, axis=1) if NONNEGATIVE else tl.max(tl.abs(x), axis=1)
   return low_byte(x * inverse_scale(amax)[:, None] + MAGIC_F32), amax / INT8_MAX
 
 
 @device_function
 def quantize_tile(x):
   """psi of a tile, one scale for it (numerics.quantize_tile): (int8, scale)."""
-  amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+  amax = abs_max(x, None)
   y = tl.clamp(x * inverse_scale(amax), -INT8_MAX, INT8_MAX)
   return low_byte(y + MAGIC_F32), amax / INT8_MAX
 
@@ -126,7 +137,7 @@ def score_tile(a8, b8, a_scale, b_scale, b_bias, SMOOTH_Q: tl.constexpr,
   c = a_scale * b_scale
   if SMOOTH_Q:  # c shaped like the scales (every return's types agree)
     return x * c + b_bias, tl.zeros_like(c) + 1.0
-  return x, tl.maximum(c, TINY)
+  return x, tl.maximum(c, TINY, propagate_nan=tl.PropagateNan.ALL)  # a NaN scale carries NaN
 
 
 @device_function

@@ -99,8 +99,8 @@ class Attention(nnx.Module):
       norm_eps: epsilon of the QK-norm.
       rope_theta: RoPE base; None disables RoPE.
       implementation: "sage" (SageBwd with the op's default kernels: the
-        Hopper backend on H100/H200, the portable Pallas kernels on other
-        GPUs, the pure-JAX reference elsewhere), "reference" (SageBwd, always
+        Hopper backend on H100/H200, the Triton kernels on other GPUs, the
+        pure-JAX reference elsewhere), "reference" (SageBwd, always
         the pure-JAX reference) or "full" (full-precision jax.nn.dot_product_attention,
         cuDNN on GPU for bf16/fp16) as the baseline.
       smooth_k, smooth_q: SageBwd smoothing options (ignored by "full").
@@ -114,7 +114,7 @@ class Attention(nnx.Module):
       mesh: run the attention op under `jax.shard_map` over this mesh, the
         batch split on `batch_axis` and the heads (query and key/value) on
         `head_axis` (see `sagebwd_jax.sharding`); None: no shard_map. Needed
-        for the Pallas kernels on more than one device. num_kv_heads must be
+        for the kernels on more than one device. num_kv_heads must be
         divisible by the head axis' size.
       batch_axis, head_axis: mesh axis names (None: that dimension not split).
       rngs: parameter initialization keys.
