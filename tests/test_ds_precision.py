@@ -79,9 +79,10 @@ def test_triton_kernels_match_reference(case, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_default_gpu_backend_matches_reference():
+def test_default_gpu_backend_matches_reference(monkeypatch):
   """The op's default on a GPU (on Hopper the Mosaic backend, which hands
-  this case to the portable kernels) against the CPU reference."""
+  this case to the Triton kernels) against the CPU reference with their P."""
+  use_triton_numerics(monkeypatch)
   q, k, v, do = gaussian_qkv(jax.random.key(6), 2, 256, 256, 4, 2, 128)
   ours = sage(q, k, v, do, is_causal=True, ds_precision="bf16")
   with jax.default_device(CPU):
