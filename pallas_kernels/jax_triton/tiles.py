@@ -1,5 +1,5 @@
 """Triton helpers the kernels share: numerics.py's rules on tiles, the score
-tile of every kernel, masks and causal bounds.
+tile of every kernel, masks and block bounds.
 
 An int8 product reaches fp32 exactly (|product| < 2**22 for tiles up to 128
 and D up to 256) one of two ways. The products that could start from zero
