@@ -5,8 +5,8 @@ backward: Delta and psi(dO) -> recomputed P -> INT8 dV, dQ, dK (dP in bf16;
           dQ, dK too with ds_precision="bf16")
 
 Which code runs each stage is the `backend` (Triton or Mosaic GPU kernels, or
-the pure-JAX reference); this file only wires the stages together. Sequences arrive padded
-to whole blocks, with the true lengths in `masks`.
+the pure-JAX reference); this file only wires the stages together. Sequences
+arrive padded to whole blocks, with the true lengths in `masks`.
 """
 
 from __future__ import annotations
