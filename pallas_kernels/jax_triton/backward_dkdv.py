@@ -165,19 +165,14 @@ def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_sca
     # (forward.py says why): before the loop they cost it spills. Only the
     # fp32 sums' order differs from the reference's; every int8 tile is its.
     if LEFT is not None or RIGHT is not None:
-      for s in tl.static_range(tiles.edge_blocks(BK, BQ, RIGHT)):  # causal: the diagonal
-        if start + s < full_start:
+      right: tl.constexpr = tiles.edge_blocks(BK, BQ, RIGHT)  # causal: the diagonal
+      for s in tl.static_range(right + tiles.edge_blocks(BK, BQ, LEFT)):
+        i, inside = tiles.edge_block(s, right, start, full_start, full_end, end)
+        if inside:
           dk_lo, dk_hi, dv_lo, dv_hi = _q_step(
               dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h,
               q_scale_h, q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h,
-              q16_h, q_ids_ptr, start + s, TQ, H, D, BQ, BK, LEFT, RIGHT, IDS, SMOOTH_Q,
-              Q_PER_TOKEN, DS16, CONVERT, DOT_PRECISION)
-      for s in tl.static_range(tiles.edge_blocks(BK, BQ, LEFT)):
-        if full_end + s < end:
-          dk_lo, dk_hi, dv_lo, dv_hi = _q_step(
-              dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h,
-              q_scale_h, q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h,
-              q16_h, q_ids_ptr, full_end + s, TQ, H, D, BQ, BK, LEFT, RIGHT, IDS, SMOOTH_Q,
+              q16_h, q_ids_ptr, i, TQ, H, D, BQ, BK, LEFT, RIGHT, IDS, SMOOTH_Q,
               Q_PER_TOKEN, DS16, CONVERT, DOT_PRECISION)
   # Q was quantized as Q * scale * log2(e): the int8 product carries log2(e);
   # the 16-bit one is of Q itself.

@@ -90,17 +90,13 @@ def _dq_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_id
   if LEFT is not None or RIGHT is not None:
     # The band's masked blocks as straight-line steps (forward.py says why),
     # after the loop: the order dQ's launch was tuned with.
-    for s in tl.static_range(tiles.edge_blocks(BQ, BK, RIGHT)):  # causal: the diagonal
-      if full_end + s < end:
+    right: tl.constexpr = tiles.edge_blocks(BQ, BK, RIGHT)  # causal: the diagonal
+    for s in tl.static_range(right + tiles.edge_blocks(BQ, BK, LEFT)):
+      j, inside = tiles.edge_block(s, right, full_end, end, start, full_start)
+      if inside:
         dq = _kv_step(dq, q8, q_scale, q_mean, rows[:, None], q_ids, lse, delta, do, k8_ptr,
-                      k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, full_end + s, TK,
-                      HKV, D, BQ, BK, LEFT, RIGHT, IDS, SMOOTH_Q, DS16, CONVERT,
-                      DOT_PRECISION)
-    for s in tl.static_range(tiles.edge_blocks(BQ, BK, LEFT)):
-      if start + s < full_start:
-        dq = _kv_step(dq, q8, q_scale, q_mean, rows[:, None], q_ids, lse, delta, do, k8_ptr,
-                      k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, start + s, TK, HKV,
-                      D, BQ, BK, LEFT, RIGHT, IDS, SMOOTH_Q, DS16, CONVERT, DOT_PRECISION)
+                      k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, j, TK, HKV, D, BQ,
+                      BK, LEFT, RIGHT, IDS, SMOOTH_Q, DS16, CONVERT, DOT_PRECISION)
   # S was formed from Q * scale * log2(e): dQ takes `scale` once (the 16-bit
   # product, of dS and K, too).
   tl.store(dq_ptr + tokens, (dq * SCALE).to(dq_ptr.dtype.element_ty))

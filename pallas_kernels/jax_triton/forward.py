@@ -109,18 +109,14 @@ def _forward_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_p
     # own block's top (numerics.folded_softmax_step), so the order changes no
     # P tile of the reference's ascending one, but a block's whose top lies
     # E_FLOOR below the row's maximum so far (P < 2**-52 of the row's).
-    for s in tl.static_range(tiles.edge_blocks(BQ, BK, RIGHT)):  # causal: the diagonal
-      if full_end + s < end:
+    right: tl.constexpr = tiles.edge_blocks(BQ, BK, RIGHT)  # causal: the diagonal
+    for s in tl.static_range(right + tiles.edge_blocks(BQ, BK, LEFT)):
+      j, inside = tiles.edge_block(s, right, full_end, end, start, full_start)
+      if inside:
         acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, rows[:, None], q_ids,
                                 k8_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr,
-                                kv_ids_ptr, full_end + s, TK, D, BQ, BK, LEFT, RIGHT, IDS,
-                                SMOOTH_Q, CONVERT)
-    for s in tl.static_range(tiles.edge_blocks(BQ, BK, LEFT)):
-      if start + s < full_start:
-        acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, rows[:, None], q_ids,
-                                k8_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr,
-                                kv_ids_ptr, start + s, TK, D, BQ, BK, LEFT, RIGHT, IDS,
-                                SMOOTH_Q, CONVERT)
+                                kv_ids_ptr, j, TK, D, BQ, BK, LEFT, RIGHT, IDS, SMOOTH_Q,
+                                CONVERT)
   for j in range(full_start, full_end):
     acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, rows[:, None], q_ids, k8_ptr,
                             k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr, kv_ids_ptr, j, TK,

@@ -262,6 +262,20 @@ def _clip(x, lo, hi):
   return tl.minimum(tl.maximum(x, lo), hi)
 
 
+@device_function
+def edge_block(s: tl.constexpr, FIRST: tl.constexpr, first_start, first_stop, second_start,
+               second_stop):
+  """Straight-line step s of a band's two masked runs, [first_start,
+  first_stop) taking the first FIRST steps (`edge_blocks` of its edge) and
+  [second_start, second_stop) the rest: (block, whether it lies in its run)."""
+  block = first_start + s
+  inside = block < first_stop
+  if s >= FIRST:
+    block = second_start + (s - FIRST)
+    inside = block < second_stop
+  return block, inside
+
+
 @triton.constexpr_function
 def edge_blocks(own: int, other: int, offset: int | None) -> int:
   """The most blocks of `other` tokens that one edge of the band crosses
