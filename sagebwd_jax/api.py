@@ -130,9 +130,8 @@ def dot_product_attention(
   that jax.nn's makes non-finite (the reference and the Triton kernels;
   tests/test_nan.py). int8 has no NaN: a block's scale carries it, so it
   spreads further, within its batch row and key/value head group: a query
-  makes its whole `block_q`-row block of the output and of dQ NaN (with
-  causal masking or a window, its head's whole dQ) and its head group's
-  whole dK and dV; a key or a value makes the whole output and all
+  makes its whole `block_q`-row block of the output and of dQ NaN and its
+  head group's whole dK and dV; a key or a value makes the whole output and all
   gradients of its head group NaN (K-smoothing's mean carries a key that
   far anyway, and jax.nn's 0 x NaN nearly so); a cotangent row makes its
   head group's whole dK and dV NaN. Query rows that see no key still

@@ -16,7 +16,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import causal_blocks
 from pallas_kernels import numerics as nm
 from pallas_kernels.types import Backend, Config, Masks, QuantizedQKV
 
@@ -76,25 +75,19 @@ def _forward(q, k, v, masks, config, backend, smooth_k, for_backward=True):
 def _backward(config, backend, smooth_k, residuals, do):
   del smooth_k  # rows of dS sum to zero: the smoothing mean has no gradient term
   qkv, v, o, lse, masks = residuals
-  if config.banded:
-    # A NaN query row makes jax.nn's dK and dV NaN for every key (its masked
-    # probabilities are NaN too); block skipping pairs it with the keys it
-    # sees only, so its head's lse carries it to every query block. (The
-    # barrier keeps XLA from recomputing the forward's lse inside this
-    # fusion, with log2's multiply contracted: jit and eager would differ.)
-    lse = nm.spread_nan(jax.lax.optimization_barrier(lse))
   dq, dk, dv = backend.backward(qkv, v, o, lse, do, masks, config)
   dq, dk, dv = _head_group_nan(qkv, lse, do, dq, dk, dv)
-  dk, dv = _unseen_keys_nan(qkv, lse, do, dk, dv, config)
   # q, k and v share one dtype (the op checks it), which o carries too.
   return dq.astype(o.dtype), dk.astype(o.dtype), dv.astype(o.dtype), None
 
 
 def _head_group_nan(qkv: QuantizedQKV, lse, do, dq, dk, dv):
   """dQ, dK, dV NaN on the head group of a NaN input, as jax.nn's 0 x NaN
-  (nearly) has them. The kernels' row maxima (Triton's max skips NaN) can
-  miss a NaN column of a dS or P^T tile: a key or value (their scales) for
-  dQ, dK and dV; a query, its lse or a cotangent row for dK and dV."""
+  (nearly) has them. No kernel pairs a NaN row with the blocks that block
+  skipping leaves out (the keys past a window, or no query's reach), and
+  the kernels' row maxima (Triton's max skips NaN) can miss a NaN column of a
+  dS or P^T tile: a key or value (their scales) makes dQ, dK and dV NaN; a
+  query, its lse or a cotangent row dK and dV."""
   batch, kv_heads = dk.shape[0], dk.shape[2]
   group = lambda bad: jnp.any(bad.reshape(batch, kv_heads, -1), axis=-1)[:, None, :, None]
   bad_kv = group(jnp.isnan(qkv.k_scale) | jnp.isnan(qkv.v_scale))
@@ -103,24 +96,6 @@ def _head_group_nan(qkv: QuantizedQKV, lse, do, dq, dk, dv):
   nan = lambda x, bad: jnp.where(bad, jnp.nan, x)
   return (nan(dq, jnp.repeat(bad_kv, dq.shape[2] // kv_heads, axis=2)), nan(dk, bad_q),
           nan(dv, bad_q))
-
-
-def _unseen_keys_nan(qkv: QuantizedQKV, lse, do, dk, dv, config: Config):
-  """dK, dV with NaN, as jax.nn has them, on the keys no query sees (past the
-  last query's reach, Tk > Tq + right): no kernel program computes them, while
-  jax.nn's 0 x NaN does: dK where any query of the head group is non-finite,
-  dV where any query row's softmax (lse) or cotangent is."""
-  _, right = causal_blocks.band(config.causal, config.window)
-  reach = qkv.q8.shape[2] + (right or 0)
-  if right is None or reach >= dk.shape[1]:
-    return dk, dv
-  batch, kv_heads = dk.shape[0], dk.shape[2]
-  group = lambda x: jnp.any(x.reshape(batch, kv_heads, -1), axis=-1)[:, None, :, None]
-  bad_q = group(jnp.isnan(qkv.q_scale))
-  bad_p = group(jnp.isnan(lse)) | group(~jnp.all(jnp.isfinite(jnp.swapaxes(do, 1, 2)),
-                                                  axis=-1))
-  unseen = lambda x, bad: x.at[:, reach:].set(jnp.where(bad, jnp.nan, x[:, reach:]))
-  return unseen(dk, bad_q), unseen(dv, bad_p)
 
 
 sagebwd_attention.defvjp(_forward, _backward)
