@@ -73,8 +73,11 @@ class TritonLaunch:
 
   def compiled(self, arch: int, num_warps: int | None = None, num_stages: int | None = None):
     """Triton's compiled kernel of the launch (its own cache makes a repeat cheap)."""
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile as triton_compile
+    if not knobs.cache.dir:  # TRITON_CACHE_DIR set empty, as on the device machines
+      knobs.cache.dir = tempfile.mkdtemp(prefix="triton-cache-")
     pointers = [n for n in self.kernel.arg_names if n not in self.constants]
     signature = dict(zip(pointers, self.types)) | {n: "constexpr" for n in self.constants}
     attrs = {(self.kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in pointers}

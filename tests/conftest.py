@@ -138,30 +138,27 @@ def kernel_config(**overrides) -> Config:
 
 
 def check_quantization_pass(backend, reference, head_dim: int, smooth_q: bool,
-                            smooth_k: bool, *, int8_exact: bool, sum_atol: float = 0.0,
+                            smooth_k: bool, *, sum_atol: float = 0.0,
                             ds_precision: str = "int8"):
-  """`backend.quantize` forms `reference.quantize`'s tensors: int8 equal
-  (or, compiled, at most one apart in under 1e-4 of the elements), scales and
-  means to fp32 rounding (`sum_atol` times the largest: for kernels that add
-  the Q-smoothing means in another order). `ds_precision="bf16"` quantizes Q
-  per token."""
+  """`backend.quantize` forms `reference.quantize`'s tensors: int8 equal,
+  scales and means to fp32 rounding (`sum_atol` times the largest: for
+  kernels that add the Q-smoothing means in another order).
+  `ds_precision="bf16"` quantizes Q per token. The reference runs on the CPU:
+  XLA:GPU divides fp32 to within an ulp, not correctly rounded (127 / amax
+  differs in 28% of values on the H200), which moves int8 values by one."""
   from sagebwd_jax.sagebwd import key_mean
   q, k, v, _ = gaussian_qkv(jax.random.key(0), 2, 128, 192, 4, 2, head_dim, sigma=2.0)
   config = kernel_config(smooth_q=smooth_q, scale=head_dim**-0.5, ds_precision=ds_precision)
   k_mean = key_mean(k, None) if smooth_k else None
   ours = backend.quantize(q, k, v, k_mean, config)
-  ref = reference.quantize(q, k, v, k_mean, config)
+  ref = reference.quantize(*jax.device_put((q, k, v, k_mean), CPU), config)
   for name, a, b in zip(ours._fields, ours, ref):
     assert (a is None) == (b is None), name
     if a is None:
       continue
     a, b = np.asarray(a), np.asarray(b)
     assert a.shape == b.shape and a.dtype == b.dtype, name
-    if a.dtype == np.int8 and not int8_exact:
-      # Compiled GPU kernels may divide or round one ulp apart from XLA.
-      diff = np.abs(a.astype(np.int32) - b)
-      assert diff.max() <= 1 and np.mean(diff != 0) < 1e-4, name
-    elif a.dtype == np.int8:
+    if a.dtype == np.int8:
       np.testing.assert_array_equal(a, b, err_msg=name)
     else:
       np.testing.assert_allclose(a, b, rtol=1e-6, atol=sum_atol * np.abs(b).max(),

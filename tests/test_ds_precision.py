@@ -42,8 +42,10 @@ def test_bf16_ds_lowers_every_error(dtype):
 
 def test_bf16_ds_quantizes_q_per_token():
   """Each row of Q8 is psi of that row of Q * scale * log2(e) alone (numpy),
-  and the rows' scales differ within a block."""
-  q, k, v, _ = gaussian_qkv(jax.random.key(4), 1, 128, 128, 2, 2, 64, sigma=2.0)
+  and the rows' scales differ within a block. On the CPU: XLA:GPU's fp32
+  division is not correctly rounded (conftest.check_quantization_pass)."""
+  q, k, v, _ = jax.device_put(gaussian_qkv(jax.random.key(4), 1, 128, 128, 2, 2, 64, sigma=2.0),
+                              CPU)
   config = kernel_config(ds_precision="bf16")
   qkv = ReferenceBackend().quantize(q, k, v, None, config)
   rows = np.swapaxes(np.asarray(q, np.float32), 1, 2)  # (B, H, T, D)
