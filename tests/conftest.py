@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
+import tempfile
 
 # The suite runs under strict rank promotion (jax's own suite does; a common
 # user setting): no implicit broadcasting of arrays of different rank. The
@@ -23,8 +25,18 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # XLA's default 75% of the device, which would leave the next worker none.
 if "PYTEST_XDIST_WORKER" in os.environ:
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# Compiling, not running, takes most of the suite's time on the CPU, and the
+# tests (and the training runs they start as subprocesses) compile many of
+# the same programs: one persistent compilation cache for the whole run. The
+# process that starts pytest makes it; its xdist workers and their
+# subprocesses inherit the variables, so they all share it.
+_OWN_COMPILE_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_COMPILE_CACHE:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="sagebwd-jax-tests-")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-import jax  # noqa: E402  (after the variable, which jax reads at import)
+import jax  # noqa: E402  (after the variables, which jax reads at import)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -35,6 +47,12 @@ from sagebwd_jax import dot_product_attention, full_precision_attention, metrics
 jax.config.update("jax_numpy_rank_promotion", os.environ["JAX_NUMPY_RANK_PROMOTION"])
 
 BACKENDS = ["reference"]
+
+
+def pytest_unconfigure(config):
+  """The run's compilation cache goes with the process that made it."""
+  if _OWN_COMPILE_CACHE and not hasattr(config, "workerinput"):
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
