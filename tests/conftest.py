@@ -51,7 +51,8 @@ BACKENDS = ["reference"]
 
 def pytest_unconfigure(config):
   """The run's compilation cache goes with the process that made it."""
-  if _OWN_COMPILE_CACHE and not hasattr(config, "workerinput"):
+  del config
+  if _OWN_COMPILE_CACHE:  # the xdist workers inherited the variable: not theirs
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
