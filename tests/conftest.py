@@ -25,18 +25,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # XLA's default 75% of the device, which would leave the next worker none.
 if "PYTEST_XDIST_WORKER" in os.environ:
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-# Compiling, not running, takes most of the suite's time on the CPU, and the
-# tests (and the training runs they start as subprocesses) compile many of
-# the same programs: one persistent compilation cache for the whole run. The
-# process that starts pytest makes it; its xdist workers and their
-# subprocesses inherit the variables, so they all share it.
-_OWN_COMPILE_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
-if _OWN_COMPILE_CACHE:
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="sagebwd-jax-tests-")
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-import jax  # noqa: E402  (after the variables, which jax reads at import)
+import jax  # noqa: E402  (after the variable, which jax reads at import)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -49,11 +39,24 @@ jax.config.update("jax_numpy_rank_promotion", os.environ["JAX_NUMPY_RANK_PROMOTI
 BACKENDS = ["reference"]
 
 
-def pytest_unconfigure(config):
-  """The run's compilation cache goes with the process that made it."""
-  del config
-  if _OWN_COMPILE_CACHE:  # the xdist workers inherited the variable: not theirs
-    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+def pytest_configure(config):
+  """One persistent compilation cache for the whole run, removed after it.
+
+  Compiling, not running, takes most of the suite's time on the CPU, and the
+  tests (and the training runs they start as subprocesses) compile many of
+  the same programs. The process that runs pytest makes the cache; its xdist
+  workers, started after this hook, and every subprocess inherit the
+  variables. A cache the caller named is left alone.
+  """
+  if hasattr(config, "workerinput") or "JAX_COMPILATION_CACHE_DIR" in os.environ:
+    return
+  cache = tempfile.mkdtemp(prefix="sagebwd-jax-tests-")
+  config.add_cleanup(functools.partial(shutil.rmtree, cache, ignore_errors=True))
+  for name, value in (("JAX_COMPILATION_CACHE_DIR", cache),
+                      ("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 0.0),
+                      ("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", 0)):
+    os.environ[name] = str(value)
+    jax.config.update(name.lower(), value)  # this process has read the variables
 
 
 def pytest_collection_modifyitems(config, items):
