@@ -56,9 +56,9 @@ def main():
     layout = jax.jit(lambda vt: jnp.swapaxes(registers.permute_keys(vt).reshape(
         *vt.shape[:3], -1, 64), 2, 3))
     record("v_layout_pass", time_call(layout, qkv.v8_t))
-    triton = jax.jit(lambda qkv: forward(qkv, Masks(), config, jnp.bfloat16,
-                                         triton.forward_launch))
-    record("triton_fwd", time_call(triton, qkv))
+    triton_forward = jax.jit(lambda qkv: forward(qkv, Masks(), config, jnp.bfloat16,
+                                                 triton.forward_launch))
+    record("triton_fwd", time_call(triton_forward, qkv))
     reference = jax.jit(lambda qkv: ReferenceBackend(p_block=128, unsigned_p=True).forward(
         qkv, Masks(), config, jnp.bfloat16))
     o_ref, lse_ref = jax.block_until_ready(reference(qkv))

@@ -114,8 +114,8 @@ def test_tuned_launches():
   causal, plain = _tuned(True, False), _tuned(False, False)
   assert causal.fallback == portable
   assert causal.forward_mosaic == plain.forward_mosaic == mosaic_forward.ForwardTuning()
-  assert causal.dkdv_tuning == plain.dkdv_tuning == BackwardTuning(schedule_barrier=False)
-  assert causal.dq_tuning == plain.dq_tuning == BackwardTuning()
+  assert causal.dkdv_tuning == plain.dkdv_tuning == BackwardTuning()
+  assert causal.dq_tuning == plain.dq_tuning == BackwardTuning(schedule_barrier=False)
 
 
 def test_default_implementation_without_gpu_is_reference():

@@ -26,6 +26,7 @@ from sagebwd_jax.reference import HOPPER_NUMERICS
 from sagebwd_jax.sagebwd import key_mean
 
 TUNINGS = {"default": BackwardTuning(),
+           "no_schedule_barrier": BackwardTuning(schedule_barrier=False),
            "one_warpgroup": BackwardTuning(compute_wgs=1, schedule_barrier=False),
            "three_steps": BackwardTuning(max_concurrent_steps=3)}
 

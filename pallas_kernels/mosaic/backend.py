@@ -62,7 +62,7 @@ class MosaicBackend:
     `python -m benchmarks.mosaic_backward` measured fastest on an H200
     (docs/performance.md)."""
     return cls(fallback, forward_mosaic=forward.ForwardTuning(),
-               dkdv_tuning=BackwardTuning(schedule_barrier=False), dq_tuning=BackwardTuning())
+               dkdv_tuning=BackwardTuning(), dq_tuning=BackwardTuning(schedule_barrier=False))
 
   def quantize(self, q, k, v, k_mean, config: Config, *,
                for_backward: bool = True) -> QuantizedQKV:

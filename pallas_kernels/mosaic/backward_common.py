@@ -11,9 +11,9 @@ accumulator that starts at -Delta; dQ issues it with S under one wait, dK/dV
 after forming P^T (registers). The int8
 products (P^T.dO, dS^T.Q, dS.K) take their 8-bit operand straight from
 registers (`registers.dot_from_registers`; the B operands' token axis is stored
-in `registers.permute_keys` order), rounded by one add each, and accumulate
-in int32 accumulators that also start at 0x4B400000: merging one into fp32 is
-one add (removing the bias) and one FMA (its per-row scale).
+in `registers.permute_keys` order), rounded by one add each, into int32
+accumulators that no instruction initializes (the first wgmma ignores them):
+merging one into fp32 is a conversion and an FMA (its per-row scale).
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ class BackwardTuning(Tuning):
   queries (dQ) per CTA, the ring of the other side's 64-token tiles, the
   schedule barrier. `python -m benchmarks.mosaic_backward` times them
   (docs/performance.md)."""
-
 
 class Schedule:
   """The schedule barrier's operations, no-ops without one. A warpgroup
@@ -133,10 +132,14 @@ def pack_unsigned(pq):
   return registers.pack(lax.bitcast_convert_type(pq + nm.ROUND_MAGIC_F32, jnp.int32))
 
 
-def merge(acc, biased_product, row_scale):
-  """acc + (int32 product) * row_scale, the product as biased fp32 bits."""
-  product = lax.bitcast_convert_type(biased_product, jnp.float32) - nm.ROUND_MAGIC_F32
-  return acc + product * lax.broadcast_in_dim(row_scale, acc.shape, [0])
+def merge(acc, product, row_scale):
+  """acc + (int32 product) * row_scale: a conversion and an FMA per element.
+
+  The product started fresh (`registers.dot_from_registers`), so no
+  instruction set its accumulator: against a biased start (0x4B400000, read
+  back by one add) this saves a move per element and step
+  (docs/performance.md, 2026-12-02)."""
+  return acc + product.astype(jnp.float32) * lax.broadcast_in_dim(row_scale, acc.shape, [0])
 
 
 def write_tile(value, smem, dst):

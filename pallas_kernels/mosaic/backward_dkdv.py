@@ -108,10 +108,10 @@ def _dkdv_call(q8, qt8, q_scale, k8, k_scale, v, lse, delta, do, dot8, do_scale,
         schedule.wait()
         p_scale = jnp.exp2(top)
         pdo = registers.dot_from_registers((p8,), (dot_ring.at[slot],), t_transforms,
-                                           head_dim, unsigned_a=True, biased=True)
+                                           head_dim, unsigned_a=True)
         dv = bc.merge(dv, pdo, p_scale * do_scale)
         dsq = registers.dot_from_registers((ds8,), (qt_ring.at[slot],), t_transforms,
-                                           head_dim, unsigned_a=False, biased=True)
+                                           head_dim, unsigned_a=False)
         dk = bc.merge(dk, dsq, ds_scale * p_scale * q_scale)
         plgpu.barrier_arrive(consumed.at[slot])
         return dk, dv

@@ -97,7 +97,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, kt8, k_scale, v, *, causal: bool, 
         plgpu.barrier_wait(kt_bars.at[slot])
         schedule.wait()
         dsk = registers.dot_from_registers((ds8,), (kt_ring.at[slot],), t_transforms,
-                                           head_dim, unsigned_a=False, biased=True)
+                                           head_dim, unsigned_a=False)
         plgpu.barrier_arrive(consumed.at[slot])
         return bc.merge(dq, dsk, ds_scale * k_scale)
 

@@ -12,7 +12,7 @@ The values arrive as the int32 bits of `x + 1.5 * 2**23` (the rounding add of
 `numerics`), whose low byte is round(x) as an unsigned byte for 0 <= x <= 255
 and as a two's-complement byte for -128 <= x <= 127: three byte permutes pack
 four of them. jax 0.11.2's wgmma has no unsigned A operand; `dot_from_registers`
-issues its instructions as `.u8.s8` when asked (see `_unsigned_a`), so P may
+issues its instructions as `.u8.s8` when asked (see `_WgmmaRewrite`), so P may
 use all 256 levels.
 """
 
@@ -28,12 +28,10 @@ from jax.experimental.mosaic.gpu import fragmented_array as fa
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 import jax.numpy as jnp
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import arith
 from jaxlib.mlir.dialects import llvm
 from jaxlib.mlir.dialects import vector
 import numpy as np
 
-from pallas_kernels import numerics as nm
 
 # The module, not the function of the same name that `mosaic.gpu` exports.
 mgpu_wgmma = importlib.import_module("jax.experimental.mosaic.gpu.wgmma")
@@ -75,27 +73,37 @@ def _pack_low_bytes(x: fa.FragmentedArray) -> fa.FragmentedArray:
   return fa.FragmentedArray(_registers=packed, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=True)
 
 
-class _UnsignedA:
+class _WgmmaRewrite:
   """Stands in for the `llvm` module of jax's wgmma lowering and rewrites the
-  register-A int8 instruction `.s32.s8.s8` into `.s32.u8.s8`."""
+  register-A int8 instructions it emits: the first ignores its accumulator
+  input (its scale-d predicate false), so the accumulator needs no start value
+  and no instruction sets one; with `unsigned_a`, `.s32.s8.s8` becomes
+  `.s32.u8.s8`."""
 
-  def __init__(self, real):
-    self._real = real
+  def __init__(self, real, *, unsigned_a: bool):
+    self._real, self._unsigned_a, self._first = real, unsigned_a, True
 
   def __getattr__(self, name):
     return getattr(self._real, name)
 
   def inline_asm(self, result, operands, asm, constraints, *args, **kwargs):
-    asm = asm.replace(".s32.s8.s8", ".s32.u8.s8")
+    if self._unsigned_a:
+      asm = asm.replace(".s32.s8.s8", ".s32.u8.s8")
+    if self._first and "wgmma.mma_async" in asm:
+      # The last operand is the use-accumulator flag (`wgmma_m64`'s imms).
+      i32 = ir.IntegerType.get_signless(32)
+      operands = [*operands[:-1], llvm.ConstantOp(i32, ir.IntegerAttr.get(i32, 0)).result]
+      self._first = False
     return self._real.inline_asm(result, operands, asm, constraints, *args, **kwargs)
 
 
 @contextlib.contextmanager
-def _unsigned_a():
-  """While lowering the wgmmas of an unsigned `dot_from_registers` (and
-  nothing else), their A operand is unsigned. Remove when jax's wgmma takes unsigned int8 A operands."""
+def _rewritten_wgmma(*, unsigned_a: bool):
+  """While lowering the wgmmas of one `dot_from_registers` (and nothing
+  else), `_WgmmaRewrite` edits them. Remove when jax's wgmma takes unsigned
+  int8 A operands and a first product that ignores the accumulator."""
   real = mgpu_wgmma.llvm
-  mgpu_wgmma.llvm = _UnsignedA(real)
+  mgpu_wgmma.llvm = _WgmmaRewrite(real, unsigned_a=unsigned_a)
   try:
     yield
   finally:
@@ -120,16 +128,16 @@ def pack(bits: jax.Array) -> jax.Array:
 
 
 def dot_from_registers(a_tiles: tuple[jax.Array, ...], b_tiles: tuple, transforms: tuple,
-                       n: int, *, unsigned_a: bool, biased: bool = False) -> jax.Array:
+                       n: int, *, unsigned_a: bool) -> jax.Array:
   """int32 sum over i of A_i.B_i, each A_i 8-bit from registers.
 
   `a_tiles[i]`: (64, 64) int8 from `pack`, its columns in `permute_keys`
   order (read as unsigned with `unsigned_a`). `b_tiles[i]`: a shared-memory
   (n, 64) int8 tile of B^T whose contraction axis is in `permute_keys` order,
   stored with `transforms` (64-byte swizzle). Issues every product, then
-  waits for them; returns (64, n) int32, WGMMA layout. With `biased` the
-  accumulator starts at 0x4B400000 (the sum's bits read as fp32 are
-  1.5 * 2**23 + sum, for |sum| < 2**22).
+  waits for them; returns (64, n) int32, WGMMA layout. The first wgmma
+  ignores its accumulator input, so no instruction initializes the
+  accumulator (callers convert and scale the exact sum).
   """
   swizzle = transforms[-1].swizzle
   count = len(a_tiles)
@@ -139,11 +147,10 @@ def dot_from_registers(a_tiles: tuple[jax.Array, ...], b_tiles: tuple, transform
       return_type=plgpu.ShapeDtypeStruct((ROWS, n), jnp.int32, layout=plgpu.Layout.WGMMA))
   def product(ctx, a_regs, tiles):
     del ctx
-    i32 = ir.IntegerType.get_signless(32)
-    start = arith.constant(i32, ir.IntegerAttr.get(i32, nm.ROUND_MAGIC_I32 if biased else 0))
+    undefined = llvm.mlir_undef(ir.IntegerType.get_signless(32))
     acc = mgpu.WGMMAAccumulator.from_registers(
-        fa.FragmentedArray.splat(start, (ROWS, n), fa.WGMMA_LAYOUT, is_signed=True))
-    with _unsigned_a() if unsigned_a else contextlib.nullcontext():
+        fa.FragmentedArray.splat(undefined, (ROWS, n), fa.WGMMA_LAYOUT, is_signed=True))
+    with _rewritten_wgmma(unsigned_a=unsigned_a):
       for a, tile in zip(a_regs, tiles):
         acc = mgpu.wgmma(acc, a, mgpu_utils.memref_transpose(tile, (1, 0, 3, 2)),
                          swizzle=swizzle)
