@@ -1,6 +1,6 @@
 """What the two Mosaic GPU backward kernels (dK/dV and dQ) share: their launch
-settings, the warp-specialized loop over a ring of streamed tiles, and the
-per-score chain of a 64 x 64 tile.
+settings and the per-score chain of a 64 x 64 tile (their pipeline is
+`pipeline`'s).
 
 Both kernels recompute S from int8 Q and K in an int32 accumulator that starts
 at 0x4B400000, so its bits read as fp32 are 1.5 * 2**23 + S exactly, and form
@@ -26,44 +26,20 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import numerics as nm
-from pallas_kernels.mosaic import registers
-from pallas_kernels.mosaic.common import BLOCK, Tuning, positive_scale
+from pallas_kernels.mosaic import pipeline, registers
+from pallas_kernels.mosaic.common import BLOCK, positive_scale
 
 TILE = (BLOCK, BLOCK)
-# Registers per thread of the compute and producer warpgroups (setmaxnreg):
-# 2 x 240 + 24 of the 512 a 128-thread slice of the register file has. dK/dV
-# needs them (fp32 dK and dV alone take 128).
-COMPUTE_REGISTERS, PRODUCER_REGISTERS = 240, 24
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
 COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
 
 
 @dataclasses.dataclass(frozen=True)
-class BackwardTuning(Tuning):
+class BackwardTuning(pipeline.Tuning):
   """Launch settings of a Mosaic backward kernel: blocks of 64 keys (dK/dV) or
   queries (dQ) per CTA, the ring of the other side's 64-token tiles, the
   schedule barrier. `python -m benchmarks.mosaic_backward` times them
   (docs/performance.md)."""
-
-class Schedule:
-  """The schedule barrier's operations, no-ops without one. A warpgroup
-  arrives when it has issued its wgmmas or finished its elementwise work, then
-  waits for the other one's turn."""
-
-  def __init__(self, sched, tuning: BackwardTuning):
-    self._sched = sched if tuning.schedule_barrier else None
-
-  def arrive(self):
-    if self._sched is not None:
-      plgpu.barrier_arrive(self._sched)
-
-  def wait(self):
-    if self._sched is not None:
-      plgpu.barrier_wait(self._sched)
-
-  def turn(self):
-    self.arrive()
-    self.wait()
 
 
 def magic(shape=TILE):
@@ -75,7 +51,7 @@ def zeros(shape, dtype=jnp.float32):
   return plgpu.layout_cast(jnp.full(shape, 0, dtype), plgpu.Layout.WGMMA)
 
 
-def products(pairs, starts, schedule: Schedule | None = None):
+def products(pairs, starts, schedule: pipeline.Schedule | None = None):
   """wgmmas A.B^T for each (A smem tile, B smem tile stored (N, K)) of `pairs`,
   into accumulators that start at `starts`, issued back to back; the
   warpgroup takes its turn at `schedule`'s barrier, then one wait covers them.
@@ -148,41 +124,6 @@ def write_tile(value, smem, dst):
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(smem, dst)
   plgpu.wait_smem_to_gmem(0)
-
-
-def stream(*, tuning: BackwardTuning, first, end, load, consumed):
-  """The producer's loop: `load(i, slot)` tiles i in [first, end) through the
-  ring, each once the compute warpgroups released its slot's previous tile."""
-  steps = tuning.max_concurrent_steps
-  slot_of = lambda i: lax.rem(i, jnp.array(steps, i.dtype))
-
-  @pl.loop(first, jnp.minimum(first + steps, end))
-  def _prologue(i):
-    load(i, slot_of(i))
-
-  @pl.loop(first + steps, end)
-  def _ring(i):
-    plgpu.barrier_wait(consumed.at[slot_of(i)])  # tile i - steps is done
-    load(i, slot_of(i))
-
-  @pl.loop(jnp.maximum(end - steps, first), end)
-  def _drain(i):  # observe the last consumptions too
-    plgpu.barrier_wait(consumed.at[slot_of(i)])
-
-
-def release(first, end, *, bars, consumed, schedule: Schedule, tuning: BackwardTuning):
-  """Waits for and releases ring tiles [first, end) a warpgroup does not use
-  (another one of its CTA does). It still takes its two turns per tile at the
-  schedule barrier, so both warpgroups pass it equally often."""
-  slot_of = lambda i: lax.rem(i, jnp.array(tuning.max_concurrent_steps, i.dtype))
-
-  @pl.loop(first, end)
-  def _release(i):
-    for bar in bars:
-      plgpu.barrier_wait(bar.at[slot_of(i)])
-    plgpu.barrier_arrive(consumed.at[slot_of(i)])
-    schedule.turn()
-    schedule.turn()
 
 
 def row_vector(ref):

@@ -33,16 +33,15 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels import causal_blocks
 from pallas_kernels import numerics as nm
 from pallas_kernels.mosaic import backward_common as bc
-from pallas_kernels.mosaic import registers
+from pallas_kernels.mosaic import pipeline, registers
 from pallas_kernels.mosaic.backward_common import BackwardTuning
-from pallas_kernels.mosaic.common import (BLOCK, check_supported, smem_transforms,
-                                          warp_specialized_kernel)
+from pallas_kernels.mosaic.common import BLOCK, check_supported, smem_transforms
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 
-def _dkdv_call(q8, qt8, q_scale, k8, k_scale, v, lse, delta, do, dot8, do_scale, *,
+def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scale, *,
                causal: bool, out_dtype, tuning: BackwardTuning):
-  """qt8, dot8: (B, H, D, Tq) int8 with queries in `registers.permute_keys`
+  """q8_t, do8_t: (B, H, D, Tq) int8 with queries in `registers.permute_keys`
   order; scales per token (B, H, T)."""
   batch, heads, q_len, head_dim = q8.shape
   kv_heads, kv_len = k8.shape[1], k8.shape[2]
@@ -58,22 +57,20 @@ def _dkdv_call(q8, qt8, q_scale, k8, k_scale, v, lse, delta, do, dot8, do_scale,
     return tuple(jnp.asarray(x, jnp.int32)
                  for x in causal_blocks.q_blocks(j, BLOCK, BLOCK, num_q_blocks))
 
-  def kernel(q_ref, qt_ref, qs_ref, k_ref, ks_ref, v_ref, lse_ref, delta_ref, do_ref,
-             dot_ref, dos_ref, dk_ref, dv_ref, scoped):
+  def kernel(q_ref, q8_t_ref, qs_ref, k_ref, ks_ref, v_ref, lse_ref, delta_ref, do_ref,
+             do8_t_ref, dos_ref, dk_ref, dv_ref, scoped):
     b, h, t = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("kv_seq")
     wg = lax.axis_index("wg")
     kvh = lax.div(h, jnp.array(group, h.dtype))
     smem, (k_bars, v_bars), ring_bars, consumed, sched = scoped
-    k_smem2, v_smem2, q_ring, qt_ring, do_ring, dot_ring, out_smem2 = smem
-    q_bars, qt_bars, do_bars, dot_bars = ring_bars
+    k_smem2, v_smem2, q_ring, q8_t_ring, do_ring, do8_t_ring, out_smem2 = smem
+    q_bars, q8_t_bars, do_bars, do8_t_bars = ring_bars
     cta_start = q_range(t * wgs)[0]
     end = jnp.int32(num_q_blocks)
-    slot_of = lambda i: lax.rem(i, jnp.array(tuning.max_concurrent_steps, i.dtype))
-    schedule = bc.Schedule(sched, tuning)
+    ring = pipeline.Ring(tuning.max_concurrent_steps)
+    schedule = pipeline.Schedule(sched, tuning)
 
-    @pl.when(wg < wgs)
-    def _compute():
-      plgpu.set_max_registers(bc.COMPUTE_REGISTERS, action="increase")
+    def compute():
       j = t * wgs + wg  # this warpgroup's key block
       kv = pl.ds(j * BLOCK, BLOCK)
       k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
@@ -85,7 +82,7 @@ def _dkdv_call(q8, qt8, q_scale, k8, k_scale, v, lse, delta, do, dot8, do_scale,
 
       def q_step(i, carry, *, masked: bool):
         dk, dv = carry
-        slot, rows = slot_of(i), pl.ds(i * BLOCK, BLOCK)
+        slot, rows = ring.slot(i), pl.ds(i * BLOCK, BLOCK)
         q_scale = qs_ref[b, h, i * BLOCK]
         do_scale = dos_ref[b, h, i * BLOCK]
         plgpu.barrier_wait(q_bars.at[slot])
@@ -103,70 +100,67 @@ def _dkdv_call(q8, qt8, q_scale, k8, k_scale, v, lse, delta, do, dot8, do_scale,
         p8 = bc.pack_unsigned(pq)
         ds8, ds_scale = bc.pack_signed_rows(pq * dp)
         schedule.arrive()  # elementwise work done: the other warpgroup may issue
-        plgpu.barrier_wait(dot_bars.at[slot])
-        plgpu.barrier_wait(qt_bars.at[slot])
+        plgpu.barrier_wait(do8_t_bars.at[slot])
+        plgpu.barrier_wait(q8_t_bars.at[slot])
         schedule.wait()
         p_scale = jnp.exp2(top)
-        pdo = registers.dot_from_registers((p8,), (dot_ring.at[slot],), t_transforms,
+        pdo = registers.dot_from_registers((p8,), (do8_t_ring.at[slot],), t_transforms,
                                            head_dim, unsigned_a=True)
         dv = bc.merge(dv, pdo, p_scale * do_scale)
-        dsq = registers.dot_from_registers((ds8,), (qt_ring.at[slot],), t_transforms,
+        dsq = registers.dot_from_registers((ds8,), (q8_t_ring.at[slot],), t_transforms,
                                            head_dim, unsigned_a=False)
         dk = bc.merge(dk, dsq, ds_scale * p_scale * q_scale)
         plgpu.barrier_arrive(consumed.at[slot])
         return dk, dv
 
       start, full, _ = q_range(j)
-      bc.release(cta_start, start, bars=ring_bars, consumed=consumed, schedule=schedule,
-                 tuning=tuning)
-      if tuning.schedule_barrier:
-        pl.when(wg == 1)(schedule.turn)
+      pipeline.release(ring, cta_start, start, bars=ring_bars, consumed=consumed,
+                       schedule=schedule)
+      schedule.lead_in(wg)
       carry = (bc.zeros((BLOCK, head_dim)), bc.zeros((BLOCK, head_dim)))
       carry = lax.fori_loop(start, full, functools.partial(q_step, masked=True), carry)
       dk, dv = lax.fori_loop(full, end, functools.partial(q_step, masked=False), carry)
-      if tuning.schedule_barrier:
-        pl.when(wg == 0)(schedule.turn)
+      schedule.lead_out(wg)
       # Q was quantized as Q * scale * log2(e): dK carries log2(e) once.
       out_smem = out_smem2.at[wg]  # one staging tile for both (fp32 GQA partials)
       for x, dst in ((dk * nm.LN_2, dk_ref), (dv, dv_ref)):
         bc.write_tile(x.astype(out_dtype), out_smem, dst.at[b, kv, h])
 
-    @pl.when(wg == wgs)
-    def _producer():
-      plgpu.set_max_registers(bc.PRODUCER_REGISTERS, action="decrease")
-
+    def producer():
       def load(i, slot):
         rows = pl.ds(i * BLOCK, BLOCK)
         plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_ring.at[slot], q_bars.at[slot])
         plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_ring.at[slot], do_bars.at[slot])
-        plgpu.copy_gmem_to_smem(dot_ref.at[b, h, :, rows], dot_ring.at[slot],
-                                dot_bars.at[slot])
-        plgpu.copy_gmem_to_smem(qt_ref.at[b, h, :, rows], qt_ring.at[slot], qt_bars.at[slot])
+        plgpu.copy_gmem_to_smem(do8_t_ref.at[b, h, :, rows], do8_t_ring.at[slot],
+                                do8_t_bars.at[slot])
+        plgpu.copy_gmem_to_smem(q8_t_ref.at[b, h, :, rows], q8_t_ring.at[slot], q8_t_bars.at[slot])
 
-      bc.stream(tuning=tuning, first=cta_start, end=end, load=load, consumed=consumed)
+      pipeline.stream(ring, first=cta_start, end=end, load=load, consumed=(consumed,))
+
+    pipeline.split(wg, tuning, pipeline.BACKWARD_REGISTERS, compute=compute, producer=producer)
 
   i8, fdt = jnp.int8, v.dtype
-  ring = tuning.max_concurrent_steps
+  slots = tuning.max_concurrent_steps
   scratch = (
       plgpu.SMEM((wgs, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),  # K8
       plgpu.SMEM((wgs, BLOCK, head_dim), fdt, transforms=smem_transforms(head_dim, fdt)),  # V
-      plgpu.SMEM((ring, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),  # Q8
-      plgpu.SMEM((ring, head_dim, BLOCK), i8, transforms=t_transforms),  # Q8^T
-      plgpu.SMEM((ring, BLOCK, head_dim), fdt, transforms=smem_transforms(head_dim, fdt)),  # dO
-      plgpu.SMEM((ring, head_dim, BLOCK), i8, transforms=t_transforms),  # dO8^T
+      plgpu.SMEM((slots, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),  # Q8
+      plgpu.SMEM((slots, head_dim, BLOCK), i8, transforms=t_transforms),  # Q8^T
+      plgpu.SMEM((slots, BLOCK, head_dim), fdt, transforms=smem_transforms(head_dim, fdt)),  # dO
+      plgpu.SMEM((slots, head_dim, BLOCK), i8, transforms=t_transforms),  # dO8^T
       plgpu.SMEM((wgs, BLOCK, head_dim), out_dtype,
                  transforms=smem_transforms(head_dim, out_dtype)),  # dK, then dV
   )
   barriers = ((plgpu.Barrier(num_barriers=wgs),) * 2,
-              (plgpu.Barrier(num_barriers=ring),) * 4,
-              plgpu.Barrier(num_arrivals=wgs, num_barriers=ring),
+              (plgpu.Barrier(num_barriers=slots),) * 4,
+              plgpu.Barrier(num_arrivals=wgs, num_barriers=slots),
               plgpu.Barrier(num_arrivals=wgs))
   shape = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), out_dtype)
-  return warp_specialized_kernel(
-      kernel, scratch=scratch, barriers=barriers, out_type=(shape, shape),
+  return pipeline.kernel(
+      kernel, tuning=tuning, scratch=scratch, barriers=barriers, out_type=(shape, shape),
       grid=(heads, kv_len // (wgs * BLOCK), batch), grid_names=("heads", "kv_seq", "batch"),
-      approx_math=True, name="sagebwd_backward_dkdv_mosaic", compute_wgs=wgs,
-  )(q8, qt8, q_scale, k8, k_scale, v, lse, delta, do, dot8, do_scale)
+      name="sagebwd_backward_dkdv_mosaic",
+  )(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scale)
 
 
 def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,

@@ -27,16 +27,15 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import causal_blocks
 from pallas_kernels.mosaic import backward_common as bc
-from pallas_kernels.mosaic import registers
+from pallas_kernels.mosaic import pipeline, registers
 from pallas_kernels.mosaic.backward_common import BackwardTuning
-from pallas_kernels.mosaic.common import (BLOCK, check_supported, smem_transforms,
-                                          warp_specialized_kernel)
+from pallas_kernels.mosaic.common import BLOCK, check_supported, smem_transforms
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 
-def _dq_call(q8, q_scale, lse, delta, do, k8, kt8, k_scale, v, *, causal: bool, scale: float,
+def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, causal: bool, scale: float,
              tuning: BackwardTuning):
-  """kt8: (B, Hkv, D, Tk) int8 with keys in `registers.permute_keys` order;
+  """k8_t: (B, Hkv, D, Tk) int8 with keys in `registers.permute_keys` order;
   scales per token (B, H, T)."""
   batch, heads, q_len, head_dim = q8.shape
   kv_heads, kv_len = k8.shape[1], k8.shape[2]
@@ -54,7 +53,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, kt8, k_scale, v, *, causal: bool, 
     return tuple(jnp.asarray(x, jnp.int32)
                  for x in causal_blocks.kv_blocks(i, BLOCK, BLOCK, num_kv_blocks))
 
-  def kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, kt_ref, ks_ref, v_ref, dq_ref,
+  def kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, k8_t_ref, ks_ref, v_ref, dq_ref,
              scoped):
     b, h, t = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_seq")
     if causal:  # the longest query tiles launch first (shorter tail)
@@ -62,14 +61,13 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, kt8, k_scale, v, *, causal: bool, 
     wg = lax.axis_index("wg")
     kvh = lax.div(h, jnp.array(group, h.dtype))
     smem, (q_bars, do_bars), ring_bars, consumed, sched = scoped
-    q_smem2, do_smem2, k_ring, kt_ring, v_ring, dq_smem2 = smem
-    k_bars, kt_bars, v_bars = ring_bars
+    q_smem2, do_smem2, k_ring, k8_t_ring, v_ring, dq_smem2 = smem
+    k_bars, k8_t_bars, v_bars = ring_bars
     cta_end = kv_range(t * wgs + wgs - 1)[1]
-    schedule = bc.Schedule(sched, tuning)
+    ring = pipeline.Ring(tuning.max_concurrent_steps)
+    schedule = pipeline.Schedule(sched, tuning)
 
-    @pl.when(wg < wgs)
-    def _compute():
-      plgpu.set_max_registers(bc.COMPUTE_REGISTERS, action="increase")
+    def compute():
       i = t * wgs + wg  # this warpgroup's query block
       rows = pl.ds(i * BLOCK, BLOCK)
       q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
@@ -82,7 +80,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, kt8, k_scale, v, *, causal: bool, 
       plgpu.barrier_wait(do_bars.at[wg])
 
       def kv_step(j, dq, *, masked: bool):
-        slot = lax.rem(j, jnp.array(tuning.max_concurrent_steps, j.dtype))
+        slot = ring.slot(j)
         k_scale = ks_ref[b, kvh, j * BLOCK]
         plgpu.barrier_wait(k_bars.at[slot])
         plgpu.barrier_wait(v_bars.at[slot])
@@ -94,60 +92,56 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, kt8, k_scale, v, *, causal: bool, 
         p = jnp.exp2(bc.exponent(f, q_scale * k_scale, lse, along=0))
         ds8, ds_scale = bc.pack_signed_rows(p * dp)
         schedule.arrive()  # elementwise work done: the other warpgroup may issue
-        plgpu.barrier_wait(kt_bars.at[slot])
+        plgpu.barrier_wait(k8_t_bars.at[slot])
         schedule.wait()
-        dsk = registers.dot_from_registers((ds8,), (kt_ring.at[slot],), t_transforms,
+        dsk = registers.dot_from_registers((ds8,), (k8_t_ring.at[slot],), t_transforms,
                                            head_dim, unsigned_a=False)
         plgpu.barrier_arrive(consumed.at[slot])
         return bc.merge(dq, dsk, ds_scale * k_scale)
 
       full, end = kv_range(i)
-      if tuning.schedule_barrier:
-        pl.when(wg == 1)(schedule.turn)
+      schedule.lead_in(wg)
       dq = lax.fori_loop(0, full, functools.partial(kv_step, masked=False),
                          bc.zeros((BLOCK, head_dim)))
       dq = lax.fori_loop(full, end, functools.partial(kv_step, masked=True), dq)
-      if tuning.schedule_barrier:
-        pl.when(wg == 0)(schedule.turn)
-      bc.release(end, cta_end, bars=ring_bars, consumed=consumed, schedule=schedule,
-                 tuning=tuning)
+      schedule.lead_out(wg)
+      pipeline.release(ring, end, cta_end, bars=ring_bars, consumed=consumed, schedule=schedule)
       # Q was quantized as Q * scale * log2(e); dS is in base-2 units: dQ takes `scale`.
       bc.write_tile((dq * scale).astype(out_dtype), dq_smem2.at[wg], dq_ref.at[b, rows, h])
 
-    @pl.when(wg == wgs)
-    def _producer():
-      plgpu.set_max_registers(bc.PRODUCER_REGISTERS, action="decrease")
-
+    def producer():
       def load(j, slot):
         kv = pl.ds(j * BLOCK, BLOCK)
         plgpu.copy_gmem_to_smem(k_ref.at[b, kvh, kv], k_ring.at[slot], k_bars.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[b, kv, kvh], v_ring.at[slot], v_bars.at[slot])
-        plgpu.copy_gmem_to_smem(kt_ref.at[b, kvh, :, kv], kt_ring.at[slot], kt_bars.at[slot])
+        plgpu.copy_gmem_to_smem(k8_t_ref.at[b, kvh, :, kv], k8_t_ring.at[slot], k8_t_bars.at[slot])
 
-      bc.stream(tuning=tuning, first=jnp.int32(0), end=cta_end, load=load, consumed=consumed)
+      pipeline.stream(ring, first=jnp.int32(0), end=cta_end, load=load, consumed=(consumed,))
+
+    pipeline.split(wg, tuning, pipeline.BACKWARD_REGISTERS, compute=compute, producer=producer)
 
   i8, fdt = jnp.int8, v.dtype
-  ring = tuning.max_concurrent_steps
+  slots = tuning.max_concurrent_steps
   scratch = (
       plgpu.SMEM((wgs, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),  # Q8
       plgpu.SMEM((wgs, BLOCK, head_dim), do.dtype,
                  transforms=smem_transforms(head_dim, do.dtype)),  # dO
-      plgpu.SMEM((ring, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),  # K8
-      plgpu.SMEM((ring, head_dim, BLOCK), i8, transforms=t_transforms),  # K8^T
-      plgpu.SMEM((ring, BLOCK, head_dim), fdt, transforms=smem_transforms(head_dim, fdt)),  # V
+      plgpu.SMEM((slots, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),  # K8
+      plgpu.SMEM((slots, head_dim, BLOCK), i8, transforms=t_transforms),  # K8^T
+      plgpu.SMEM((slots, BLOCK, head_dim), fdt, transforms=smem_transforms(head_dim, fdt)),  # V
       plgpu.SMEM((wgs, BLOCK, head_dim), out_dtype,
                  transforms=smem_transforms(head_dim, out_dtype)),  # dQ
   )
   barriers = ((plgpu.Barrier(num_barriers=wgs),) * 2,
-              (plgpu.Barrier(num_barriers=ring),) * 3,
-              plgpu.Barrier(num_arrivals=wgs, num_barriers=ring),
+              (plgpu.Barrier(num_barriers=slots),) * 3,
+              plgpu.Barrier(num_arrivals=wgs, num_barriers=slots),
               plgpu.Barrier(num_arrivals=wgs))
-  return warp_specialized_kernel(
-      kernel, scratch=scratch, barriers=barriers,
+  return pipeline.kernel(
+      kernel, tuning=tuning, scratch=scratch, barriers=barriers,
       out_type=jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), out_dtype),
       grid=(heads, num_q_tiles, batch), grid_names=("heads", "q_seq", "batch"),
-      approx_math=True, name="sagebwd_backward_dq_mosaic", compute_wgs=wgs,
-  )(q8, q_scale, lse, delta, do, k8, kt8, k_scale, v)
+      name="sagebwd_backward_dq_mosaic",
+  )(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v)
 
 
 def backward_dq_mosaic(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, config: Config,

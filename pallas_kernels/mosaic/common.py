@@ -1,41 +1,15 @@
-"""What the Mosaic GPU kernels share: the cases they take, the warp-specialized
-launch (compute warpgroups and a TMA producer), shared-memory layouts."""
+"""What the Mosaic GPU kernels share besides their pipeline (`pipeline`): the
+cases they take, the scale floor, shared-memory layouts."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
-import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 BLOCK = 64  # rows per compute warpgroup = quantization block = key tile
-COMPUTE_WGS = 2
 HEAD_DIMS = (64, 128)
-
-
-@dataclasses.dataclass(frozen=True)
-class Tuning:
-  """Launch settings of a warp-specialized Mosaic kernel (they do not change
-  results): `compute_wgs` compute warpgroups of 64 rows each and a TMA
-  producer streaming the other side's tiles through a ring."""
-
-  compute_wgs: int = 2  # warpgroups of 64 rows per CTA
-  max_concurrent_steps: int = 2  # ring depth, in steps
-  schedule_barrier: bool = True  # compute warpgroups take turns on the tensor cores
-
-  def __post_init__(self):
-    # One or two 64-row blocks fit a 128-token step or CTA tile, so with
-    # causal masking every warpgroup of a CTA sees the same steps (forward) or
-    # releases the one it skips (backward).
-    if self.compute_wgs not in (1, 2):
-      raise ValueError(f"compute_wgs must be 1 or 2; got {self.compute_wgs}")
-    if self.max_concurrent_steps < 2:
-      raise ValueError(f"max_concurrent_steps must be >= 2; got {self.max_concurrent_steps}")
-    if self.schedule_barrier and self.compute_wgs != 2:
-      raise ValueError("schedule_barrier alternates two compute warpgroups")
 
 
 def supports(masks: Masks, config: Config, head_dim: int) -> bool:
@@ -70,24 +44,6 @@ def positive_scale(c):
   than 2**-75. A NaN scale (a non-finite input block) stays NaN: a max would
   drop it (PTX's max returns the other operand)."""
   return jnp.where(c < 2.0**-100, 2.0**-100, c)
-
-
-def warp_specialized_kernel(kernel, *, scratch, barriers, out_type, grid, grid_names,
-                            approx_math: bool, name: str, compute_wgs: int = COMPUTE_WGS):
-  """`plgpu.kernel` with `compute_wgs` compute warpgroups and one producer.
-
-  `kernel(*refs, scoped)` runs in every warpgroup ("wg" tells them apart);
-  `scoped` holds the `scratch` shared-memory tiles and the `barriers`, allocated
-  once for all of them. `name` is the kernel's name in profiles.
-  """
-  def entry(*refs):
-    pl.run_scoped(lambda *scoped: kernel(*refs, scoped), scratch, *barriers,
-                  collective_axes="wg")
-
-  return plgpu.kernel(
-      entry, out_type=out_type, grid=grid, grid_names=grid_names,
-      num_threads=compute_wgs + 1, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=approx_math), kernel_name=name)
 
 
 def smem_transforms(minor_elems: int, dtype) -> tuple:

@@ -51,9 +51,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import numerics as nm
-from pallas_kernels.mosaic import registers
-from pallas_kernels.mosaic.common import (BLOCK, Tuning, positive_scale, smem_transforms,
-                                          supports, warp_specialized_kernel)
+from pallas_kernels.mosaic import pipeline, registers
+from pallas_kernels.mosaic.common import BLOCK, positive_scale, smem_transforms, supports
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 KV_STEP = 2 * BLOCK  # keys per step: two quantization blocks
@@ -63,7 +62,7 @@ _LOWEST_F = float(2**23)
 
 
 @dataclasses.dataclass(frozen=True)
-class ForwardTuning(Tuning):
+class ForwardTuning(pipeline.Tuning):
   """Launch settings of the Mosaic forward: query blocks per CTA, the K/V
   ring (128 keys a slot), the schedule barrier."""
 
@@ -82,6 +81,46 @@ def _block_scales(per_token: jax.Array) -> jax.Array:
   return per_token[..., ::BLOCK]
 
 
+def _causal_mask(f, q_base, kv_base):
+  """f where the query (row; `q_base` + row) may see the key (column;
+  `kv_base` + column), -inf elsewhere."""
+  q_pos = plgpu.broadcasted_iota(jnp.int32, f.shape, 0, layout=plgpu.Layout.WGMMA)
+  kv_pos = plgpu.broadcasted_iota(jnp.int32, f.shape, 1, layout=plgpu.Layout.WGMMA)
+  return jnp.where(q_pos + q_base >= kv_pos + kv_base, f, -jnp.inf)
+
+
+def _softmax(f, scales, m, e, l):
+  """One step's online softmax (`numerics.folded_softmax_step` on the biased
+  scores f of each half): P as rounding-add bits per half, the factor alpha
+  for the old accumulator, and the new running (m, e, l). `scales`: per
+  half, (c_h, log2 v_scale_h, 1 / v_scale_h)."""
+  bcast = lambda x: lax.broadcast_in_dim(x, (BLOCK, BLOCK), [0])
+  f_tops = [jnp.max(x, axis=1) for x in f]  # -inf where the row sees no key
+  tops = [(f_top - nm.ROUND_MAGIC_F32) * c + log2_v
+          for f_top, (c, log2_v, _) in zip(f_tops, scales)]
+  m_new = jnp.maximum(m, functools.reduce(jnp.maximum, tops))
+  e_new = jnp.maximum(functools.reduce(jnp.maximum, tops), m_new - nm.E_FLOOR_BELOW_MAX)
+  alpha = jnp.exp2(e - e_new)
+  bits, l_new = [], l * alpha
+  for x, f_top, top, (c, _, inv_v_scale) in zip(f, f_tops, tops, scales):
+    # A row that sees no key: its -inf scores stay -inf (not -inf + inf).
+    from_top = x - bcast(jnp.maximum(f_top, _LOWEST_F))
+    # At most log2 255, exactly so at the row's largest (no clip).
+    p = jnp.exp2(from_top * c + bcast((top - e_new) + _LOG2_P_LEVELS))
+    l_new = l_new + jnp.sum(p, axis=1) * inv_v_scale
+    bits.append(lax.bitcast_convert_type(p + nm.ROUND_MAGIC_F32, jnp.int32))
+  return bits, alpha, m_new, e_new, l_new
+
+
+def _finalize(acc, e, l):
+  """O and lse from the running state: `numerics.finalize_folded_rows`, with
+  a reciprocal per row."""
+  empty = l == 0
+  l_safe = jnp.where(empty, 1.0, l)
+  lse = jnp.where(empty, jnp.inf, e + jnp.log2(l_safe) - _LOG2_P_LEVELS)
+  return acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0]), lse
+
+
 def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, causal: bool,
                   out_dtype, tuning: ForwardTuning):
   """q8 (B, H, Tq, D); k8 (B, Hkv, Tk / 64, 64, D); vt8 (B, Hkv, Tk / 64, D, 64)
@@ -92,7 +131,7 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
   wgs = tuning.compute_wgs
   num_steps = num_kv_blocks * BLOCK // KV_STEP
   num_q_tiles = q_len // (wgs * BLOCK)
-  ring = min(tuning.max_concurrent_steps, num_steps)
+  ring = pipeline.Ring(min(tuning.max_concurrent_steps, num_steps))
   halves = KV_STEP // BLOCK
   row = plgpu.Layout.WGMMA.reduce(1)
   vt_transforms = smem_transforms(BLOCK, jnp.int8)
@@ -108,15 +147,9 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
     kvh = lax.div(h, jnp.array(group, h.dtype))
     # Key steps the CTA's query blocks see (the same for each of its warpgroups).
     cta_steps = lax.div(t * wgs * BLOCK, jnp.array(KV_STEP, t.dtype)) + 1 if causal else num_steps
+    schedule = pipeline.Schedule(sched, tuning)
 
-    def schedule_barrier():
-      if tuning.schedule_barrier:
-        plgpu.barrier_arrive(sched)
-        plgpu.barrier_wait(sched)
-
-    @pl.when(wg < wgs)
-    def _compute():
-      plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+    def compute():
       q_base = (t * wgs + wg) * BLOCK
       plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(q_base, BLOCK)], q_smem.at[wg],
                               q_bars.at[wg])
@@ -137,58 +170,30 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
 
       # `pl.run_state` bodies cannot close over constants: j is always traced
       # there (a loop index, or derived from the grid position).
-      slot_of = lambda j: lax.rem(j, jnp.array(ring, j.dtype))
-
       def issue_scores(j, accs):
         """Both halves' S of step j into accumulators that start at 0x4B400000."""
-        plgpu.barrier_wait(k_bars.at[slot_of(j)])
+        plgpu.barrier_wait(k_bars.at[ring.slot(j)])
         for half, acc in enumerate(accs):
-          plgpu.wgmma(acc, q_smem.at[wg], k_smem.at[slot_of(j), half].T)
-        schedule_barrier()  # the other warpgroup's softmax runs meanwhile
+          plgpu.wgmma(acc, q_smem.at[wg], k_smem.at[ring.slot(j), half].T)
+        schedule.turn()  # the other warpgroup's softmax runs meanwhile
 
       def scores(j):
         s = pl.run_state(functools.partial(issue_scores, j))(
             tuple(plgpu.ACC.init(magic) for _ in range(halves)))
-        plgpu.barrier_arrive(k_consumed.at[slot_of(j)])
+        plgpu.barrier_arrive(k_consumed.at[ring.slot(j)])
         return s
-
-      def causal_mask(f, j, half):
-        q_pos = plgpu.broadcasted_iota(jnp.int32, f.shape, 0, layout=plgpu.Layout.WGMMA)
-        kv_pos = plgpu.broadcasted_iota(jnp.int32, f.shape, 1, layout=plgpu.Layout.WGMMA)
-        return jnp.where(q_pos + q_base >= kv_pos + (j * KV_STEP + half * BLOCK), f, -jnp.inf)
-
-      def softmax(f, scales, m, e, l):
-        """P of one step as rounding-add bits, and the rescaled running state."""
-        bcast = lambda x: lax.broadcast_in_dim(x, (BLOCK, BLOCK), [0])
-        f_tops = [jnp.max(x, axis=1) for x in f]  # -inf where the row sees no key
-        tops = [(f_top - nm.ROUND_MAGIC_F32) * c + log2_v
-                for f_top, (c, log2_v, _) in zip(f_tops, scales)]
-        m_new = jnp.maximum(m, functools.reduce(jnp.maximum, tops))
-        e_new = jnp.maximum(functools.reduce(jnp.maximum, tops), m_new - nm.E_FLOOR_BELOW_MAX)
-        alpha = jnp.exp2(e - e_new)
-        bits, l_new = [], l * alpha
-        for x, f_top, top, (c, _, inv_v_scale) in zip(f, f_tops, tops, scales):
-          # A row that sees no key: its -inf scores stay -inf (not -inf + inf).
-          from_top = x - bcast(jnp.maximum(f_top, _LOWEST_F))
-          # At most log2 255, exactly so at the row's largest (no clip).
-          p = jnp.exp2(from_top * c + bcast((top - e_new) + _LOG2_P_LEVELS))
-          l_new = l_new + jnp.sum(p, axis=1) * inv_v_scale
-          bits.append(lax.bitcast_convert_type(p + nm.ROUND_MAGIC_F32, jnp.int32))
-        return bits, alpha, m_new, e_new, l_new
 
       def finish_step(j, s, state, scales, *, masked: bool):
         """Softmax and P.V of step j from its S; returns the new (acc, m, e, l)."""
         acc, m, e, l = state
-        slot = slot_of(j)
+        slot = ring.slot(j)
         f = [lax.bitcast_convert_type(x, jnp.float32) for x in s]
         if masked:
-          f = [causal_mask(x, j, half) for half, x in enumerate(f)]
-        bits, alpha, m, e, l = softmax(f, scales, m, e, l)
-        if tuning.schedule_barrier:  # softmax done: let the other warpgroup issue
-          plgpu.barrier_arrive(sched)
+          f = [_causal_mask(x, q_base, j * KV_STEP + half * BLOCK) for half, x in enumerate(f)]
+        bits, alpha, m, e, l = _softmax(f, scales, m, e, l)
+        schedule.arrive()  # softmax done: let the other warpgroup issue
         plgpu.barrier_wait(v_bars.at[slot])
-        if tuning.schedule_barrier:
-          plgpu.barrier_wait(sched)
+        schedule.wait()
         pv = registers.dot_from_registers(
             tuple(registers.pack(x) for x in bits),
             tuple(vt_smem.at[slot, i] for i in range(halves)), vt_transforms, head_dim,
@@ -208,8 +213,7 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
                                  plgpu.Layout.WGMMA),
                full_row(nm.NOTHING_SEEN), full_row(-jnp.inf), full_row(0.0))
       carry = (state, step_scales(0))
-      if tuning.schedule_barrier:
-        pl.when(wg == 1)(schedule_barrier)
+      schedule.lead_in(wg)
       # With causality the last step holds the diagonal.
       steps = cta_steps if causal else num_steps
       if causal:
@@ -217,15 +221,9 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
         state, _ = kv_step(steps - 1, carry, masked=True)
       else:
         state, _ = lax.fori_loop(0, steps, functools.partial(kv_step, masked=False), carry)
-      if tuning.schedule_barrier:
-        pl.when(wg == 0)(schedule_barrier)
+      schedule.lead_out(wg)
       acc, _, e, l = state
-
-      # numerics.finalize_folded_rows, with a reciprocal per row.
-      empty = l == 0
-      l_safe = jnp.where(empty, 1.0, l)
-      lse = jnp.where(empty, jnp.inf, e + jnp.log2(l_safe) - _LOG2_P_LEVELS)
-      o = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+      o, lse = _finalize(acc, e, l)
       o_smem.at[wg][...] = o.astype(out_dtype)
       lse_smem.at[wg][...] = lse
       plgpu.commit_smem()
@@ -233,53 +231,39 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q_base, BLOCK)])
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == wgs)
-    def _producer():
-      plgpu.set_max_registers(40, action="decrease")
-
+    def producer():
       def load(j, slot):
         blocks = pl.ds(j * halves, halves)
         plgpu.copy_gmem_to_smem(k_ref.at[b, kvh, blocks], k_smem.at[slot], k_bars.at[slot])
         plgpu.copy_gmem_to_smem(vt_ref.at[b, kvh, blocks], vt_smem.at[slot], v_bars.at[slot])
 
-      for i in range(ring):
-        pl.when(i < cta_steps)(functools.partial(load, i, i))
+      pipeline.stream(ring, first=jnp.int32(0), end=cta_steps, load=load,
+                      consumed=(k_consumed, v_consumed))
 
-      @pl.loop(ring, cta_steps)
-      def _ring(j):
-        slot = lax.rem(j, jnp.array(ring, j.dtype))
-        plgpu.barrier_wait(k_consumed.at[slot])
-        plgpu.barrier_wait(v_consumed.at[slot])
-        load(j, slot)
-
-      # Observe the last consumptions too, so every barrier phase is waited on.
-      @pl.loop(jnp.maximum(cta_steps - ring, 0), cta_steps)
-      def _drain(j):
-        slot = lax.rem(j, jnp.array(ring, j.dtype))
-        plgpu.barrier_wait(k_consumed.at[slot])
-        plgpu.barrier_wait(v_consumed.at[slot])
+    pipeline.split(wg, tuning, pipeline.FORWARD_REGISTERS, compute=compute, producer=producer)
 
   i8 = jnp.int8
   scratch = (
       plgpu.SMEM((wgs, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),
-      plgpu.SMEM((ring, halves, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),
-      plgpu.SMEM((ring, halves, head_dim, BLOCK), i8, transforms=vt_transforms),
+      plgpu.SMEM((ring.slots, halves, BLOCK, head_dim), i8,
+                 transforms=smem_transforms(head_dim, i8)),
+      plgpu.SMEM((ring.slots, halves, head_dim, BLOCK), i8, transforms=vt_transforms),
       plgpu.SMEM((wgs, BLOCK, head_dim), out_dtype,
                  transforms=smem_transforms(head_dim, out_dtype)),
       plgpu.SMEM((wgs, BLOCK), jnp.float32),
   )
   barriers = (
-      (plgpu.Barrier(num_barriers=ring), plgpu.Barrier(num_barriers=ring),
+      (plgpu.Barrier(num_barriers=ring.slots), plgpu.Barrier(num_barriers=ring.slots),
        plgpu.Barrier(num_barriers=wgs)),
-      (plgpu.Barrier(num_arrivals=wgs, num_barriers=ring),) * 2,
+      (plgpu.Barrier(num_arrivals=wgs, num_barriers=ring.slots),) * 2,
       plgpu.Barrier(num_arrivals=wgs),
   )
   out_type = (jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), out_dtype),
               jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32))
-  return warp_specialized_kernel(
-      kernel, scratch=scratch, barriers=barriers, out_type=out_type,
+  return pipeline.kernel(
+      kernel, tuning=tuning, scratch=scratch, barriers=barriers, out_type=out_type,
       grid=(heads, num_q_tiles, batch), grid_names=("heads", "q_seq", "batch"),
-      approx_math=True, name="sagebwd_forward_mosaic", compute_wgs=wgs,
+      name="sagebwd_forward_mosaic",
   )(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale)
 
 

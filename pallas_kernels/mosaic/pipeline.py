@@ -1,0 +1,196 @@
+"""The warp-specialized pipeline every Mosaic GPU kernel of this backend runs.
+
+A CTA holds `Tuning.compute_wgs` compute warpgroups and one producer
+warpgroup (`kernel`, `split`), which share the register file by setmaxnreg
+(`Registers`). The producer streams the tiles of the side a kernel loops
+over (keys and values in the forward and dQ, queries and cotangents in
+dK/dV) by TMA into a ring of `Ring.slots` shared-memory slots (`stream`):
+a slot's load barrier says its tile arrived; every compute warpgroup
+arrives on the slot's `consumed` barrier once done with it (`release` for
+tiles a warpgroup skips), which lets the producer load the tile `slots`
+steps later into it. With the schedule barrier (`Schedule`) two compute
+warpgroups take turns: one issues its products while the other runs its
+elementwise work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax.numpy as jnp
+from jax import lax
+import jax.experimental.pallas as pl
+import jax.experimental.pallas.mosaic_gpu as plgpu
+
+# setmaxnreg takes multiples of 8; a 128-thread slice of the register file
+# holds 512 registers per thread, shared by one thread of each warpgroup.
+_REGISTER_FILE = 512
+# The most a compute warpgroup asks for: dK/dV needs it (fp32 dK and dV alone
+# take 128 per thread).
+_MAX_COMPUTE_REGISTERS = 240
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+  """Launch settings of a warp-specialized kernel (they do not change
+  results): `compute_wgs` compute warpgroups of 64 rows each, a ring of
+  `max_concurrent_steps` slots, the schedule barrier."""
+
+  compute_wgs: int = 2
+  max_concurrent_steps: int = 2
+  schedule_barrier: bool = True
+
+  def __post_init__(self):
+    # One or two 64-row blocks fit a 128-token step or CTA tile, so with
+    # causal masking every warpgroup of a CTA sees the same steps (forward) or
+    # releases the one it skips (backward).
+    if self.compute_wgs not in (1, 2):
+      raise ValueError(f"compute_wgs must be 1 or 2; got {self.compute_wgs}")
+    if self.max_concurrent_steps < 2:
+      raise ValueError(f"max_concurrent_steps must be >= 2; got {self.max_concurrent_steps}")
+    if self.schedule_barrier and self.compute_wgs != 2:
+      raise ValueError("schedule_barrier alternates two compute warpgroups")
+
+
+@dataclasses.dataclass(frozen=True)
+class Registers:
+  """A kernel's register budget: `producer` registers per thread for the
+  producer warpgroup, and for each compute warpgroup what remains, evenly
+  split, up to 240."""
+
+  producer: int
+
+  def __post_init__(self):
+    if self.producer % 8 or not 24 <= self.producer <= _REGISTER_FILE // 2:
+      raise ValueError(f"producer registers must be a multiple of 8 in [24, 256]; "
+                       f"got {self.producer}")
+
+  def compute(self, compute_wgs: int) -> int:
+    share = (_REGISTER_FILE - self.producer) // compute_wgs // 8 * 8
+    return min(_MAX_COMPUTE_REGISTERS, share)
+
+
+# The forward's compute warpgroups run without spills at 232 (fourth session,
+# docs/performance.md); the backward's need all 240, so its producer keeps
+# the least setmaxnreg allows.
+FORWARD_REGISTERS = Registers(producer=40)
+BACKWARD_REGISTERS = Registers(producer=24)
+
+
+def kernel(body: Callable, *, tuning: Tuning, scratch, barriers, out_type, grid, grid_names,
+           name: str):
+  """`plgpu.kernel` with `tuning.compute_wgs` compute warpgroups and one
+  producer, approximate exp2 and reciprocals.
+
+  `body(*refs, scoped)` runs in every warpgroup ("wg" tells them apart; see
+  `split`); `scoped` holds the `scratch` shared-memory tiles and the
+  `barriers`, allocated once for all of them. `name` is the kernel's name in
+  profiles.
+  """
+  def entry(*refs):
+    pl.run_scoped(lambda *scoped: body(*refs, scoped), scratch, *barriers,
+                  collective_axes="wg")
+
+  return plgpu.kernel(
+      entry, out_type=out_type, grid=grid, grid_names=grid_names,
+      num_threads=tuning.compute_wgs + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True), kernel_name=name)
+
+
+def split(wg, tuning: Tuning, registers: Registers, *, compute: Callable[[], None],
+          producer: Callable[[], None]):
+  """Runs `compute` in the compute warpgroups and `producer` in the last one
+  (`wg` is this warpgroup's index), each with its share of the registers."""
+
+  @pl.when(wg < tuning.compute_wgs)
+  def _compute():
+    plgpu.set_max_registers(registers.compute(tuning.compute_wgs), action="increase")
+    compute()
+
+  @pl.when(wg == tuning.compute_wgs)
+  def _producer():
+    plgpu.set_max_registers(registers.producer, action="decrease")
+    producer()
+
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+  """The producer's ring of `slots` shared-memory slots; tile i goes to slot
+  i % slots."""
+
+  slots: int
+
+  def slot(self, i):
+    return lax.rem(i, jnp.array(self.slots, i.dtype))
+
+
+def stream(ring: Ring, *, first, end, load: Callable, consumed: Sequence):
+  """The producer's loop: `load(i, slot)` tiles i in [first, end), each once
+  the compute warpgroups released the slot's previous tile on every barrier
+  array of `consumed`; then it observes the last releases too, so every
+  barrier phase is waited on."""
+
+  def wait_released(i):
+    for bar in consumed:
+      plgpu.barrier_wait(bar.at[ring.slot(i)])
+
+  @pl.loop(first, jnp.minimum(first + ring.slots, end))
+  def _prologue(i):
+    load(i, ring.slot(i))
+
+  @pl.loop(first + ring.slots, end)
+  def _steady(i):
+    wait_released(i)  # tile i - slots is done
+    load(i, ring.slot(i))
+
+  @pl.loop(jnp.maximum(end - ring.slots, first), end)
+  def _drain(i):
+    wait_released(i)
+
+
+class Schedule:
+  """The schedule barrier's operations, no-ops without one. A warpgroup
+  arrives when it has issued its wgmmas or finished its elementwise work,
+  then waits for the other one's turn."""
+
+  def __init__(self, barrier, tuning: Tuning):
+    self._barrier = barrier if tuning.schedule_barrier else None
+
+  def arrive(self):
+    if self._barrier is not None:
+      plgpu.barrier_arrive(self._barrier)
+
+  def wait(self):
+    if self._barrier is not None:
+      plgpu.barrier_wait(self._barrier)
+
+  def turn(self):
+    self.arrive()
+    self.wait()
+
+  def lead_in(self, wg):
+    """Before the loop: the second warpgroup takes one turn, so the two
+    alternate."""
+    if self._barrier is not None:
+      pl.when(wg == 1)(self.turn)
+
+  def lead_out(self, wg):
+    """After the loop: the first takes one, so both took as many."""
+    if self._barrier is not None:
+      pl.when(wg == 0)(self.turn)
+
+
+def release(ring: Ring, first, end, *, bars: Sequence, consumed, schedule: Schedule):
+  """Waits for and releases ring tiles [first, end) that a compute warpgroup
+  does not use (another one of its CTA does). It still takes its two turns
+  per tile at the schedule barrier, so both warpgroups pass it equally
+  often."""
+
+  @pl.loop(first, end)
+  def _release(i):
+    for bar in bars:
+      plgpu.barrier_wait(bar.at[ring.slot(i)])
+    plgpu.barrier_arrive(consumed.at[ring.slot(i)])
+    schedule.turn()
+    schedule.turn()
