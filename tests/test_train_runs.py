@@ -33,7 +33,7 @@ FLAGS = ["--dim", "64", "--n-layers", "1", "--n-heads", "1", "--n-kv-heads", "1"
          "--ffn-dim", "128", "--seq-len", "32", "--batch-size", "2", "--warmup", "2",
          "--eval-every", "2", "--eval-batches", "2", "--steps", "4", "--ckpt-every", "2",
          "--keep", "3", "--attention", "full", "--no-progress"]
-TIMINGS = ("tokens_per_s", "step_time")
+TIMINGS = ("tokens_per_s", "step_time", "mfu")
 
 
 def _strip(rows):
