@@ -59,8 +59,8 @@ def train(cfg: Config, dataset: data.Dataset | None = None) -> dict:
 
   Returns the summary: step, loss, val_loss (the last logged), run_dir,
   tokens_per_s and mfu (this session's training alone; None if it trained no
-  step; mfu None where the devices' peak is unknown) and compile_s. Raises RunError (NonFiniteError among them) and ValueError
-  with one-line messages. `dataset`: `cfg`'s data, already loaded (by
+  step; mfu None where the devices' peak is unknown) and compile_s. Raises
+  RunError (NonFiniteError among them) and ValueError with one-line messages. `dataset`: `cfg`'s data, already loaded (by
   `data.load(cfg.data, cfg.val_fraction, cfg.seq_len)`), for runs that share it.
   """
   check(cfg)
