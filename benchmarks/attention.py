@@ -1,12 +1,19 @@
-"""Attention speed: SageBwd's kernels (Triton, Mosaic GPU) against cuDNN BF16,
-XLA and jax's own Pallas `mha`, in one process, forward and forward+backward.
+"""Attention speed on a GPU: SageBwd's kernels (Triton, Mosaic GPU) against
+cuDNN BF16, XLA and jax's own Pallas `mha`, in one process, forward and
+forward+backward.
 
-    python -m benchmarks.attention [--quick] [--out DIR]
+    python -m benchmarks.attention [--quick] [--impls sage_triton,cudnn] [--out DIR]
 
-Prints a table (TFLOP/s-equivalent TOPS and the ratio to cuDNN measured in the
-same run), writes attention.csv and attention.png to --out (default $OUT or
-.). FLOPs: forward 4*B*H*Tq*Tk*D (halved when causal), forward+backward 3.5x.
-Peak memory is XLA's compiled estimate (arguments + outputs + temporaries).
+Prints each measurement as it is taken, then a table (TFLOP/s-equivalent
+TOPS and the ratio to cuDNN measured in the same run), and writes
+attention.csv and attention.png to --out (default $OUT or .). FLOPs: forward
+4*B*H*Tq*Tk*D (halved when causal), forward+backward 3.5x. Peak memory is
+XLA's compiled estimate (arguments + outputs + temporaries).
+
+Implementations (--impls): sage_triton (implementation="triton", the
+default on GPUs other than Hopper), sage_mosaic ("mosaic", the default on an
+H100/H200), cudnn and xla (jax.nn.dot_product_attention, BF16), pallas_mha
+(jax.experimental.pallas.ops.gpu.attention.mha, imported only when asked for).
 """
 
 from __future__ import annotations
@@ -21,15 +28,19 @@ import time
 import jax
 import jax.numpy as jnp
 
+import benchmarks
 import sagebwd_jax
+
+IMPLEMENTATIONS = ("sage_triton", "sage_mosaic", "cudnn", "xla", "pallas_mha")
 
 
 def implementations() -> dict:
-  """{name: attn(q, k, v, causal)} for every implementation the benchmarks
-  compare (sage_triton = implementation="triton", sage_mosaic = "mosaic")."""
-  from jax.experimental.pallas.ops.gpu import attention as pallas_mha
+  """{name: attn(q, k, v, causal)} for every name in IMPLEMENTATIONS
+  (sage_triton = implementation="triton", sage_mosaic = "mosaic")."""
 
   def mha(q, k, v, causal):
+    # Deprecated by jax: imported only when this implementation runs.
+    from jax.experimental.pallas.ops.gpu import attention as pallas_mha
     d = q.shape[-1]
     sizes = pallas_mha.BlockSizes(block_q=128, block_k=64, block_q_dkv=64, block_kv_dkv=64,
                                   block_q_dq=64, block_kv_dq=64)
@@ -92,31 +103,47 @@ def measure(name, attn, batch, seq, heads, head_dim, causal, with_memory):
   return row
 
 
+def impl_names(parser: argparse.ArgumentParser, value: str) -> list[str]:
+  """--impls as a list; parser.error naming any unknown one."""
+  names = value.split(",")
+  unknown = [n for n in names if n not in IMPLEMENTATIONS]
+  if unknown:
+    parser.error(f"--impls: unknown {unknown}; choose from {', '.join(IMPLEMENTATIONS)}")
+  return names
+
+
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = benchmarks.parser(__doc__, "benchmarks.attention")
   parser.add_argument("--quick", action="store_true",
-                      help="only B=4, T=4096, H=16, D=128 (the issue's shape)")
-  parser.add_argument("--impls", default="sage_triton,cudnn,xla,pallas_mha")
+                      help="one shape only: B=4, T=4096, H=16, D=128")
+  parser.add_argument("--impls", default="sage_triton,cudnn,xla,pallas_mha",
+                      help=f"comma list of {', '.join(IMPLEMENTATIONS)} "
+                           f"(default sage_triton,cudnn,xla,pallas_mha)")
   parser.add_argument("--seqs", default="1024,2048,4096,8192,16384",
-                      help="sequence lengths (B*T = 16k)")
-  parser.add_argument("--dims", default="128,64", help="head dims (H*D = 2048)")
-  parser.add_argument("--out", default=os.environ.get("OUT", "."))
+                      help="sequence lengths, B = 16384 / T (default 1024,...,16384)")
+  parser.add_argument("--dims", default="128,64",
+                      help="head dims, H = 2048 / D (default 128,64)")
+  parser.add_argument("--out", default=os.environ.get("OUT", "."),
+                      help="folder for attention.csv and attention.png (default $OUT or .)")
   args = parser.parse_args()
-  impls = {k: v for k, v in implementations().items() if k in args.impls.split(",")}
+  names = impl_names(parser, args.impls)
+  benchmarks.require_gpu("benchmarks.attention")
+  impls = {k: v for k, v in implementations().items() if k in names}
   if args.quick:
     shapes = [(4, 4096, 16, 128)]
   else:
     shapes = [(16384 // t, t, 2048 // d, d) for d in map(int, args.dims.split(","))
               for t in map(int, args.seqs.split(","))]
+  cases = [(shape, causal, name) for shape in shapes for causal in (False, True)
+           for name in impls
+           if not (name == "xla" and shape[1] > 8192)]  # xla: B*H*T*T fp32 logits
+  print(f"{len(cases)} measurements, each compiled, then timed over 7 rounds of 10 calls",
+        flush=True)
   rows = []
-  for batch, seq, heads, head_dim in shapes:
-    for causal in (False, True):
-      for name, attn in impls.items():
-        if name == "xla" and seq > 8192:
-          continue  # materializes B*H*T*T fp32 logits
-        with_memory = seq == 16384 and name in ("sage_mosaic", "sage_triton", "cudnn")
-        rows.append(measure(name, attn, batch, seq, heads, head_dim, causal, with_memory))
-        print(_fmt(rows[-1]), flush=True)
+  for i, ((batch, seq, heads, head_dim), causal, name) in enumerate(cases, 1):
+    with_memory = seq == 16384 and name in ("sage_mosaic", "sage_triton", "cudnn")
+    rows.append(measure(name, impls[name], batch, seq, heads, head_dim, causal, with_memory))
+    print(f"[{i}/{len(cases)}] {_fmt(rows[-1])}", flush=True)
   _ratios(rows)
   print("\n" + _table(rows))
   _write(rows, args.out)

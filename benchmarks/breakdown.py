@@ -1,8 +1,7 @@
 """Where the time goes: device time per kernel of one attention call, from a
 `jax.profiler` trace, forward and forward+backward.
 
-    python -m benchmarks.breakdown [--impls sage_triton,cudnn] \
-        [--seq 4096 --heads 16 --dim 128] [--out DIR]
+    python -m benchmarks.breakdown [--impls sage_triton,cudnn] [--seq 4096] [--out DIR]
 
 For each implementation and causality, runs the jitted forward and gradient
 `--iters` times under the profiler and prints, per kernel, its device time
@@ -14,7 +13,6 @@ breakdown.csv to --out (default $OUT or .).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import functools
 import glob
@@ -24,7 +22,8 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-from benchmarks.attention import implementations, write_csv
+import benchmarks
+from benchmarks.attention import IMPLEMENTATIONS, impl_names, implementations, write_csv
 
 
 def kernel_times(planes, iters: int) -> dict[str, tuple[float, float]]:
@@ -73,22 +72,27 @@ def report(label: str, times: dict[str, tuple[float, float]], width: int = 60) -
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--impls", default="sage_triton,sage_mosaic,cudnn")
-  parser.add_argument("--batch", type=int, default=4)
-  parser.add_argument("--seq", type=int, default=4096)
-  parser.add_argument("--heads", type=int, default=16)
-  parser.add_argument("--dim", type=int, default=128)
-  parser.add_argument("--iters", type=int, default=10)
-  parser.add_argument("--out", default=os.environ.get("OUT", "."))
+  parser = benchmarks.parser(__doc__, "benchmarks.breakdown")
+  parser.add_argument("--impls", default="sage_triton,sage_mosaic,cudnn",
+                      help=f"comma list of {', '.join(IMPLEMENTATIONS)} "
+                           f"(default sage_triton,sage_mosaic,cudnn)")
+  parser.add_argument("--batch", type=int, default=4, help="B (default 4)")
+  parser.add_argument("--seq", type=int, default=4096, help="T (default 4096)")
+  parser.add_argument("--heads", type=int, default=16, help="H (default 16)")
+  parser.add_argument("--dim", type=int, default=128, help="D (default 128)")
+  parser.add_argument("--iters", type=int, default=10, help="calls profiled (default 10)")
+  parser.add_argument("--out", default=os.environ.get("OUT", "."),
+                      help="folder for breakdown.csv (default $OUT or .)")
   args = parser.parse_args()
+  names = impl_names(parser, args.impls)
+  benchmarks.require_gpu("benchmarks.breakdown")
   impls = implementations()
   shape = (args.batch, args.seq, args.heads, args.dim)
   q, k, v, do = (jax.random.normal(key, shape, jnp.bfloat16)
                  for key in jax.random.split(jax.random.key(0), 4))
   rows = []
   for causal in (False, True):
-    for name in args.impls.split(","):
+    for name in names:
       f = functools.partial(impls[name], causal=causal)
       loss = lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32) * do)
       for mode, fn in (("fwd", jax.jit(f)), ("fwd_bwd", jax.jit(jax.grad(loss, (0, 1, 2))))):

@@ -39,7 +39,7 @@ VARIANTS = {
 
 
 def main():
-  args, names = parse_args(__doc__, VARIANTS)
+  args, names = parse_args(__doc__, "benchmarks.mosaic_backward", VARIANTS)
   b, t, h, d = args.batch, args.seq, args.heads, args.head_dim
   q, k, v, do = random_inputs(args, 4)
   table = Rows(args, width=20)

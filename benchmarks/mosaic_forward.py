@@ -38,7 +38,7 @@ VARIANTS = {
 
 
 def main():
-  args, names = parse_args(__doc__, VARIANTS)
+  args, names = parse_args(__doc__, "benchmarks.mosaic_forward", VARIANTS)
   b, t, h, d = args.batch, args.seq, args.heads, args.head_dim
   q, k, v = random_inputs(args, 3)
   table = Rows(args, width=16)

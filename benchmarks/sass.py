@@ -21,7 +21,6 @@ block_q x block_kv tile over all the program's threads.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import glob
@@ -31,6 +30,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+
+import benchmarks
 
 
 def tool(name: str) -> str:
@@ -223,11 +224,14 @@ def _triton(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = benchmarks.parser(__doc__, "benchmarks.sass")
   parser.add_argument("ptx", nargs="*", help="PTX files (MOSAIC_GPU_DUMP_PTX=1's *.ptx)")
-  parser.add_argument("--arch", default="sm_90a")
-  parser.add_argument("--lines", type=int, default=15, help="source lines to list per loop")
-  parser.add_argument("--scores-per-thread", type=float, default=64 * 64 / 128)
+  parser.add_argument("--arch", default="sm_90a", help="ptxas target (default sm_90a)")
+  parser.add_argument("--lines", type=int, default=15,
+                      help="source lines to list per loop (default 15)")
+  parser.add_argument("--scores-per-thread", type=float, default=64 * 64 / 128,
+                      help="scores one thread computes per loop pass, the divisor of the "
+                           "per-score counts (default 32: a 64 x 64 tile per warpgroup)")
   parser.add_argument("--triton", action="store_true",
                       help="the Triton kernels instead (T=4096, 2 heads, compiled for sm_90)")
   parser.add_argument("--causal", action="store_true", help="with --triton: causal masking")

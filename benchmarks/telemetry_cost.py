@@ -10,15 +10,15 @@ mean telemetry call over N times the median step.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 
+import benchmarks
 from train.metrics import kind, read
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = benchmarks.parser(__doc__, "benchmarks.telemetry_cost")
   parser.add_argument("run", help="a run folder trained with --telemetry-every")
   parser.add_argument("--every", default="10,50,100,250",
                       help="comma list of intervals to state the cost at (default 10,50,100,250)")

@@ -19,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 
+import benchmarks
+
 
 def run(attention: str, args: argparse.Namespace, extra: list[str], root: str) -> list[dict]:
   out = os.path.join(root, attention)
@@ -32,12 +34,13 @@ def run(attention: str, args: argparse.Namespace, extra: list[str], root: str) -
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--preset", default="small")
-  parser.add_argument("--seq-len", type=int, default=8192)
-  parser.add_argument("--batch-size", type=int, default=2)
-  parser.add_argument("--steps", type=int, default=20)
+  parser = benchmarks.parser(__doc__, "benchmarks.train_step")
+  parser.add_argument("--preset", default="small", help="train's preset (default small)")
+  parser.add_argument("--seq-len", type=int, default=8192, help="default 8192")
+  parser.add_argument("--batch-size", type=int, default=2, help="default 2")
+  parser.add_argument("--steps", type=int, default=20, help="default 20")
   args, extra = parser.parse_known_args()
+  benchmarks.require_gpu("benchmarks.train_step")
   extra = [x for x in extra if x != "--"]
   with tempfile.TemporaryDirectory() as root:
     rows = {name: run(name, args, extra, root) for name in ("sage", "full")}

@@ -12,7 +12,6 @@ winners go into `TritonBackend.tuned`.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import itertools
@@ -20,6 +19,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 
+import benchmarks
 from benchmarks.attention import time_call
 from pallas_kernels.types import Config, Masks
 from sagebwd_jax.sagebwd import sagebwd_attention
@@ -66,10 +66,11 @@ def _rate(attn, q, k, v, do, flops, *, backward: bool) -> float:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--seq", type=int, default=4096)
-  parser.add_argument("--dims", default="128,64")
+  parser = benchmarks.parser(__doc__, "benchmarks.tune")
+  parser.add_argument("--seq", type=int, default=4096, help="T, B = 16384 / T (default 4096)")
+  parser.add_argument("--dims", default="128,64", help="head dims, H = 2048 / D (default 128,64)")
   args = parser.parse_args()
+  benchmarks.require_gpu("benchmarks.tune")
   forward, backward = _sweeps()
   for head_dim in map(int, args.dims.split(",")):
     batch, heads = 16384 // args.seq, 2048 // head_dim

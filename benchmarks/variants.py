@@ -10,24 +10,28 @@ import os
 import jax
 import jax.numpy as jnp
 
+import benchmarks
 from sagebwd_jax import metrics
 
 
-def parse_args(doc: str, variants: dict) -> tuple[argparse.Namespace, list[str]]:
-  """The shape, variant and output flags; returns the args and the variant names."""
-  parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-  parser.add_argument("--batch", type=int, default=4)
-  parser.add_argument("--seq", type=int, default=4096)
-  parser.add_argument("--heads", type=int, default=16)
-  parser.add_argument("--head-dim", type=int, default=128)
+def parse_args(doc: str, module: str, variants: dict) -> tuple[argparse.Namespace, list[str]]:
+  """The shape, variant and output flags of the script `module`; returns the
+  args and the variant names (ends the script without a GPU)."""
+  parser = benchmarks.parser(doc, module)
+  parser.add_argument("--batch", type=int, default=4, help="B (default 4)")
+  parser.add_argument("--seq", type=int, default=4096, help="T (default 4096)")
+  parser.add_argument("--heads", type=int, default=16, help="H (default 16)")
+  parser.add_argument("--head-dim", type=int, default=128, help="D (default 128)")
   parser.add_argument("--variants", default="all",
-                      help=f"comma list of {sorted(variants)} or 'all'")
-  parser.add_argument("--out", default=os.environ.get("OUT"))
+                      help=f"comma list of {', '.join(sorted(variants))}, or all (default)")
+  parser.add_argument("--out", default=os.environ.get("OUT"),
+                      help="folder for the CSV (default $OUT, else none)")
   args = parser.parse_args()
   names = sorted(variants) if args.variants == "all" else args.variants.split(",")
   unknown = sorted(set(names) - set(variants))
   if unknown:
     parser.error(f"unknown variants {unknown}; choose from {sorted(variants)}")
+  benchmarks.require_gpu(module)
   return args, names
 
 

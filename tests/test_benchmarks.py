@@ -94,14 +94,15 @@ def test_kernel_times_sum_stream_kernels_per_call():
 
 def test_variant_flags_pick_known_variants(monkeypatch):
   known = {"a": 1, "b": 2}
+  monkeypatch.setattr(benchmarks, "require_gpu", lambda module: None)
   monkeypatch.setattr(sys, "argv", ["x", "--seq", "128", "--variants", "b"])
-  args, names = variants.parse_args("doc", known)
+  args, names = variants.parse_args("doc", "benchmarks.x", known)
   assert args.seq == 128 and names == ["b"]
   monkeypatch.setattr(sys, "argv", ["x"])
-  assert variants.parse_args("doc", known)[1] == ["a", "b"]
+  assert variants.parse_args("doc", "benchmarks.x", known)[1] == ["a", "b"]
   monkeypatch.setattr(sys, "argv", ["x", "--variants", "a,c"])
   with pytest.raises(SystemExit):  # argparse's error: names the unknown variant
-    variants.parse_args("doc", known)
+    variants.parse_args("doc", "benchmarks.x", known)
 
 
 @pytest.mark.parametrize("sigmas", ["2", "1,x", ""])
@@ -178,3 +179,37 @@ def test_programs_per_sm_counts_registers_in_warp_units():
   assert sass.programs_per_sm(169, 128) == sass.programs_per_sm(207, 128) == 2
   assert sass.programs_per_sm(255, 256) == 1
   assert sass.programs_per_sm(128, 128) == 4
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_shows_the_whole_docstring_and_every_choice(script, monkeypatch, capsys):
+  module = importlib.import_module(f"benchmarks.{script}")
+  monkeypatch.setattr(sys, "argv", [script, "--help"])
+  with pytest.raises(SystemExit) as e:
+    module.main()
+  assert e.value.code == 0
+  out = capsys.readouterr().out
+  assert f"python -m benchmarks.{script}" in out.splitlines()[0]  # usage: its command
+  assert " ".join(module.__doc__.split()) in " ".join(out.split())  # no sentence cut
+  if script in ("attention", "breakdown"):
+    assert all(name in out for name in attention.IMPLEMENTATIONS)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the refusal is for machines "
+                    "without a GPU")
+@pytest.mark.parametrize("script,flags", [("attention", ["--quick"]), ("breakdown", []),
+                                          ("tune", []), ("train_step", [])])
+def test_gpu_benchmarks_refuse_without_a_gpu(script, flags, monkeypatch):
+  module = importlib.import_module(f"benchmarks.{script}")
+  monkeypatch.setattr(sys, "argv", [script, *flags])
+  with pytest.raises(SystemExit, match=f"benchmarks.{script} times GPU kernels, and jax "
+                                       f"sees no GPU"):
+    module.main()
+
+
+def test_the_deprecated_pallas_attention_is_imported_only_when_asked_for():
+  code = ("import sys, benchmarks.attention, benchmarks.breakdown; "
+          "assert 'jax.experimental.pallas.ops.gpu.attention' not in sys.modules")
+  run = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", code],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert run.returncode == 0, run.stderr[-2000:]

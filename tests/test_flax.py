@@ -325,6 +325,29 @@ def test_llama_sage_logits_match_full_precision():
     sage(tokens.astype(jnp.float32))
 
 
+@pytest.mark.parametrize("attention,tolerance", [("full", 1e-5), ("sage", 0.03)])
+def test_llama_decode_with_the_cache_gives_the_full_forwards_logits(attention, tolerance):
+  """Generation's path: prefill a prompt, then one token at a time through
+  each layer's key/value cache (the op on the cache with its length as
+  key_value_seq_lengths): the logits of the whole sequence in one forward.
+  SageBwd differs by its int8 blocks, which span the tokens seen so far."""
+  model = Llama(LlamaConfig(**TINY, dtype=jnp.float32, attention=attention),
+                rngs=nnx.Rngs(0))
+  tokens = jax.random.randint(jax.random.key(5), (B, 24), 0, TINY["vocab_size"])
+  want = model(tokens)
+  logits, caches = model.prefill(tokens[:, :8])
+  assert caches[0].k.shape == (B, TINY["max_seq_len"], 1, 64)
+  got = [logits]
+  decode = nnx.jit(lambda model, token, caches, position: model.decode(token, caches, position))
+  for i in range(8, 24):
+    logits, caches = decode(model, tokens[:, i:i + 1], caches, jnp.int32(i))
+    got.append(logits)
+  got = jnp.concatenate(got, axis=1)
+  assert float(relative_l2(got, want)) < tolerance
+  with pytest.raises(ValueError, match="decode takes one token"):
+    model.decode(tokens[:, :2], caches, jnp.int32(3))
+
+
 def test_llama_loss_decreases_with_adamw():
   model = Llama(LlamaConfig(**TINY), rngs=nnx.Rngs(0))
   optimizer = nnx.Optimizer(model, optax.adamw(3e-3), wrt=nnx.Param)

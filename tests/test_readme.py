@@ -37,3 +37,25 @@ def test_readme_block_runs(line, source):
   namespace = {"__name__": "__readme__"}
   # Compiled with the README's line numbers, so a traceback points into it.
   exec(compile("\n" * (line - 1) + source, str(README), "exec"), namespace)
+
+
+USER_FACING = ("README.md", "docs/training.md", "docs/algorithm.md", "docs/integrations.md",
+               "docs/README.md", "benchmarks/README.md")
+# The project's own history, which a user has no way to look up.
+INTERNAL = re.compile(r"\bissue \d+|\bdeleted Pallas|\bthen Pallas|\bSPEC\b", re.IGNORECASE)
+
+
+def test_user_facing_text_speaks_of_the_code_as_it_is():
+  """No internal history in the guides or in `python -m train --help`
+  (docs/performance.md keeps its dated log); one way to run the commands
+  (the activated venv); the first screen says what the op is for today."""
+  from train.config import parser
+  root = README.parent
+  texts = {name: (root / name).read_text() for name in USER_FACING}
+  texts["python -m train --help"] = parser().format_help()
+  for name, text in texts.items():
+    assert not INTERNAL.search(text), (name, INTERNAL.search(text))
+  readme = texts["README.md"]
+  assert ".venv/bin/python" not in readme and "source .venv/bin/activate" in readme
+  first_screen = readme.split("\n## ", 1)[0]
+  assert "not yet faster than" in first_screen and "cuDNN" in first_screen

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from train import data, optim
+from train import data, flops, optim
 from train.__main__ import main
 from train.checkpoint import Checkpoints
 from train.config import (PRESETS, RANGES, Config, check, field_docs, from_args,
@@ -77,6 +77,9 @@ def test_resume_is_exact(tmp_path, corpus, monkeypatch):
       assert a[step][key] == b[step][key], (step, key)
   assert straight["val_loss"] == resumed["val_loss"]
   assert a[6]["loss"] < a[1]["loss"]  # it learns
+  run_cfg = Config(**{**SMALL, **kw})
+  assert a[1]["lr"] == float(optim.schedule(run_cfg)(0)) > 0  # the first step learns too
+  assert a[6]["lr"] == pytest.approx(run_cfg.lr * run_cfg.min_lr_ratio)
 
 
 def test_nan_guard_stops_and_keeps_last_good_checkpoint(tmp_path, corpus, capsys):
@@ -181,6 +184,40 @@ def test_presets_and_flags():
     check(preset("tiny", dim=96))
 
 
+def test_steps_alone_scales_the_presets_schedule(capsys):
+  """`--steps 10` alone (issue 33: "--warmup must be in [0, 10], got 25"):
+  the preset's warmup, evaluation and checkpoint intervals scale with it,
+  and a line says so; flags given keep their values."""
+  cfg, _ = from_args(["--steps", "10"])
+  assert (cfg.warmup, cfg.eval_every, cfg.ckpt_every, cfg.telemetry_every) == (1, 2, 5, 0)
+  err = capsys.readouterr().err
+  assert "--warmup 1 (from 25)" in err and "--eval-every 2 (from 50)" in err
+  cfg, _ = from_args(["--preset", "tiny", "--steps", "12", "--eval-every", "7"])
+  assert (cfg.warmup, cfg.eval_every, cfg.ckpt_every) == (1, 7, 6)
+  assert "--eval-every" not in capsys.readouterr().err
+  cfg, _ = from_args(["--preset", "small", "--steps", "100000", "--warmup", "3"])
+  assert (cfg.warmup, cfg.eval_every, cfg.ckpt_every) == (3, 5000, 10000)
+  capsys.readouterr()
+  assert from_args(["--steps", "250"])[0] == preset("tiny")
+  assert capsys.readouterr().err == ""
+
+
+def test_the_first_update_learns():
+  """The first optimizer step's learning rate is lr / warmup, not 0."""
+  cfg = preset("tiny", steps=10, warmup=4)
+  lr = [float(optim.schedule(cfg)(i)) for i in range(10)]
+  np.testing.assert_allclose(lr[:4], [cfg.lr / 4 * n for n in (1, 2, 3, 4)], rtol=1e-6)
+  assert lr[-1] == pytest.approx(cfg.lr * cfg.min_lr_ratio)
+  assert float(optim.schedule(preset("tiny", warmup=0))(0)) == pytest.approx(cfg.lr, rel=1e-3)
+
+
+def test_bad_data_leaves_no_run_folder(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(SystemExit, match="--data: '/nonexistent' does not exist"):
+    main(["--data", "/nonexistent", "--no-progress"])
+  assert list(tmp_path.iterdir()) == []
+
+
 # Every flag the issue found accepted or crashing, and what the error must name.
 BAD_FLAGS = [
     (["--lr", "-3e-3"], "--lr must be > 0, got -0.003"),
@@ -248,6 +285,24 @@ def test_parameter_count_in_help_matches_the_model():
     assert count_params(state["params"]) == params_besides_embeddings(cfg) + embeddings, kw
 
 
+def test_model_flops_count_every_weight_and_causal_attention():
+  """MFU's FLOPs per token: 6 per weight that multiplies (every parameter but
+  the embedding table's lookup; a tied table multiplies as the output layer)
+  plus 6 x seq_len x dim per layer, against the built model's parameters."""
+  for kw in ({}, dict(tie_embeddings=True)):
+    cfg = Config(**{**SMALL, **kw, "vocab_size": 256})
+    params = count_params(build_model(cfg, 256))
+    lookup = 0 if cfg.tie_embeddings else 256 * cfg.dim
+    want = 6 * (params - lookup) + 6 * cfg.n_layers * cfg.seq_len * cfg.dim
+    assert flops.flops_per_token(cfg) == want, kw
+  assert flops.device_peak_tflops("NVIDIA H200") == 989.0
+  assert flops.device_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+  assert flops.device_peak_tflops("NVIDIA L40S") == 362.0
+  assert flops.device_peak_tflops("cpu") is None
+  assert flops.peak_flops(jax.devices()) is None  # this machine's CPU
+  assert flops.peak_flops(jax.devices(), 2.0) == 2e12 * jax.device_count()
+
+
 def test_every_range_is_enforced_on_the_config_too():
   """`check` guards Config built in code as well as from flags."""
   for name, allowed in RANGES.items():
@@ -297,6 +352,18 @@ def test_plot_writes_png(tmp_path, capsys):
   plot_main([str(tmp_path / "a"), "--out", str(tmp_path / "x")])
   assert capsys.readouterr().out.strip() == str(tmp_path / "x.png")
   assert (tmp_path / "x.png").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "x").exists()
+
+
+def test_plot_without_out_writes_beside_the_runs(tmp_path, monkeypatch, capsys):
+  for i, name in enumerate(["a", "b"]):
+    _write_metrics(tmp_path / "runs" / name, _rows(5, i))
+  monkeypatch.chdir(tmp_path)
+  plot_main(["runs/a"])
+  assert capsys.readouterr().out.strip() == os.path.join("runs", "a", "loss.png")
+  plot_main(["runs/a", "runs/b/"])
+  assert capsys.readouterr().out.strip() == os.path.join("runs", "loss-a-vs-b.png")
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]  # nothing in the cwd
+  assert (tmp_path / "runs" / "a" / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_plot_has_title_lr_panel_and_uniform_line(tmp_path):

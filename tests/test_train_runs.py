@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from train import data, optim, rundir
+from train import data, flops, optim, rundir
 from train.__main__ import main
 from train.checkpoint import Checkpoints
 from train.config import Config
@@ -33,7 +33,7 @@ FLAGS = ["--dim", "64", "--n-layers", "1", "--n-heads", "1", "--n-kv-heads", "1"
          "--ffn-dim", "128", "--seq-len", "32", "--batch-size", "2", "--warmup", "2",
          "--eval-every", "2", "--eval-batches", "2", "--steps", "4", "--ckpt-every", "2",
          "--keep", "3", "--attention", "full", "--no-progress"]
-TIMINGS = ("tokens_per_s", "step_time")
+TIMINGS = ("tokens_per_s", "step_time", "mfu")
 
 
 def _strip(rows):
@@ -61,7 +61,7 @@ def finished(tmp_path_factory, corpus):
   with pytest.MonkeyPatch.context() as mp:
     mp.setattr(jax.stages.Lowered, "compile", slow_compile)
     mp.setattr("train.loop.time.perf_counter", lambda: real_clock() + offset[0])
-    summary = train(Config(out=str(out), data=corpus, **SMALL))
+    summary = train(Config(out=str(out), data=corpus, peak_tflops=0.5, **SMALL))
   return out, summary
 
 
@@ -88,6 +88,11 @@ def test_throughput_excludes_compilation_and_summary(finished):
   assert summary["compile_s"] >= 1000  # the fake clock's compile
   assert all(r["step_time"] < 1000 for r in train_rows)  # ... counted in no step
   assert summary["tokens_per_s"] > 64 * 4 / 1000
+  # MFU beside tokens/s: the model's FLOPs per second over --peak-tflops.
+  per_token = flops.flops_per_token(Config(vocab_size=256, **SMALL))
+  for r in train_rows:
+    assert r["mfu"] == pytest.approx(r["tokens_per_s"] * per_token / 0.5e12)
+  assert summary["mfu"] == pytest.approx(summary["tokens_per_s"] * per_token / 0.5e12)
   assert (summary["step"], summary["loss"]) == (4, train_rows[-1]["loss"])
   assert summary["val_loss"] == [r for r in rows if "val_loss" in r][-1]["val_loss"]
 
@@ -292,3 +297,37 @@ def test_a_full_disk_is_one_line(tmp_path, corpus):
   assert errors[0].startswith(f"error: saving checkpoint 2 to {tmp_path / 'run' / 'checkpoints'}"
                               f" failed: ") and "File too large" in errors[0]
   assert "Traceback" not in proc.stderr and "Event loop is closed" not in proc.stderr
+
+
+# --- generation from a run ----------------------------------------------------------
+
+def test_sample_writes_text_from_the_newest_checkpoint_and_touches_nothing(finished,
+                                                                          capsys):
+  from train.sample import load_config, load_model, main as sample_main, parse_ids
+  run = finished[0]
+  before = sorted((str(p), p.stat().st_mtime_ns) for p in run.rglob("*"))
+  sample_main([str(run), "--prompt", "def ", "--tokens", "6", "--temperature", "0"])
+  out, err = capsys.readouterr()
+  assert f"{run}: checkpoint of step 4, attention=full" in err
+  assert out.startswith("def ") and out.endswith("\n")
+  # Greedy: the first byte is the most likely after the prompt (a new
+  # document: byte 0, then the prompt) by the restored model's plain forward.
+  cfg = load_config(str(run))
+  model, step = load_model(str(run), cfg)
+  first = int(np.argmax(model(np.asarray([[0, *b"def "]], np.int32))[0, -1]))
+  assert step == 4 and (first == 0 or out[4:].encode()[:1] == bytes([first]) or first > 127)
+  assert sorted((str(p), p.stat().st_mtime_ns) for p in run.rglob("*")) == before
+  assert parse_ids("464, 3290 7", 50304) == [464, 3290, 7]
+  for bad, message in (("", "needs token ids"), ("a b", "token ids separated"),
+                       ("1 99999", r"must be in \[0, 50304\)")):
+    with pytest.raises(ValueError, match=message):
+      parse_ids(bad, 50304)
+  with pytest.raises(SystemExit, match="has no checkpoints/"):
+    sample_main([str(_no_checkpoints(run))])
+
+
+def _no_checkpoints(run: Path) -> Path:
+  other = run.parent / "no-checkpoints"
+  other.mkdir(exist_ok=True)
+  shutil.copy(run / "config.json", other / "config.json")
+  return other

@@ -18,8 +18,9 @@ from train.config import from_args, to_json
 
 def _summary(result: dict, seconds: float, png: str) -> str:
   fmt = lambda x: "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"
+  mfu = "" if result.get("mfu") is None else f", MFU {result['mfu']:.1%}"
   speed = ("" if result["tokens_per_s"] is None else
-           f"; {result['tokens_per_s']:,.0f} tokens/s ({result['compile_s']:.0f}s of "
+           f"; {result['tokens_per_s']:,.0f} tokens/s{mfu} ({result['compile_s']:.0f}s of "
            f"compilation not counted)")
   return (f"done in {seconds:.0f}s: step {result['step']}, loss {fmt(result['loss'])}, "
           f"val_loss {fmt(result['val_loss'])}{speed}; plot {png}")

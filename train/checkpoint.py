@@ -105,9 +105,11 @@ class Corrupt(Exception):
 
 class Checkpoints:
   """The checkpoints of the run in `run_dir`; `primary`: the process that
-  moves skipped ones aside (all processes save and restore)."""
+  moves skipped ones aside (all processes save and restore). `read_only`
+  (a reader beside a training that may be saving: `train.sample`) creates
+  and cleans up nothing."""
 
-  def __init__(self, run_dir: str, keep: int, primary: bool = True):
+  def __init__(self, run_dir: str, keep: int, primary: bool = True, read_only: bool = False):
     self.dir = os.path.abspath(os.path.join(run_dir, "checkpoints"))
     self.skipped_dir = os.path.abspath(os.path.join(run_dir, "checkpoints-skipped"))
     self.primary = primary
@@ -115,8 +117,8 @@ class Checkpoints:
       with _quiet():
         self.manager = ocp.CheckpointManager(
             self.dir, options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, create=True, enable_async_checkpointing=False,
-                cleanup_tmp_directories=True))
+                max_to_keep=keep, create=not read_only, enable_async_checkpointing=False,
+                cleanup_tmp_directories=not read_only, read_only=read_only))
     except Exception as e:
       raise RunError(f"opening the checkpoints in {self.dir} failed: {_one_line(e)}") from e
 

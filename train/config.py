@@ -16,6 +16,7 @@ import inspect
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,7 +52,7 @@ class Config:
   ffn_dim: int = 384
   # RoPE base.
   rope_theta: float = 10000.0
-  # RMSNorm on each head's q and k before RoPE (SPEC: needed at large batches).
+  # RMSNorm on each head's q and k before RoPE (the SageBwd paper needed it at many tokens per step).
   qk_norm: bool = True
   # Share the token embedding with the output layer.
   tie_embeddings: bool = False
@@ -85,7 +86,7 @@ class Config:
   lr: float = 3e-3
   # Final learning rate as a fraction of --lr (cosine decay ends at lr x ratio at --steps).
   min_lr_ratio: float = 0.1
-  # Linear warmup steps.
+  # Linear warmup steps (given --steps alone, the preset's value scales with it).
   warmup: int = 25
   # AdamW decoupled weight decay, on the linear layers' matrices only.
   weight_decay: float = 0.1
@@ -97,11 +98,11 @@ class Config:
   grad_clip: float = 1.0
 
   # --- evaluation and checkpoints ---
-  # Evaluate every N steps (and at the start and the end).
+  # Evaluate every N steps (and at the start and the end; scales with --steps as --warmup).
   eval_every: int = 50
   # Validation batches per evaluation (the same ones each time).
   eval_batches: int = 8
-  # Save a checkpoint every N steps (and at the end); 0: no checkpoints (a resume starts over).
+  # Save a checkpoint every N steps (and at the end; scales with --steps as --warmup); 0: no checkpoints (a resume starts over).
   ckpt_every: int = 125
   # Checkpoints kept (the newest).
   keep: int = 2
@@ -117,6 +118,8 @@ class Config:
   num_processes: int | None = None
   # Multi-host: this process's index; default: JAX_PROCESS_ID or detected.
   process_id: int | None = None
+  # Peak TFLOP/s of one device, for the model FLOPs utilization (MFU) shown beside tokens/s; default: the GPU's dense BF16 peak (H100 and H200 989, A100 312, train/flops.py), none on a CPU.
+  peak_tflops: float | None = None
 
   @property
   def tokens_per_step(self) -> int:
@@ -176,6 +179,7 @@ RANGES: dict[str, Range] = {
     "eval_every": AT_LEAST_1, "eval_batches": AT_LEAST_1, "ckpt_every": NON_NEGATIVE,
     "telemetry_every": NON_NEGATIVE,
     "keep": AT_LEAST_1, "num_processes": AT_LEAST_1, "process_id": NON_NEGATIVE,
+    "peak_tflops": POSITIVE,
 }
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
@@ -316,14 +320,46 @@ def parser() -> argparse.ArgumentParser:
   return p
 
 
+# The fields a preset sets for its own --steps. Given --steps alone, they scale
+# with it (a 10-step smoke run keeps the preset's shape: the warmup's share,
+# the number of evaluations and of checkpoints).
+SCHEDULE_FIELDS = ("warmup", "eval_every", "ckpt_every", "telemetry_every")
+
+
+def scale_schedule(cfg: Config, preset_steps: int, given) -> tuple[Config, str | None]:
+  """`cfg` with each schedule field not in `given` (the flags the user gave)
+  scaled from the preset's `preset_steps` to `cfg.steps`, and a line saying
+  what changed (None when nothing did)."""
+  if "steps" not in given or cfg.steps == preset_steps:
+    return cfg, None
+  changed = {}
+  for name in SCHEDULE_FIELDS:
+    value = getattr(cfg, name)
+    if name in given or not value:  # 0 switches checkpoints or telemetry off
+      continue
+    scaled = round(value * cfg.steps / preset_steps)
+    changed[name] = (value, scaled if name == "warmup" else max(1, scaled))
+  if not changed:
+    return cfg, None
+  cfg = dataclasses.replace(cfg, **{n: new for n, (_, new) in changed.items()})
+  return cfg, (f"--steps {cfg.steps} (the preset's {preset_steps}): "
+               + ", ".join(f"{flag(n)} {new} (from {old})" for n, (old, new) in changed.items())
+               + "; give them to choose other values")
+
+
 def from_args(argv: list[str] | None = None) -> tuple[Config, bool]:
   """(the configuration the flags ask for, whether --print-config was given).
 
+  Prints to stderr which schedule fields followed --steps (`scale_schedule`).
   ValueError, naming the flag, for anything out of range."""
   args = vars(parser().parse_args(argv))
   print_config = args.pop("print_config")
-  cfg = preset(args.pop("preset"), **args)
+  name = args.pop("preset")
+  cfg = preset(name, **args)
+  cfg, note = scale_schedule(cfg, preset(name).steps, given=args)
   check(cfg)
+  if note:
+    print(note, file=sys.stderr)
   return cfg, print_config
 
 

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from train import data, optim, rundir, sharding
+from train import data, flops, optim, rundir, sharding
 from train.checkpoint import Checkpoints
 from train.config import Config, check
 from train.metrics import MetricsLog
@@ -58,9 +58,9 @@ def train(cfg: Config, dataset: data.Dataset | None = None) -> dict:
   """Runs `cfg` to `cfg.steps` (from its newest good checkpoint with --resume).
 
   Returns the summary: step, loss, val_loss (the last logged), run_dir,
-  tokens_per_s (this session's training alone; None if it trained no step)
-  and compile_s. Raises RunError (NonFiniteError among them) and ValueError
-  with one-line messages. `dataset`: `cfg`'s data, already loaded (by
+  tokens_per_s and mfu (this session's training alone; None if it trained no
+  step; mfu None where the devices' peak is unknown) and compile_s. Raises
+  RunError (NonFiniteError among them) and ValueError with one-line messages. `dataset`: `cfg`'s data, already loaded (by
   `data.load(cfg.data, cfg.val_fraction, cfg.seq_len)`), for runs that share it.
   """
   check(cfg)
@@ -69,33 +69,36 @@ def train(cfg: Config, dataset: data.Dataset | None = None) -> dict:
   main = jax.process_index() == 0  # process 0 alone writes logs, metrics, config
   log = (tqdm.write if cfg.progress else print) if main else (lambda *a, **k: None)
 
-  # The run folder: every process resolves it before the first one creates it.
-  run_dir = rundir.resolve(cfg)
-  sharding.barrier("sagebwd-train: run folder resolved")
-  rundir.prepare(cfg, run_dir, main, log)
-  lock = rundir.lock(run_dir) if main else None
-  try:
-    return _train(dataclasses.replace(cfg, out=run_dir), mesh, main, log, dataset)
-  finally:
-    if lock is not None:
-      os.close(lock)
-
-
-def _train(cfg: Config, mesh, main: bool, log, dataset: data.Dataset | None) -> dict:
-  """`train` once the run folder (`cfg.out`) is settled and locked."""
-  run_dir = cfg.out
-  log(f"run folder: {run_dir}")
-  log(f"devices: mesh data={mesh.shape['data']} x model={mesh.shape['model']} over "
-      f"{jax.process_count()} process(es), {jax.device_count()} {jax.default_backend()} "
-      f"device(s)")
-
-  # Data, and the configuration as config.json records it (vocabulary resolved).
+  # The data before the run folder: bad --data leaves no folder behind. The
+  # configuration as config.json records it (vocabulary resolved).
   ds = dataset or data.load(cfg.data, cfg.val_fraction, cfg.seq_len)
   vocab = cfg.vocab_size or ds.vocab_size
   if vocab < ds.vocab_size:
     raise ValueError(f"--vocab-size {vocab} is too small for {ds.source}: its tokens "
                      f"need {ds.vocab_size}")
   cfg = dataclasses.replace(cfg, vocab_size=vocab)
+
+  # The run folder: every process resolves it before the first one creates it.
+  run_dir = rundir.resolve(cfg)
+  sharding.barrier("sagebwd-train: run folder resolved")
+  rundir.prepare(cfg, run_dir, main, log)
+  lock = rundir.lock(run_dir) if main else None
+  try:
+    return _train(dataclasses.replace(cfg, out=run_dir), mesh, main, log, ds)
+  finally:
+    if lock is not None:
+      os.close(lock)
+
+
+def _train(cfg: Config, mesh, main: bool, log, ds: data.Dataset) -> dict:
+  """`train` once the data is loaded and the run folder (`cfg.out`) settled
+  and locked."""
+  run_dir = cfg.out
+  log(f"run folder: {run_dir}")
+  log(f"devices: mesh data={mesh.shape['data']} x model={mesh.shape['model']} over "
+      f"{jax.process_count()} process(es), {jax.device_count()} {jax.default_backend()} "
+      f"device(s)")
+
   log(f"data: {ds.source}: {len(ds.train):,} train / {len(ds.val):,} val tokens")
   if cfg.resume:
     rundir.compare_with_saved(cfg, log)
@@ -104,7 +107,7 @@ def _train(cfg: Config, mesh, main: bool, log, dataset: data.Dataset | None) -> 
   batches = Batches(ds, cfg, mesh)
 
   # Model, optimizer, compiled steps.
-  model = build_model(cfg, vocab, mesh)
+  model = build_model(cfg, cfg.vocab_size, mesh)
   tx = optim.optimizer(cfg)
   state, train_step, eval_step = make_steps(model, tx, mesh)
   telemetry = None
@@ -120,6 +123,11 @@ def _train(cfg: Config, mesh, main: bool, log, dataset: data.Dataset | None) -> 
       f"matrices; not norms, biases, embedding)")
   log(f"tokens per step: {cfg.tokens_per_step:,} = batch {cfg.batch_size} x "
       f"seq {cfg.seq_len} x grad_accum {cfg.grad_accum}")
+  peak = flops.peak_flops(jax.devices(), cfg.peak_tflops)
+  log(f"model FLOPs: {flops.flops_per_token(cfg) / 1e6:,.1f}M per token; MFU "
+      + (f"against {peak / 1e12:,.0f} TFLOP/s ({jax.device_count()} x "
+         f"{peak / 1e12 / jax.device_count():,.0f})" if peak else
+         f"not shown: no known peak for {jax.devices()[0].device_kind} (--peak-tflops)"))
 
   # Checkpoints: with --resume, the newest that restores intact.
   ckpts = Checkpoints(run_dir, cfg.keep, primary=main)
@@ -135,7 +143,7 @@ def _train(cfg: Config, mesh, main: bool, log, dataset: data.Dataset | None) -> 
     metrics = MetricsLog(run_dir, start, enabled=main, warn=lambda m: log(f"warning: {m}"))
     try:
       return {**_loop(cfg, state, start, train_step, eval_step, telemetry, batches, ckpts,
-                      metrics, log),
+                      metrics, log, peak),
               "run_dir": run_dir}
     finally:
       metrics.close()
@@ -144,12 +152,18 @@ def _train(cfg: Config, mesh, main: bool, log, dataset: data.Dataset | None) -> 
 
 
 def _loop(cfg: Config, state, start: int, train_step, eval_step, telemetry, batches: Batches,
-          ckpts: Checkpoints, metrics: MetricsLog, log) -> dict:
+          ckpts: Checkpoints, metrics: MetricsLog, log, peak: float | None) -> dict:
   """Steps `start` to `cfg.steps`; the summary: the last logged step, loss and
-  val_loss, this session's tokens/s (None if it trained no step) and compile_s."""
+  val_loss, this session's tokens/s and MFU (None if it trained no step, MFU
+  None without a `peak` FLOP/s) and compile_s."""
   if start >= cfg.steps:
     log(f"nothing to train: the run is at step {start} and --steps is {cfg.steps}")
-    return {**metrics.summary(), "tokens_per_s": None, "compile_s": 0.0}
+    return {**metrics.summary(), "tokens_per_s": None, "mfu": None, "compile_s": 0.0}
+  flops_per_step = flops.flops_per_token(cfg) * cfg.tokens_per_step
+
+  def mfu(seconds_per_step: float) -> float | None:
+    return flops_per_step / seconds_per_step / peak if peak else None
+
   lr_at = optim.schedule(cfg)
 
   # Compiled before the clock starts: tokens/s counts training alone.
@@ -192,7 +206,8 @@ def _loop(cfg: Config, state, start: int, train_step, eval_step, telemetry, batc
       train_time += dt
       done = step + 1
       metrics.write(step=done, tokens=done * cfg.tokens_per_step, **m, lr=float(lr_at(step)),
-                    tokens_per_s=cfg.tokens_per_step / dt, step_time=dt)
+                    tokens_per_s=cfg.tokens_per_step / dt, step_time=dt,
+                    **({"mfu": mfu(dt)} if peak else {}))
       if not all(math.isfinite(m[k]) for k in ("loss", "grad_norm", "param_norm")):
         latest = ckpts.latest_step()
         raise NonFiniteError(
@@ -201,7 +216,7 @@ def _loop(cfg: Config, state, start: int, train_step, eval_step, telemetry, batc
             + (f"The latest checkpoint (step {latest}) in {ckpts.dir} is untouched."
                if latest is not None else "No checkpoint was saved."))
       bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{cfg.tokens_per_step / dt:,.0f}",
-                      refresh=False)
+                      **({"mfu": f"{mfu(dt):.1%}"} if peak else {}), refresh=False)
       if done % cfg.eval_every == 0 or done == cfg.steps:
         eval_and_log(done)
       if telemetry is not None and (done % cfg.telemetry_every == 0 or done == cfg.steps):
@@ -210,4 +225,5 @@ def _loop(cfg: Config, state, start: int, train_step, eval_step, telemetry, batc
         metrics.sync()  # the rows a checkpoint implies reach the disk before it does
         ckpts.save(done, state)
   return {**metrics.summary(), "compile_s": compile_s,
-          "tokens_per_s": (cfg.steps - start) * cfg.tokens_per_step / train_time}
+          "tokens_per_s": (cfg.steps - start) * cfg.tokens_per_step / train_time,
+          "mfu": mfu(train_time / (cfg.steps - start))}

@@ -1,7 +1,7 @@
 """Metrics: one JSON object per line in <run>/metrics.jsonl, safe from crashes.
 
 Train rows: step, tokens, loss, lr, grad_norm, param_norm, tokens_per_s,
-step_time. Eval rows: step, tokens, val_loss. Telemetry rows
+step_time, and mfu where the devices' peak is known (train/flops.py). Eval rows: step, tokens, val_loss. Telemetry rows
 (`--telemetry-every`, train/telemetry.py): step, tokens, telemetry_s and
 `TELEMETRY_VALUES`, each a list with one value per layer (no ds_rel_l2 under
 full-precision attention). `step` counts completed steps.

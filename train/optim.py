@@ -16,9 +16,13 @@ from train.config import Config
 
 
 def schedule(cfg: Config) -> optax.Schedule:
-  return optax.warmup_cosine_decay_schedule(
+  """The learning rate of update `count` (0 for the first): warmup from
+  lr / warmup at the first update (not 0: that update would be wasted) to lr
+  at update `warmup`, then cosine decay to lr x min_lr_ratio at the last."""
+  curve = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup,
       decay_steps=max(cfg.steps, cfg.warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio)
+  return lambda count: curve(count + 1)
 
 
 def _path_str(path) -> str:

@@ -1,6 +1,10 @@
 """Loss curves of one or more runs in one PNG, and their telemetry in another.
 
-    python -m train.plot runs/tiny runs/other [--out loss.png] [--x tokens]
+    python -m train.plot runs/tiny [runs/other ...] [--out FILE.png] [--x tokens]
+
+Without --out, one run's plot goes beside it (<run>/loss.png, as training
+writes it) and several runs' into their common folder, named after them
+(runs/loss-tiny-vs-other.png).
 
 Top: train loss drawn thin (a moving average on top), validation loss with
 markers, one colour per run, and the loss of a uniform guess over the
@@ -182,17 +186,31 @@ def _save(fig: plt.Figure, out: str) -> None:
     plt.close(fig)
 
 
+def default_out(runs: list[str]) -> str:
+  """Where `main` writes without --out (the module docstring says)."""
+  folders = [run if os.path.isdir(run) else os.path.dirname(run) or "." for run in runs]
+  if len(folders) == 1:
+    return os.path.join(folders[0], "loss.png")
+  names = [os.path.basename(os.path.abspath(f)) for f in folders]
+  parents = {os.path.dirname(os.path.normpath(f)) for f in folders}
+  parent = (parents.pop() if len(parents) == 1 else
+            os.path.commonpath([os.path.dirname(os.path.abspath(f)) for f in folders]))
+  return os.path.join(parent, "loss-" + "-vs-".join(names) + ".png")
+
+
 def main(argv: list[str] | None = None) -> None:
   p = argparse.ArgumentParser(prog="python -m train.plot", description=__doc__.split("\n")[0])
   p.add_argument("runs", nargs="+", help="run folders (each with a metrics.jsonl), or "
                                          "metrics files")
-  p.add_argument("--out", default="loss.png",
-                 help="image to write; .png is added without an extension (default loss.png)")
+  p.add_argument("--out", default=None,
+                 help="image to write; .png is added without an extension (default: "
+                      "<run>/loss.png for one run, loss-<run>-vs-<run>.png in the runs' "
+                      "common folder for several)")
   p.add_argument("--x", choices=["step", "tokens"], default="step",
                  help="x axis (default step)")
   args = p.parse_args(argv)
   try:
-    print("\n".join(plot_all(args.runs, args.out, args.x)))
+    print("\n".join(plot_all(args.runs, args.out or default_out(args.runs), args.x)))
   except ValueError as e:
     raise SystemExit(f"error: {e}")
 

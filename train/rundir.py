@@ -34,7 +34,7 @@ MODEL_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_d
                 "qk_norm", "tie_embeddings")
 # Fields that change where or how a run executes, not what it computes.
 NOT_COMPARED = ("out", "resume", "overwrite", "progress", "mesh", "coordinator",
-                "num_processes", "process_id")
+                "num_processes", "process_id", "peak_tflops")
 
 
 class RunError(Exception):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,8 +37,8 @@ class RMSNorm(nnx.Module):
     return (x32 * gain).astype(self.dtype)
 
 
-def apply_rope(x: jax.Array, theta: float) -> jax.Array:
-  """Rotary position embedding on (B, T, H, D), positions 0..T-1.
+def apply_rope(x: jax.Array, theta: float, offset: int | jax.Array = 0) -> jax.Array:
+  """Rotary position embedding on (B, T, H, D), positions offset..offset+T-1.
 
   Rotates the first half of the head dim against the second half (the
   Llama / GPT-NeoX layout); angles are computed in fp32 because bf16
@@ -46,11 +46,19 @@ def apply_rope(x: jax.Array, theta: float) -> jax.Array:
   """
   seq_len, head_dim = x.shape[1], x.shape[-1]
   inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-  angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+  positions = jnp.arange(seq_len, dtype=jnp.float32) + jnp.asarray(offset, jnp.float32)
+  angles = positions[:, None] * inv_freq[None, :]
   cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return rotated.astype(x.dtype)
+
+
+class KVCache(NamedTuple):
+  """One layer's keys and values for decoding, (B, max_len, Hkv, D); those
+  past the tokens decoded so far are zero and masked."""
+  k: jax.Array
+  v: jax.Array
 
 
 class Attention(nnx.Module):
@@ -159,6 +167,41 @@ class Attention(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """(B, T, in_features) -> (B, T, in_features) in the compute dtype."""
+    q, k, v = self._project(x, 0)
+    return self._output(self._attend(q, k, v))
+
+  def prefill(self, x: jax.Array, max_len: int) -> tuple[jax.Array, KVCache]:
+    """`__call__` on a prompt x (B, T, in_features), T <= max_len, and its
+    keys and values as a `KVCache` of `max_len` for `decode` to extend."""
+    if not self.causal:
+      raise ValueError("prefill and decode need causal attention (causal=True)")
+    q, k, v = self._project(x, 0)
+    if x.shape[1] > max_len:
+      raise ValueError(f"the prompt's {x.shape[1]} tokens exceed max_len={max_len}")
+    pad = ((0, 0), (0, max_len - x.shape[1]), (0, 0), (0, 0))
+    return self._output(self._attend(q, k, v)), KVCache(jnp.pad(k, pad), jnp.pad(v, pad))
+
+  def decode(self, x: jax.Array, cache: KVCache, position: jax.Array
+             ) -> tuple[jax.Array, KVCache]:
+    """One new token per sequence, x (B, 1, in_features) at `position` (an int
+    scalar, traced or not: the tokens before it are in `cache`): its output
+    (B, 1, in_features) and the cache with its key and value. The token
+    attends to the cache's first position + 1 keys through the op's
+    `key_value_seq_lengths` (the others are masked and zeroed, so they
+    cannot set an int8 block's scale)."""
+    if x.shape[1] != 1:
+      raise ValueError(f"decode takes one token per sequence, x (batch, 1, features); "
+                       f"got {x.shape}")
+    q, k, v = self._project(x, position)
+    at = (0, position, 0, 0)
+    cache = KVCache(jax.lax.dynamic_update_slice(cache.k, k, at),
+                    jax.lax.dynamic_update_slice(cache.v, v, at))
+    lengths = jnp.full((x.shape[0],), position + 1, jnp.int32)
+    out = self._attend_local(q, cache.k, cache.v, is_causal=False, key_value_seq_lengths=lengths)
+    return self._output(out), cache
+
+  def _project(self, x: jax.Array, offset: int | jax.Array):
+    """q, k, v of x (B, T, in_features) at positions offset.., in the compute dtype."""
     if x.ndim != 3:
       raise ValueError(f"x must have shape (batch, length, features); got {x.shape}")
     batch, seq_len, _ = x.shape
@@ -168,9 +211,11 @@ class Attention(nnx.Module):
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     if self.rope_theta is not None:
-      q, k = apply_rope(q, self.rope_theta), apply_rope(k, self.rope_theta)
-    q, k, v = (t.astype(self.dtype) for t in (q, k, v))
-    out = self._attend(q, k, v)
+      q, k = apply_rope(q, self.rope_theta, offset), apply_rope(k, self.rope_theta, offset)
+    return tuple(t.astype(self.dtype) for t in (q, k, v))
+
+  def _output(self, out: jax.Array) -> jax.Array:
+    batch, seq_len = out.shape[:2]
     return self.out_proj(out.reshape(batch, seq_len, self.num_heads * self.head_dim))
 
   def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -179,14 +224,18 @@ class Attention(nnx.Module):
     return shard_attention(self._attend_local, self.mesh, batch_axis=self.batch_axis,
                            head_axis=self.head_axis)(q, k, v)
 
-  def _attend_local(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  def _attend_local(self, q: jax.Array, k: jax.Array, v: jax.Array, *,
+                    is_causal: bool | None = None,
+                    key_value_seq_lengths: jax.Array | None = None) -> jax.Array:
+    is_causal = self.causal if is_causal is None else is_causal
     if self.implementation == "full":
       # cuDNN's fused kernel is the fast full-precision baseline on GPU, but
       # it takes only half-precision inputs.
       use_cudnn = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
       return jax.nn.dot_product_attention(
-          q, k, v, is_causal=self.causal, implementation="cudnn" if use_cudnn else "xla")
+          q, k, v, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
+          implementation="cudnn" if use_cudnn else "xla")
     return dot_product_attention(
-        q, k, v, is_causal=self.causal, smooth_k=self.smooth_k, smooth_q=self.smooth_q,
-        ds_precision=self.ds_precision,
+        q, k, v, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
+        smooth_k=self.smooth_k, smooth_q=self.smooth_q, ds_precision=self.ds_precision,
         implementation="reference" if self.implementation == "reference" else None)

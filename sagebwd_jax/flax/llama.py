@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sagebwd_jax.arguments import MAX_HEAD_DIM
-from sagebwd_jax.flax.attention import IMPLEMENTATIONS, Attention, AttentionImpl, RMSNorm
+from sagebwd_jax.flax.attention import IMPLEMENTATIONS, Attention, AttentionImpl, KVCache, RMSNorm
 
 # GPT-2's initialization: N(0, 0.02), with the projections that write into the
 # residual stream scaled by 1/sqrt(2 * n_layers) so its variance does not grow
@@ -128,6 +128,17 @@ class Block(nnx.Module):
     x = x + self.attn(self.attn_norm(x))
     return x + self.mlp(self.mlp_norm(x))
 
+  def prefill(self, x: jax.Array, max_len: int) -> tuple[jax.Array, KVCache]:
+    y, cache = self.attn.prefill(self.attn_norm(x), max_len)
+    x = x + y
+    return x + self.mlp(self.mlp_norm(x)), cache
+
+  def decode(self, x: jax.Array, cache: KVCache, position: jax.Array
+             ) -> tuple[jax.Array, KVCache]:
+    y, cache = self.attn.decode(self.attn_norm(x), cache, position)
+    x = x + y
+    return x + self.mlp(self.mlp_norm(x)), cache
+
 
 class Llama(nnx.Module):
   """Decoder-only LM: int32 tokens (B, T) -> fp32 logits (B, T, vocab_size).
@@ -154,15 +165,44 @@ class Llama(nnx.Module):
                                 kernel_init=nnx.initializers.normal(_STD), rngs=rngs)
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
+    self._check(tokens)
+    x = self.embed(tokens)
+    for block in self.blocks:
+      x = block(x)
+    return self._logits(x)
+
+  def prefill(self, tokens: jax.Array) -> tuple[jax.Array, list[KVCache]]:
+    """Generation's first call: the logits of a prompt (B, T), as `__call__`,
+    and each layer's `KVCache` of max_seq_len positions, T of them filled."""
+    self._check(tokens)
+    x, caches = self.embed(tokens), []
+    for block in self.blocks:
+      x, cache = block.prefill(x, self.config.max_seq_len)
+      caches.append(cache)
+    return self._logits(x), caches
+
+  def decode(self, token: jax.Array, caches: list[KVCache], position: jax.Array
+             ) -> tuple[jax.Array, list[KVCache]]:
+    """The next token's logits: `token` (B, 1) at `position` (< max_seq_len; the
+    tokens before it are in `caches`), the logits (B, 1, vocab_size) and the
+    caches with its keys and values. Attention runs on the cache through the
+    op (`Attention.decode`)."""
+    self._check(token)
+    x, new = self.embed(token), []
+    for block, cache in zip(self.blocks, caches):
+      x, cache = block.decode(x, cache, position)
+      new.append(cache)
+    return self._logits(x), new
+
+  def _check(self, tokens: jax.Array) -> None:
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
       raise ValueError(f"tokens must be an integer array of shape (batch, length); got "
                        f"{tokens.dtype} {tokens.shape}")
     if tokens.shape[1] > self.config.max_seq_len:
       raise ValueError(f"tokens has length {tokens.shape[1]} > max_seq_len "
                        f"{self.config.max_seq_len}")
-    x = self.embed(tokens)
-    for block in self.blocks:
-      x = block(x)
+
+  def _logits(self, x: jax.Array) -> jax.Array:
     x = self.norm(x)
     logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
     return logits.astype(jnp.float32)
