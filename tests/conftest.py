@@ -161,20 +161,24 @@ def kernel_config(**overrides) -> Config:
 
 def check_quantization_pass(backend, reference, head_dim: int, smooth_q: bool,
                             smooth_k: bool, *, sum_atol: float = 0.0,
-                            ds_precision: str = "int8"):
-  """`backend.quantize` forms `reference.quantize`'s tensors: int8 equal,
-  scales and means to fp32 rounding (`sum_atol` times the largest: for
-  kernels that add the Q-smoothing means in another order).
-  `ds_precision="bf16"` quantizes Q per token. The reference runs on the CPU:
-  XLA:GPU divides fp32 to within an ulp, not correctly rounded (127 / amax
-  differs in 28% of values on the H200), which moves int8 values by one."""
+                            ds_precision: str = "int8", layouts=None):
+  """`backend.quantize` forms `reference.quantize`'s tensors, each transposed
+  one in its `layouts` (types.Layouts; default TOKENS): int8 equal, scales
+  and means to fp32 rounding (`sum_atol` times the largest: for kernels that
+  add the Q-smoothing means in another order). `ds_precision="bf16"`
+  quantizes Q per token. The reference runs on the CPU: XLA:GPU divides fp32
+  to within an ulp, not correctly rounded (127 / amax differs in 28% of
+  values on the H200), which moves int8 values by one. Returns (ours, ref)."""
+  from pallas_kernels.types import Layouts
   from sagebwd_jax.sagebwd import key_mean
+  layouts = Layouts() if layouts is None else layouts
   q, k, v, _ = gaussian_qkv(jax.random.key(0), 2, 128, 192, 4, 2, head_dim, sigma=2.0)
   config = kernel_config(smooth_q=smooth_q, scale=head_dim**-0.5, ds_precision=ds_precision)
   k_mean = key_mean(k, None) if smooth_k else None
-  ours = backend.quantize(q, k, v, k_mean, config)
-  ref = reference.quantize(*jax.device_put((q, k, v, k_mean), CPU), config)
-  for name, a, b in zip(ours._fields, ours, ref):
+  ours = backend.quantize(q, k, v, k_mean, config, layouts=layouts)
+  ref = reference.quantize(*jax.device_put((q, k, v, k_mean), CPU), config, layouts=layouts)
+  # v_start, the portable forward's accumulator start, is the Triton pass's own.
+  for name, a, b in zip(ours._fields, ours._replace(v_start=None), ref):
     assert (a is None) == (b is None), name
     if a is None:
       continue
@@ -185,6 +189,7 @@ def check_quantization_pass(backend, reference, head_dim: int, smooth_q: bool,
     else:
       np.testing.assert_allclose(a, b, rtol=1e-6, atol=sum_atol * np.abs(b).max(),
                                  err_msg=name)
+  return ours, ref
 
 
 def assert_lowers_to_mosaic_gpu(fn, *args):
