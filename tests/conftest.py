@@ -31,7 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from pallas_kernels.types import Config  # noqa: E402
+from pallas_kernels.types import Config, Layouts, TransposedLayout  # noqa: E402
 from sagebwd_jax import dot_product_attention, full_precision_attention, metrics  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", os.environ["JAX_NUMPY_RANK_PROMOTION"])
@@ -148,6 +148,10 @@ def oracle64(q, k, v, do, **kwargs):
     return np.asarray(o), tuple(np.asarray(g) for g in grads)
 
 
+# The transposed layouts the Mosaic kernels read, both directions (types.Layouts).
+MOSAIC_LAYOUTS = Layouts(TransposedLayout.REGISTER_B, TransposedLayout.REGISTER_B)
+
+
 def mosaic_config(head_dim: int, causal: bool, **overrides) -> Config:
   """A kernel Config the Mosaic GPU kernels take (64 x 64 blocks, no Q-smoothing)."""
   return kernel_config(**{**dict(scale=head_dim**-0.5, causal=causal), **overrides})
@@ -169,7 +173,6 @@ def check_quantization_pass(backend, reference, head_dim: int, smooth_q: bool,
   quantizes Q per token. The reference runs on the CPU: XLA:GPU divides fp32
   to within an ulp, not correctly rounded (127 / amax differs in 28% of
   values on the H200), which moves int8 values by one. Returns (ours, ref)."""
-  from pallas_kernels.types import Layouts
   from sagebwd_jax.sagebwd import key_mean
   layouts = Layouts() if layouts is None else layouts
   q, k, v, _ = gaussian_qkv(jax.random.key(0), 2, 128, 192, 4, 2, head_dim, sigma=2.0)
@@ -192,10 +195,37 @@ def check_quantization_pass(backend, reference, head_dim: int, smooth_q: bool,
   return ours, ref
 
 
+# XLA ops that move data into another layout; the quantization pass and the
+# pre-pass write every layout the kernels read (types.Layouts).
+LAYOUT_PASSES = frozenset({"transpose", "pad", "gather", "concatenate"})
+_KERNELS = frozenset({"pallas_call", "mpmd_map"})  # primitives that hold a kernel's body
+
+
+def layout_passes(jaxpr) -> set[str]:
+  """The LAYOUT_PASSES in a jaxpr and the jaxprs it calls, kernels' bodies aside."""
+  from jax.extend.core import Jaxpr
+  found = set()
+
+  def walk(value):
+    if isinstance(value, (tuple, list)):
+      for x in value:
+        walk(x)
+    elif isinstance(value, Jaxpr):
+      for eqn in getattr(value, "jaxpr", value).eqns:
+        found.update({eqn.primitive.name} & LAYOUT_PASSES)
+        if eqn.primitive.name not in _KERNELS:
+          walk(list(eqn.params.values()))
+
+  walk(jaxpr)
+  return found
+
+
 def assert_lowers_to_mosaic_gpu(fn, *args):
-  """`fn` lowers for CUDA without a GPU, to a Mosaic GPU custom call."""
-  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text
+  """`fn` lowers for CUDA without a GPU, to a Mosaic GPU custom call, with no
+  XLA layout pass (LAYOUT_PASSES) before or after its kernels."""
+  traced = jax.jit(fn).trace(*args)
+  assert not layout_passes(traced.jaxpr)
+  assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 def rel_l2(x, ref) -> float:
