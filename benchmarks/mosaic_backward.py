@@ -3,7 +3,8 @@
     python -m benchmarks.mosaic_backward [--seq 4096] [--variants all]
 
 B=4, T=4096, H=16, D=128 by default, causal and not. Every backward is timed
-on the same inputs (the Triton quantization pass, forward and pre-pass);
+on the same inputs (the Triton quantization pass, forward and pre-pass; the
+Mosaic kernels' transposed int8 tensors REGISTER_B, the Triton ones' TOKENS);
 dK/dV and dQ apart. cuDNN's backward is its forward+backward minus its
 forward, both timed here. TOPS = 2.5 * 4*B*H*T*T*D / time (halved when
 causal). Each Mosaic variant's dQ, dK, dV are compared with the Triton
@@ -26,7 +27,8 @@ from pallas_kernels.jax_triton.backward_dq import backward_dq
 from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
 from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
-from pallas_kernels.types import Config, Masks
+from pallas_kernels.layouts import REGISTER_B, arrange, to_layout
+from pallas_kernels.types import Config, Layouts, Masks
 from sagebwd_jax.sagebwd import key_mean
 
 
@@ -51,11 +53,14 @@ def main():
     def residuals(q, k, v, do):
       qkv = triton.quantize(q, k, v, key_mean(k, None), config)
       o, lse = triton.forward(qkv, Masks(), config, jnp.bfloat16)
-      return (qkv, lse) + triton.prepass(o, do, config)
+      return (qkv, lse) + triton.prepass(o, do, config)[:3]
 
     qkv, lse, delta, do8_t, do_scale = jax.block_until_ready(residuals(q, k, v, do))
     dkdv_args = (qkv, v, lse, delta, do, do8_t, do_scale)
     dq_args = (qkv, v, lse, delta, do)
+    mosaic_qkv = arrange(qkv, Layouts(backward=REGISTER_B))
+    mosaic_args = ((mosaic_qkv, v, lse, delta, do, to_layout(do8_t, REGISTER_B), do_scale),
+                   (mosaic_qkv, v, lse, delta, do))
     record = functools.partial(table.record, causal=causal,
                                flops=2.5 * 4 * b * h * t * t * d * (0.5 if causal else 1.0))
 
@@ -65,11 +70,13 @@ def main():
     cudnn_fwd = time_call(jax.jit(attn), q, k, v)
     cudnn_both = time_call(jax.jit(jax.grad(loss, (0, 1, 2))), q, k, v)
     ref_row = record("cudnn_bwd", cudnn_both - cudnn_fwd)
-    record("prepass", time_call(jax.jit(lambda o, do: triton.prepass(o, do, config)),
-                                q, do))  # q: any random O
+    for name, layout in (("prepass", Layouts().backward), ("prepass_mosaic", REGISTER_B)):
+      record(name, time_call(jax.jit(lambda o, do, layout=layout: triton.prepass(
+          o, do, config, layout)), q, do))  # q: any random O
 
-    def time_pair(name, dkdv, dq, want=None):
+    def time_pair(name, dkdv, dq, want=None, inputs=(dkdv_args, dq_args)):
       dkdv, dq = jax.jit(dkdv), jax.jit(dq)
+      dkdv_args, dq_args = inputs
       try:
         dk, dv = jax.block_until_ready(dkdv(*dkdv_args))
         dq_out = jax.block_until_ready(dq(*dq_args))
@@ -91,7 +98,7 @@ def main():
       time_pair(name,
                 lambda *a, l=VARIANTS[name]: backward_dkdv_mosaic(*a, Masks(), config, l),
                 lambda *a, l=VARIANTS[name]: backward_dq_mosaic(*a, Masks(), config, l),
-                want)
+                want, mosaic_args)
     table.ratios(causal, ref_row)
 
   print("\n| impl | causal | ms (dK/dV + dQ) | TOPS | x cuDNN bwd | dQ / dK / dV rel L2 vs Triton |")

@@ -3,9 +3,9 @@
     python -m benchmarks.mosaic_forward [--seq 4096] [--variants all]
 
 B=4, T=4096, H=16, D=128 by default, causal and not. Both SageBwd forwards are
-timed on the same quantized inputs (the quantization pass is timed apart, and
-so is the layout pass that gives the Mosaic forward its blocked, permuted V^T);
-cuDNN on the bf16 inputs. TOPS = 4*B*H*T*T*D / time (halved when causal). Each
+timed on the same quantized values (the quantization pass is timed apart, in
+the layouts of each: `quantize_pass` TOKENS, `quantize_pass_mosaic` with V^T
+REGISTER_B); cuDNN on the bf16 inputs. TOPS = 4*B*H*T*T*D / time (halved when causal). Each
 Mosaic variant's O and lse are checked against `ReferenceBackend(p_block=128,
 unsigned_p=True)` run on the same device (relative L2). Writes
 mosaic_forward.csv to --out (default $OUT, else nothing).
@@ -22,9 +22,8 @@ from benchmarks.attention import time_call, write_csv
 from benchmarks.variants import Rows, parse_args, random_inputs, rel_l2
 from pallas_kernels.jax_triton.backend import TritonBackend
 from pallas_kernels.jax_triton.forward import forward
-from pallas_kernels.mosaic import registers
 from pallas_kernels.mosaic.forward import ForwardTuning, forward_mosaic
-from pallas_kernels.types import Config, Masks
+from pallas_kernels.types import Config, Layouts, Masks, TransposedLayout
 from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import key_mean
 
@@ -45,17 +44,19 @@ def main():
   for causal in (False, True):
     config = Config(scale=d**-0.5, causal=causal, smooth_q=False, block_q=64, block_kv=64)
     triton = TritonBackend.tuned(causal=causal)
-    quantize = jax.jit(lambda q, k, v: triton.quantize(q, k, v, key_mean(k, None), config))
+    quantize = jax.jit(lambda q, k, v, layouts=Layouts(): triton.quantize(
+        q, k, v, key_mean(k, None), config, layouts=layouts), static_argnames="layouts")
     qkv = jax.block_until_ready(quantize(q, k, v))
+    mosaic_layouts = Layouts(forward=TransposedLayout.REGISTER_B)
+    qkv_mosaic = jax.block_until_ready(quantize(q, k, v, mosaic_layouts))
     record = functools.partial(table.record, causal=causal,
                                flops=4 * b * h * t * t * d * (0.5 if causal else 1.0))
     cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, implementation="cudnn"))
     ref_row = record("cudnn", time_call(cudnn, q, k, v))
     record("quantize_pass", time_call(quantize, q, k, v))
-    layout = jax.jit(lambda vt: jnp.swapaxes(registers.permute_keys(vt).reshape(
-        *vt.shape[:3], -1, 64), 2, 3))
-    record("v_layout_pass", time_call(layout, qkv.v8_t))
+    record("quantize_pass_mosaic", time_call(functools.partial(quantize, layouts=mosaic_layouts),
+                                             q, k, v))
     triton_forward = jax.jit(lambda qkv: forward(qkv, Masks(), config, jnp.bfloat16,
                                                  triton.forward_launch))
     record("triton_fwd", time_call(triton_forward, qkv))
@@ -66,8 +67,8 @@ def main():
       fn = jax.jit(lambda qkv, tuning=VARIANTS[name]: forward_mosaic(
           qkv, Masks(), config, jnp.bfloat16, tuning))
       try:
-        o, lse = jax.block_until_ready(fn(qkv))
-        record(name, time_call(fn, qkv), o_rel_l2=rel_l2(o, o_ref),
+        o, lse = jax.block_until_ready(fn(qkv_mosaic))
+        record(name, time_call(fn, qkv_mosaic), o_rel_l2=rel_l2(o, o_ref),
                lse_rel_l2=rel_l2(lse, lse_ref))
       except Exception as e:  # report and go on with the other variants
         table.failed(name, causal, e)

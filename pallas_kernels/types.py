@@ -2,12 +2,13 @@
 
 Every backend (the Triton and Mosaic kernels, the pure-JAX reference) consumes and
 produces these same containers, so one backend's quantized tensors can be fed
-to another's forward and compared exactly.
+to another's forward (in the layouts it reads: `Layouts`) and compared exactly.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import NamedTuple, Protocol
 
 import jax
@@ -67,42 +68,105 @@ class Masks(NamedTuple):
   kv_ids: jax.Array | None = None
 
 
+class TransposedLayout(enum.Enum):
+  """How an int8 tensor stored transposed, channels by tokens, is laid out:
+  `QuantizedQKV.q8_t`, `k8_t`, `v8_t` and the pre-pass's `Prepass.do8_t`.
+  The int8 products that contract over tokens read their second operand so.
+
+  TOKENS: (B, H, D, T), tokens in order. The portable kernels and the
+  reference read it.
+  REGISTER_B: (B, H, T // 64, D, 64): each 64-token block one contiguous
+  (D, 64) tile, its tokens in `layouts.permute_keys` order within each 16.
+  The Mosaic kernels read it: it is the B operand of their wgmmas whose 8-bit
+  A operand (P, P^T, dS) comes from registers, whose columns arrive in that
+  order (pallas_kernels/mosaic/registers.py), and one TMA copy loads a tile.
+
+  The ranks differ, so an array says which layout it is in
+  (`layouts.layout_of`); a kernel refuses the one it does not read.
+  """
+
+  TOKENS = "tokens"
+  REGISTER_B = "register_b"
+
+
+@dataclasses.dataclass(frozen=True)
+class Layouts:
+  """The layouts of one call's transposed int8 tensors: `forward` for V8^T
+  (the forward's P.V), `backward` for Q8^T, K8^T and dO8^T (the backward's
+  dS^T.Q, dS.K and P^T.dO).
+
+  The contract: a backend picks them (`Backend.layouts`) from the inputs'
+  shapes, masks and config by the same rules by which it picks the kernels
+  that will run (the Mosaic backend: `forward.takes`, `backward_takes`,
+  case by case, else its fallback's kernels, which read TOKENS); the
+  quantization pass and the backward pre-pass write each tensor once, in its
+  layout, straight from the 16-bit inputs, so no transpose, pad or
+  permutation runs between the user's arrays and the kernels. The int8
+  values and scales are the same in every layout; only their places differ.
+  """
+
+  forward: TransposedLayout = TransposedLayout.TOKENS
+  backward: TransposedLayout = TransposedLayout.TOKENS
+
+
 class QuantizedQKV(NamedTuple):
   """Output of the quantization pass; head-major layout (B, H, T, D).
 
   Q is quantized after folding in `scale * log2(e)` (scores are base-2
   logits) and, with Q-smoothing, after subtracting each block's mean
   `q_mean`. K is quantized after K-smoothing. The `_t` arrays are the same
-  int8 values stored (B, H, D, T): the int8 dots that contract over tokens
-  need their second operand in that layout. Scales are stored per token
-  (repeated over the block's rows) so kernels load them as row vectors.
+  int8 values stored transposed, in a `TransposedLayout` (`Layouts`): the
+  int8 dots that contract over tokens need their second operand so. Scales
+  are stored per token (repeated over the block's rows) so kernels load them
+  as row vectors.
   """
 
   q8: jax.Array  # (B, H, Tq, D) int8
-  # The transposed layouts feed the backward only: None in a forward that no
-  # backward follows (`Backend.quantize`'s for_backward=False).
-  q8_t: jax.Array | None  # (B, H, D, Tq) int8; None with `Config.q_per_token` (unused)
+  # The transposed layouts of Q and K feed the backward only: None in a
+  # forward that no backward follows (`Backend.quantize`'s for_backward=False).
+  q8_t: jax.Array | None  # Layouts.backward; None with `Config.q_per_token` (unused)
   q_scale: jax.Array  # (B, H, Tq) fp32: each row's, or its block's (`Config.q_per_token`)
   q_mean: jax.Array | None  # (B, H, Tq // block_q, D) fp32, Q-smoothing only
   k8: jax.Array  # (B, Hkv, Tk, D) int8
-  k8_t: jax.Array | None  # (B, Hkv, D, Tk) int8
+  k8_t: jax.Array | None  # Layouts.backward
   k_scale: jax.Array  # (B, Hkv, Tk) fp32
-  v8_t: jax.Array  # (B, Hkv, D, Tk) int8
+  v8_t: jax.Array  # Layouts.forward
   v_scale: jax.Array  # (B, Hkv, Tk) fp32
   # ds_precision="bf16" only: Q and the smoothed K in the inputs' dtype and
   # layout (B, T, H, D), the second operands of dS.K and dS^T.Q.
   q16: jax.Array | None = None
   k16: jax.Array | None = None
+  # The portable forward's P.V accumulator start per V block, (B, Hkv,
+  # Tk // block_kv, D) int32 (`jax_triton.tiles.shifted_accumulator_start`):
+  # the Triton quantization pass forms it while it holds each block, where V8^T
+  # is written TOKENS; None elsewhere (the portable forward then forms it).
+  v_start: jax.Array | None = None
+
+
+class Prepass(NamedTuple):
+  """Output of the backward pre-pass, from O and dO (B, Tq, H, D)."""
+
+  delta: jax.Array  # (B, H, Tq) fp32: rowsum(dO * O)
+  do8_t: jax.Array  # psi(dO) per block_q rows, transposed: Layouts.backward
+  do_scale: jax.Array  # (B, H, Tq) fp32, per token
+  # As `QuantizedQKV.v_start`, for the portable dK/dV's P^T.dO; TOKENS only.
+  do_start: jax.Array | None = None
 
 
 class Backend(Protocol):
   """One implementation of SageBwd's stages. Inputs are (B, T, H, D)."""
 
+  def layouts(self, q: jax.Array, k: jax.Array, masks: Masks, config: Config) -> Layouts:
+    """The transposed layouts that the kernels this backend runs for these
+    inputs read (`Layouts`: the contract)."""
+    ...
+
   def quantize(self, q: jax.Array, k: jax.Array, v: jax.Array,
                k_mean: jax.Array | None, config: Config, *,
-               for_backward: bool = True) -> QuantizedQKV:
+               for_backward: bool = True, layouts: Layouts = Layouts()) -> QuantizedQKV:
     """psi of Q (scaled, optionally smoothed), K - k_mean and V, per block;
-    the backward's transposed layouts only `for_backward`."""
+    the backward's transposed layouts only `for_backward`; each transposed
+    tensor in its `layouts`."""
     ...
 
   def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config,
@@ -123,8 +187,8 @@ class Backend(Protocol):
 class PrepassBackend(Backend, Protocol):
   """A backend whose backward pre-pass other backends can borrow."""
 
-  def prepass(self, o: jax.Array, do: jax.Array,
-              config: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Delta = rowsum(dO * O) (B, H, Tq) fp32; psi(dO) per `block_q` rows,
-    stored transposed (B, H, D, Tq) int8, with its per-token scales (B, H, Tq)."""
+  def prepass(self, o: jax.Array, do: jax.Array, config: Config,
+              layout: TransposedLayout = TransposedLayout.TOKENS) -> Prepass:
+    """Delta and psi(dO) per `block_q` rows, dO8 stored transposed in
+    `layout`, with its per-token scales."""
     ...

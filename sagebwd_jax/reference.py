@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import numerics as nm
-from pallas_kernels.types import Config, Masks, QuantizedQKV
+from pallas_kernels.layouts import arrange
+from pallas_kernels.types import Config, Layouts, Masks, QuantizedQKV
 
 _f32 = jnp.float32
 
@@ -85,8 +86,12 @@ class ReferenceBackend:
   unsigned_p: bool = False
   unsigned_p_t: bool = False
 
-  def quantize(self, q, k, v, k_mean, config: Config, *,
-               for_backward: bool = True) -> QuantizedQKV:
+  def layouts(self, q, k, masks: Masks, config: Config) -> Layouts:
+    del q, k, masks, config
+    return Layouts()
+
+  def quantize(self, q, k, v, k_mean, config: Config, *, for_backward: bool = True,
+               layouts: Layouts = Layouts()) -> QuantizedQKV:
     # Scores are base-2 logits: scale * log2(e) goes into Q's scale.
     multiplier = config.scale * nm.LOG2_E
     q_blocks = _blocks(_heads(q).astype(_f32), config.block_q)
@@ -113,11 +118,13 @@ class ReferenceBackend:
     # Per-token Q goes with 16-bit dS, where dK = dS^T.Q is a 16-bit product:
     # Q8 enters Q.K^T only, and no kernel reads it transposed.
     q8_t = None if config.q_per_token or not for_backward else _transposed(q8)
-    return QuantizedQKV(q8=q8, q8_t=q8_t, q_scale=q_scale, q_mean=q_mean,
-                        k8=k8, k8_t=_transposed(k8) if for_backward else None, k_scale=k_scale,
-                        v8_t=_transposed(v8), v_scale=v_scale)
+    qkv = QuantizedQKV(q8=q8, q8_t=q8_t, q_scale=q_scale, q_mean=q_mean,
+                       k8=k8, k8_t=_transposed(k8) if for_backward else None, k_scale=k_scale,
+                       v8_t=_transposed(v8), v_scale=v_scale)
+    return arrange(qkv, layouts)  # the reference may transpose: it is not timed
 
   def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype):
+    qkv = arrange(qkv, Layouts())
     batch, num_heads, q_len, head_dim = qkv.q8.shape
     num_kv_heads, kv_len = qkv.k8.shape[1], qkv.k8.shape[2]
     p_block = self.p_block or config.block_kv
@@ -153,6 +160,7 @@ class ReferenceBackend:
     return jnp.swapaxes(o, 1, 2).astype(out_dtype), lse.reshape(batch, num_heads, q_len)
 
   def backward(self, qkv: QuantizedQKV, v, o, lse, do, masks: Masks, config: Config):
+    qkv = arrange(qkv, Layouts())
     batch, num_heads, q_len, head_dim = qkv.q8.shape
     num_kv_heads = qkv.k8.shape[1]
     tiles = _Tiles(qkv, masks, config)

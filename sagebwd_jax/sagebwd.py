@@ -46,7 +46,8 @@ def sagebwd_attention(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks,
 def quantize(q, k, v, masks: Masks, config: Config, backend: Backend,
              smooth_k: bool, for_backward: bool = True) -> QuantizedQKV:
   """K-smoothing and the quantization pass (and, with 16-bit dS, the 16-bit
-  operands of dS's products).
+  operands of dS's products), its transposed tensors in the layouts that the
+  kernels the backend will run for this call read (`types.Layouts`).
 
   A NaN or infinite input gives its block a NaN scale (`numerics.abs_max`).
   One NaN key or value block makes every K or V scale of its batch row and
@@ -56,7 +57,8 @@ def quantize(q, k, v, masks: Masks, config: Config, backend: Backend,
   with the earlier queries. (K-smoothing's mean spreads a NaN key so anyway.)
   """
   k_mean = key_mean(k, masks.kv_ids) if smooth_k else None
-  qkv = backend.quantize(q, k, v, k_mean, config, for_backward=for_backward)
+  qkv = backend.quantize(q, k, v, k_mean, config, for_backward=for_backward,
+                         layouts=backend.layouts(q, k, masks, config))
   if config.ds_precision == "bf16":
     # dS.K and dS^T.Q in 16 bits: their second operands unquantized. K is the
     # smoothed one, as in the int8 product: rows of dS sum to zero only up to

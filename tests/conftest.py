@@ -31,7 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from pallas_kernels.types import Config  # noqa: E402
+from pallas_kernels.types import Config, Layouts, TransposedLayout  # noqa: E402
 from sagebwd_jax import dot_product_attention, full_precision_attention, metrics  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", os.environ["JAX_NUMPY_RANK_PROMOTION"])
@@ -148,6 +148,10 @@ def oracle64(q, k, v, do, **kwargs):
     return np.asarray(o), tuple(np.asarray(g) for g in grads)
 
 
+# The transposed layouts the Mosaic kernels read, both directions (types.Layouts).
+MOSAIC_LAYOUTS = Layouts(TransposedLayout.REGISTER_B, TransposedLayout.REGISTER_B)
+
+
 def mosaic_config(head_dim: int, causal: bool, **overrides) -> Config:
   """A kernel Config the Mosaic GPU kernels take (64 x 64 blocks, no Q-smoothing)."""
   return kernel_config(**{**dict(scale=head_dim**-0.5, causal=causal), **overrides})
@@ -161,20 +165,23 @@ def kernel_config(**overrides) -> Config:
 
 def check_quantization_pass(backend, reference, head_dim: int, smooth_q: bool,
                             smooth_k: bool, *, sum_atol: float = 0.0,
-                            ds_precision: str = "int8"):
-  """`backend.quantize` forms `reference.quantize`'s tensors: int8 equal,
-  scales and means to fp32 rounding (`sum_atol` times the largest: for
-  kernels that add the Q-smoothing means in another order).
-  `ds_precision="bf16"` quantizes Q per token. The reference runs on the CPU:
-  XLA:GPU divides fp32 to within an ulp, not correctly rounded (127 / amax
-  differs in 28% of values on the H200), which moves int8 values by one."""
+                            ds_precision: str = "int8", layouts=None):
+  """`backend.quantize` forms `reference.quantize`'s tensors, each transposed
+  one in its `layouts` (types.Layouts; default TOKENS): int8 equal, scales
+  and means to fp32 rounding (`sum_atol` times the largest: for kernels that
+  add the Q-smoothing means in another order). `ds_precision="bf16"`
+  quantizes Q per token. The reference runs on the CPU: XLA:GPU divides fp32
+  to within an ulp, not correctly rounded (127 / amax differs in 28% of
+  values on the H200), which moves int8 values by one. Returns (ours, ref)."""
   from sagebwd_jax.sagebwd import key_mean
+  layouts = Layouts() if layouts is None else layouts
   q, k, v, _ = gaussian_qkv(jax.random.key(0), 2, 128, 192, 4, 2, head_dim, sigma=2.0)
   config = kernel_config(smooth_q=smooth_q, scale=head_dim**-0.5, ds_precision=ds_precision)
   k_mean = key_mean(k, None) if smooth_k else None
-  ours = backend.quantize(q, k, v, k_mean, config)
-  ref = reference.quantize(*jax.device_put((q, k, v, k_mean), CPU), config)
-  for name, a, b in zip(ours._fields, ours, ref):
+  ours = backend.quantize(q, k, v, k_mean, config, layouts=layouts)
+  ref = reference.quantize(*jax.device_put((q, k, v, k_mean), CPU), config, layouts=layouts)
+  # v_start, the portable forward's accumulator start, is the Triton pass's own.
+  for name, a, b in zip(ours._fields, ours._replace(v_start=None), ref):
     assert (a is None) == (b is None), name
     if a is None:
       continue
@@ -185,12 +192,40 @@ def check_quantization_pass(backend, reference, head_dim: int, smooth_q: bool,
     else:
       np.testing.assert_allclose(a, b, rtol=1e-6, atol=sum_atol * np.abs(b).max(),
                                  err_msg=name)
+  return ours, ref
+
+
+# XLA ops that move data into another layout; the quantization pass and the
+# pre-pass write every layout the kernels read (types.Layouts).
+LAYOUT_PASSES = frozenset({"transpose", "pad", "gather", "concatenate"})
+_KERNELS = frozenset({"pallas_call", "mpmd_map"})  # primitives that hold a kernel's body
+
+
+def layout_passes(jaxpr) -> set[str]:
+  """The LAYOUT_PASSES in a jaxpr and the jaxprs it calls, kernels' bodies aside."""
+  from jax.extend.core import Jaxpr
+  found = set()
+
+  def walk(value):
+    if isinstance(value, (tuple, list)):
+      for x in value:
+        walk(x)
+    elif isinstance(value, Jaxpr):
+      for eqn in getattr(value, "jaxpr", value).eqns:
+        found.update({eqn.primitive.name} & LAYOUT_PASSES)
+        if eqn.primitive.name not in _KERNELS:
+          walk(list(eqn.params.values()))
+
+  walk(jaxpr)
+  return found
 
 
 def assert_lowers_to_mosaic_gpu(fn, *args):
-  """`fn` lowers for CUDA without a GPU, to a Mosaic GPU custom call."""
-  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert "mosaic_gpu" in text
+  """`fn` lowers for CUDA without a GPU, to a Mosaic GPU custom call, with no
+  XLA layout pass (LAYOUT_PASSES) before or after its kernels."""
+  traced = jax.jit(fn).trace(*args)
+  assert not layout_passes(traced.jaxpr)
+  assert "mosaic_gpu" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 def rel_l2(x, ref) -> float:

@@ -97,14 +97,11 @@ def test_hopper_kernels_take_int8_ds_only():
   """Their Q scales are per block: with 16-bit dS the forward too is the
   fallback's."""
   config = mosaic_config(64, True)
-  q, k, v, _ = gaussian_qkv(jax.random.key(0), 1, 128, 128, 2, 2, 64)
-  qkv = ReferenceBackend().quantize(q, k, v, None, config)
-  takes_forward = lambda config: mosaic_forward.takes(Masks(), config, 128, 128, 64,
-                                                      jnp.bfloat16)
-  assert backward_takes(qkv, Masks(), config, jnp.bfloat16) and takes_forward(config)
+  case = lambda config: (Masks(), config, 128, 128, 64, jnp.bfloat16)
+  assert backward_takes(*case(config)) and mosaic_forward.takes(*case(config))
   bf16 = dataclasses.replace(config, ds_precision="bf16")
-  assert not backward_takes(qkv, Masks(), bf16, jnp.bfloat16)
-  assert not takes_forward(bf16)
+  assert not backward_takes(*case(bf16))
+  assert not mosaic_forward.takes(*case(bf16))
 
 
 @pytest.mark.parametrize("value", ["fp8", "BF16", None, 16])

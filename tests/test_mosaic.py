@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import (CPU, assert_lowers_to_mosaic_gpu, backend_tolerance, gaussian_qkv,
-                      mosaic_config, rel_l2)
-from pallas_kernels.mosaic import registers
+from conftest import (CPU, MOSAIC_LAYOUTS, assert_lowers_to_mosaic_gpu, backend_tolerance,
+                      gaussian_qkv, mosaic_config, rel_l2)
+from pallas_kernels import layouts
 from pallas_kernels.mosaic.forward import ForwardTuning, forward_mosaic, takes
-from pallas_kernels.types import Masks
+from pallas_kernels.types import Layouts, Masks
 from sagebwd_jax.reference import HOPPER_NUMERICS, ReferenceBackend
 from sagebwd_jax.sagebwd import key_mean
 
@@ -39,21 +39,41 @@ def _case(batch, q_len, kv_len, heads, kv_heads, head_dim, causal, *, seed=0, si
   config = mosaic_config(head_dim, causal)
   with jax.default_device(CPU):
     q, k, v = (jax.device_put(x, CPU) for x in (q, k, v))
-    qkv = HOPPER_NUMERICS.quantize(q, k, v, key_mean(k, None), config)
+    qkv = HOPPER_NUMERICS.quantize(q, k, v, key_mean(k, None), config, layouts=MOSAIC_LAYOUTS)
     o_ref, lse_ref = HOPPER_NUMERICS.forward(qkv, Masks(), config, jnp.bfloat16)
   return qkv, config, np.asarray(o_ref), np.asarray(lse_ref)
+
+
+def _abstract_qkv(q_len, kv_len, head_dim, config, quantize_layouts=MOSAIC_LAYOUTS):
+  args = gaussian_qkv(jax.random.key(0), 2, q_len, kv_len, 4, 2, head_dim)[:3]
+  return jax.eval_shape(lambda: ReferenceBackend().quantize(*args, None, config,
+                                                            layouts=quantize_layouts))
 
 
 @pytest.mark.parametrize("tuning", sorted(TUNINGS))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_lowers_for_cuda(head_dim, causal, tuning):
+  """Lowered, with no XLA layout pass around the kernel (V8^T arrives REGISTER_B)."""
   config = mosaic_config(head_dim, causal)
-  qkv = jax.eval_shape(
-      lambda: ReferenceBackend().quantize(*gaussian_qkv(jax.random.key(0), 2, 512, 512, 4, 2,
-                                                        head_dim)[:3], None, config))
   fn = lambda qkv: forward_mosaic(qkv, Masks(), config, jnp.bfloat16, TUNINGS[tuning])
-  assert_lowers_to_mosaic_gpu(fn, qkv)
+  assert_lowers_to_mosaic_gpu(fn, _abstract_qkv(512, 512, head_dim, config))
+
+
+def test_lowers_for_cuda_with_queries_not_in_whole_tiles():
+  """Tq = 192, three 64-query blocks for CTAs of two: the last CTA's second
+  warpgroup computes the last block again; Q is not padded (it was, by an
+  XLA pass, with an XLA slice of O after)."""
+  config = mosaic_config(64, False)
+  fn = lambda qkv: forward_mosaic(qkv, Masks(), config, jnp.bfloat16)
+  assert_lowers_to_mosaic_gpu(fn, _abstract_qkv(192, 256, 64, config))
+
+
+def test_refuses_tokens_layout():
+  config = mosaic_config(64, False)
+  with pytest.raises(ValueError, match="v8_t is TOKENS"):
+    forward_mosaic(_abstract_qkv(128, 128, 64, config, Layouts()), Masks(), config,
+                   jnp.bfloat16)
 
 
 def test_permute_keys_matches_the_register_layouts():
@@ -65,9 +85,25 @@ def test_permute_keys_matches_the_register_layouts():
     for c in range(4):
       expected += [16 * group + col for col in (2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9)]
   keys = jnp.arange(64)
-  np.testing.assert_array_equal(registers.permute_keys(keys), expected)
+  np.testing.assert_array_equal(layouts.permute_keys(keys), expected)
+  np.testing.assert_array_equal(layouts.permute_keys(keys[np.array(expected)], inverse=True),
+                                keys)
   tile = jnp.arange(3 * 64).reshape(3, 64)  # along the last axis of a V^T tile
-  np.testing.assert_array_equal(registers.permute_keys(tile), tile[:, np.array(expected)])
+  np.testing.assert_array_equal(layouts.permute_keys(tile), tile[:, np.array(expected)])
+
+
+def test_register_b_layout_holds_each_block_permuted():
+  """REGISTER_B (B, H, T // 64, D, 64): tile n, channel d, position p holds
+  token 64n + sigma16(p) of channel d; `to_layout` converts both ways."""
+  tokens = jnp.arange(2 * 3 * 128, dtype=jnp.int32).reshape(1, 2, 3, 128)  # (B, H, D, T)
+  blocked = layouts.to_layout(tokens, layouts.REGISTER_B)
+  assert blocked.shape == (1, 2, 2, 3, 64) and layouts.layout_of(blocked) is layouts.REGISTER_B
+  sigma = np.asarray(layouts.permute_keys(jnp.arange(64)))
+  for n in range(2):
+    np.testing.assert_array_equal(blocked[0, :, n], tokens[0][..., 64 * n + sigma])
+  np.testing.assert_array_equal(layouts.to_layout(blocked, layouts.TOKENS), tokens)
+  with pytest.raises(ValueError, match="rank 4"):
+    layouts.layout_of(tokens[0])
 
 
 def test_takes():

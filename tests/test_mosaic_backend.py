@@ -2,9 +2,10 @@
 dispatch: which kernels it runs for which case, and the op's results.
 
 CI checks the wiring: the op on every kernel case with the three Mosaic entry
-points swapped for their Triton twins (same contract; Triton's interpreter),
-against the CPU reference with the Triton kernels' P quantization, recording
-which entry points ran. The Mosaic kernels
+points swapped for their Triton twins (same contract but the layouts, which
+the twins convert; Triton's interpreter), against the CPU reference with the
+Triton kernels' P quantization, recording which entry points ran, and which
+layouts the backend asks the quantization pass for. The Mosaic kernels
 themselves are checked one by one (tests/test_mosaic.py, tests/test_mosaic_backward.py).
 The op compiled on a Hopper GPU is checked by the behaviour suite
 (tests/test_attention_gpu.py).
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from conftest import (HOPPER_CASES, KERNEL_CASES, check_against_reference, gaussian_qkv,
+from conftest import (HOPPER_CASES, KERNEL_CASES, check_against_reference,
                       mosaic_config, use_triton_numerics)
 from pallas_kernels.jax_triton.backend import TritonBackend
 from pallas_kernels.jax_triton.backward_dkdv import backward_dkdv
@@ -29,7 +30,8 @@ from pallas_kernels.mosaic import backend as mosaic_backend
 from pallas_kernels.mosaic.backend import MosaicBackend, backward_takes
 from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic import forward as mosaic_forward
-from pallas_kernels.types import Masks
+from pallas_kernels.layouts import REGISTER_B, TOKENS, arrange, to_layout
+from pallas_kernels.types import Layouts, Masks, QuantizedQKV
 from sagebwd_jax import api, dot_product_attention
 from sagebwd_jax.reference import ReferenceBackend
 
@@ -59,7 +61,11 @@ def test_op_wiring(case, make_backend, monkeypatch):
   def twin(module, name, portable):
     def run(*args):
       calls.add(name)
-      return portable(*args[:-1], INTERPRET)  # the launch is the last argument
+      # The launch is the last argument; the twins read TOKENS (an XLA pass here).
+      tokens = [arrange(x, Layouts()) if isinstance(x, QuantizedQKV) else
+                to_layout(x, TOKENS) if getattr(x, "dtype", None) == jnp.int8 else x
+                for x in args[:-1]]
+      return portable(*tokens, INTERPRET)
     monkeypatch.setattr(module, name, run)
 
   twin(mosaic_forward, "forward_mosaic", forward)
@@ -84,29 +90,42 @@ def test_mosaic_without_hopper_is_refused():
     dot_product_attention(q, q, q, implementation="mosaic")
 
 
-def _qkv(seq, head_dim, causal, **overrides):
-  config = mosaic_config(head_dim, causal, **overrides)
-  q, k, v, _ = gaussian_qkv(jax.random.key(0), 1, seq, seq, 2, 2, head_dim)
-  return ReferenceBackend().quantize(q, k, v, None, config), config
-
-
 def test_backward_takes():
-  qkv, config = _qkv(128, 64, True)
+  config = mosaic_config(64, True)
   ids = jnp.zeros((1, 128), jnp.int32)
-  assert backward_takes(qkv, Masks(), config, jnp.bfloat16)
-  assert backward_takes(qkv, Masks(), config, jnp.float16)
-  assert not backward_takes(qkv, Masks(), config, jnp.float32)  # dO.V^T wgmma takes 16-bit V
-  assert not backward_takes(qkv, Masks(ids, ids), config, jnp.bfloat16)
-  qkv_q, config_q = _qkv(128, 64, True, smooth_q=True)
-  assert not backward_takes(qkv_q, Masks(), config_q, jnp.bfloat16)
-  qkv_32, config_32 = _qkv(128, 64, False, block_q=32, block_kv=32)
-  assert not backward_takes(qkv_32, Masks(), config_32, jnp.bfloat16)
-  qkv_192, config_192 = _qkv(192, 64, False)  # not whole 128-token CTA tiles
-  assert not backward_takes(qkv_192, Masks(), config_192, jnp.bfloat16)
-  assert backward_takes(qkv_192, Masks(), config_192, jnp.bfloat16,
-                        BackwardTuning(compute_wgs=1, schedule_barrier=False))
-  qkv_w, config_w = _qkv(128, 64, True, window=(16, 0))  # windows: the Triton kernels
-  assert not backward_takes(qkv_w, Masks(), config_w, jnp.bfloat16)
+  takes = lambda config, seq=128, dtype=jnp.bfloat16, masks=Masks(), **kw: backward_takes(
+      masks, config, seq, seq, 64, dtype, **kw)
+  assert takes(config) and takes(config, dtype=jnp.float16)
+  assert not takes(config, dtype=jnp.float32)  # dO.V^T wgmma takes 16-bit V
+  assert not takes(config, masks=Masks(ids, ids))
+  assert not takes(mosaic_config(64, True, smooth_q=True))
+  assert not takes(mosaic_config(64, False, block_q=32, block_kv=32))
+  plain = mosaic_config(64, False)
+  assert not takes(plain, 192)  # not whole 128-token CTA tiles
+  assert takes(plain, 192, tuning=BackwardTuning(compute_wgs=1, schedule_barrier=False))
+  assert not takes(mosaic_config(64, True, window=(16, 0)))  # windows: the Triton kernels
+
+
+@pytest.mark.parametrize("q_len,kv_len,causal,dtype,ids,mosaic_forward_on,expected", [
+    (256, 256, True, jnp.bfloat16, False, True, (REGISTER_B, REGISTER_B)),
+    (192, 256, False, jnp.bfloat16, False, True, (REGISTER_B, TOKENS)),  # bwd: CTA tiles
+    (256, 256, False, jnp.bfloat16, False, False, (TOKENS, REGISTER_B)),
+    (256, 256, False, jnp.bfloat16, True, True, (TOKENS, TOKENS)),  # masks
+    (256, 256, False, jnp.float32, False, True, (TOKENS, TOKENS)),
+])
+def test_layouts_follow_the_kernels_that_run(q_len, kv_len, causal, dtype, ids,
+                                             mosaic_forward_on, expected):
+  """REGISTER_B for each direction whose Mosaic kernels will run, by the rules
+  by which the backend runs them; TOKENS for the fallback's."""
+  backend = _tuned(causal, interpret=True)
+  if not mosaic_forward_on:
+    backend = dataclasses.replace(backend, forward_mosaic=None)
+  q = jax.ShapeDtypeStruct((1, q_len, 2, 64), dtype)
+  k = jax.ShapeDtypeStruct((1, kv_len, 2, 64), dtype)
+  masks = Masks(jnp.zeros((1, q_len), jnp.int32), jnp.zeros((1, kv_len), jnp.int32)) if ids \
+      else Masks()
+  layouts = backend.layouts(q, k, masks, mosaic_config(64, causal))
+  assert (layouts.forward, layouts.backward) == expected
 
 
 def test_tuned_launches():

@@ -15,13 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import CPU, assert_lowers_to_mosaic_gpu, gaussian_qkv, mosaic_config, rel_l2
+from conftest import (CPU, MOSAIC_LAYOUTS, assert_lowers_to_mosaic_gpu, gaussian_qkv,
+                      mosaic_config, rel_l2)
 from pallas_kernels.jax_triton.backward_prepass import backward_prepass
 from pallas_kernels.jax_triton.launch import LaunchConfig
 from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
 from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
-from pallas_kernels.types import Masks
+from pallas_kernels.layouts import REGISTER_B
+from pallas_kernels.types import Layouts, Masks
 from sagebwd_jax.reference import HOPPER_NUMERICS
 from sagebwd_jax.sagebwd import key_mean
 
@@ -31,16 +33,19 @@ TUNINGS = {"default": BackwardTuning(),
            "three_steps": BackwardTuning(max_concurrent_steps=3)}
 
 
-def _abstract_args(batch, seq, heads, kv_heads, head_dim, causal):
+def _abstract_args(batch, seq, heads, kv_heads, head_dim, causal, layouts=MOSAIC_LAYOUTS):
+  """The kernels' arguments, the transposed int8 ones in `layouts`."""
   config = mosaic_config(head_dim, causal)
   qkv = jax.eval_shape(
       lambda: HOPPER_NUMERICS.quantize(*gaussian_qkv(jax.random.key(0), batch, seq, seq, heads,
-                                                     kv_heads, head_dim)[:3], None, config))
+                                                     kv_heads, head_dim)[:3], None, config,
+                                       layouts=layouts))
   sds = jax.ShapeDtypeStruct
   rows = sds((batch, heads, seq), jnp.float32)
+  do8_t = (sds((batch, heads, seq // 64, head_dim, 64), jnp.int8)
+           if layouts.backward is REGISTER_B else sds((batch, heads, head_dim, seq), jnp.int8))
   return (qkv, sds((batch, seq, kv_heads, head_dim), jnp.bfloat16), rows, rows,
-          sds((batch, seq, heads, head_dim), jnp.bfloat16),
-          sds((batch, heads, head_dim, seq), jnp.int8), rows), config
+          sds((batch, seq, heads, head_dim), jnp.bfloat16), do8_t, rows), config
 
 
 def _kernels(config, tuning):
@@ -53,8 +58,10 @@ def _kernels(config, tuning):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_lowers_for_cuda(head_dim, causal, tuning):
-  """Mosaic GPU lowering (to the CUDA custom call) without a GPU. GQA but with
-  a ring of 3 at D = 128: fp32 dK/dV partials (GQA) fit a ring of 2 there."""
+  """Mosaic GPU lowering (to the CUDA custom call) without a GPU, with no XLA
+  layout pass around the kernels (Q8^T, K8^T, dO8^T arrive REGISTER_B). GQA
+  but with a ring of 3 at D = 128: fp32 dK/dV partials (GQA) fit a ring of 2
+  there."""
   kv_heads = 4 if head_dim == 128 and tuning == "three_steps" else 2
   args, config = _abstract_args(2, 512, 4, kv_heads, head_dim, causal)
   for kernel in _kernels(config, TUNINGS[tuning]):
@@ -78,6 +85,12 @@ def test_unsupported_cases_are_refused():
   args, config = _abstract_args(1, 192, 1, 1, 64, False)  # not whole 128-token CTA tiles
   with pytest.raises(ValueError, match="multiples of 128"):
     backward_dkdv_mosaic(*args, Masks(), config)
+  args, config = _abstract_args(1, 128, 1, 1, 64, False, Layouts())
+  dkdv, dq = _kernels(config, BackwardTuning())
+  with pytest.raises(ValueError, match="q8_t is TOKENS"):
+    dkdv(*args)
+  with pytest.raises(ValueError, match="k8_t is TOKENS"):
+    dq(*args)
 
 
 def _gpu_case(batch, seq, heads, kv_heads, head_dim, causal, *, seed=0, sigma=2.0):
@@ -86,9 +99,10 @@ def _gpu_case(batch, seq, heads, kv_heads, head_dim, causal, *, seed=0, sigma=2.
   q, k, v, do = gaussian_qkv(jax.random.key(seed), batch, seq, seq, heads, kv_heads, head_dim,
                              sigma=sigma)
   config = mosaic_config(head_dim, causal)
-  qkv = HOPPER_NUMERICS.quantize(q, k, v, key_mean(k, None), config)
+  qkv = HOPPER_NUMERICS.quantize(q, k, v, key_mean(k, None), config, layouts=MOSAIC_LAYOUTS)
   o, lse = HOPPER_NUMERICS.forward(qkv, Masks(), config, jnp.bfloat16)
-  delta, do8_t, do_scale = backward_prepass(o, do, block_q=config.block_q, launch=LaunchConfig())
+  delta, do8_t, do_scale, _ = backward_prepass(o, do, block_q=config.block_q,
+                                               launch=LaunchConfig(), layout=REGISTER_B)
   with jax.default_device(CPU):
     cpu = jax.device_put((qkv, v, o, lse, do), CPU)
     want = jax.jit(lambda *a: HOPPER_NUMERICS.backward(*a, Masks(), config))(*cpu)

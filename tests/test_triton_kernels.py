@@ -22,7 +22,8 @@ from pallas_kernels.jax_triton.backend import TritonBackend  # noqa: E402
 from pallas_kernels.jax_triton.backward_prepass import backward_prepass  # noqa: E402
 from pallas_kernels.jax_triton import tiles  # noqa: E402
 from pallas_kernels.jax_triton.launch import HOPPER_SHARED_MEMORY, LaunchConfig  # noqa: E402
-from pallas_kernels.types import Masks  # noqa: E402
+from pallas_kernels.layouts import REGISTER_B, TOKENS, to_layout  # noqa: E402
+from pallas_kernels.types import Layouts, Masks  # noqa: E402
 from sagebwd_jax import dot_product_attention, metrics  # noqa: E402
 from sagebwd_jax.reference import TRITON_NUMERICS  # noqa: E402
 from sagebwd_jax.sagebwd import key_mean  # noqa: E402
@@ -43,27 +44,43 @@ def _masks(q_len: int, kv_len: int) -> Masks:
                jnp.asarray(rng.integers(0, 3, (2, kv_len)), jnp.int32))
 
 
-@pytest.mark.parametrize("head_dim,smooth_q,smooth_k,ds_precision", [
-    (64, False, True, "int8"), (128, True, False, "int8"), (64, True, True, "bf16")])
+@pytest.mark.parametrize("head_dim,smooth_q,smooth_k,ds_precision,layouts", [
+    (64, False, True, "int8", Layouts(REGISTER_B, REGISTER_B)),
+    (128, True, False, "int8", Layouts()), (64, True, True, "bf16", Layouts())])
 def test_quantization_pass_forms_the_reference_int8_tensors(head_dim, smooth_q, smooth_k,
-                                                           ds_precision):
-  """int8 tensors and scales as the reference's; with 16-bit dS, Q per token."""
+                                                           ds_precision, layouts):
+  """int8 tensors and scales as the reference's, in either layout (the
+  Mosaic kernels' REGISTER_B: the same values, written permuted in one pass);
+  with 16-bit dS, Q per token. Where V8^T is TOKENS the pass also forms the
+  portable forward's accumulator start."""
   # Sums (the Q-smoothing means) may add in another order than XLA's.
-  check_quantization_pass(TRITON, REFERENCE, head_dim, smooth_q, smooth_k, sum_atol=1e-6,
-                          ds_precision=ds_precision)
+  ours, ref = check_quantization_pass(TRITON, REFERENCE, head_dim, smooth_q, smooth_k,
+                                      sum_atol=1e-6, ds_precision=ds_precision,
+                                      layouts=layouts)
+  if layouts.forward is REGISTER_B:
+    assert ours.v_start is None
+  else:
+    np.testing.assert_array_equal(ours.v_start, tiles.shifted_accumulator_start(ref.v8_t, 64))
 
 
-def test_backward_prepass_matches_reference_rules():
+@pytest.mark.parametrize("layout", [TOKENS, REGISTER_B])
+def test_backward_prepass_matches_reference_rules(layout):
   _, _, o, do = gaussian_qkv(jax.random.key(1), 2, 128, 128, 2, 2, 64)
-  delta, do8_t, do_scale = backward_prepass(o, do, block_q=64, launch=TRITON.dq_launch)
+  delta, do8_t, do_scale, do_start = backward_prepass(o, do, block_q=64,
+                                                      launch=TRITON.dq_launch, layout=layout)
   expected = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), -1)
   np.testing.assert_allclose(delta, jnp.swapaxes(expected, 1, 2), rtol=1e-5, atol=1e-5)
   blocks = np.asarray(do, np.float32).reshape(2, 2, 64, 2, 64)  # (B, block, row, H, D)
   amax = np.abs(blocks).max(axis=(2, 4))  # (B, block, H)
   expected8 = np.rint(blocks * (np.float32(127.0) / amax)[:, :, None, :, None]).astype(np.int8)
-  np.testing.assert_array_equal(do8_t, expected8.transpose(0, 3, 4, 1, 2).reshape(2, 2, 64, 128))
+  expected8 = jnp.asarray(expected8.transpose(0, 3, 4, 1, 2).reshape(2, 2, 64, 128))
+  np.testing.assert_array_equal(do8_t, to_layout(expected8, layout))
   np.testing.assert_allclose(do_scale, np.repeat(amax.transpose(0, 2, 1) / 127, 64, axis=-1),
                              rtol=1e-7)
+  if layout is TOKENS:  # the portable dK/dV's accumulator start
+    np.testing.assert_array_equal(do_start, tiles.shifted_accumulator_start(expected8, 64))
+  else:
+    assert do_start is None
 
 
 @pytest.mark.parametrize("causal,smooth_q,ids", [(False, False, False), (True, True, True)])
@@ -198,7 +215,7 @@ def test_kernels_compile_for_hopper_and_ampere(op_kwargs):
   loss = lambda q, k, v: dot_product_attention(q, k, v, implementation="triton",
                                                **op_kwargs).astype(jnp.float32).sum()
   launches = sass.triton_launches(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
-  assert len(launches) == 7  # quantize Q, K, V; forward; prepass; dK/dV; dQ
+  assert len(launches) == 5  # quantize (Q, K and V at once); forward; prepass; dK/dV; dQ
   for captured in launches:
     for arch in (90, 80):
       assert captured.compile(arch), (captured.name, arch)
@@ -211,9 +228,10 @@ def test_forward_alone_writes_no_transposed_layouts():
   q, k, v, _ = gaussian_qkv(jax.random.key(7), 1, 128, 128, 2, 2, 64)
   attn = lambda q, k, v: dot_product_attention(q, k, v, implementation="triton")
   loss = lambda q, k, v: attn(q, k, v).astype(jnp.float32).sum()
-  for fn, expected in ((attn, [False, False, True]),
-                       (jax.grad(loss, argnums=(0, 1, 2)), [True, True, True])):
-    quantized = [launch.constants["TRANSPOSED"] for launch in sass.triton_launches(fn, q, k, v)
+  for fn, expected in ((attn, [(False, False)]),
+                       (jax.grad(loss, argnums=(0, 1, 2)), [(True, True)])):
+    quantized = [(launch.constants["Q_TRANSPOSED"], launch.constants["K_TRANSPOSED"])
+                 for launch in sass.triton_launches(fn, q, k, v)
                  if launch.name == "sagebwd_triton_quantize"]
     assert quantized == expected
 

@@ -11,7 +11,8 @@ from pallas_kernels.jax_triton.forward import forward
 from pallas_kernels.jax_triton.launch import LaunchConfig
 from pallas_kernels.jax_triton.quantize import quantize_qkv
 from pallas_kernels import numerics as nm
-from pallas_kernels.types import Config, Masks, QuantizedQKV
+from pallas_kernels.layouts import check_layout
+from pallas_kernels.types import Config, Layouts, Masks, Prepass, QuantizedQKV, TransposedLayout
 
 # Tiles up to 128: every int8 product then stays below 2**22 in magnitude,
 # which the exact int32 -> fp32 reading of the accumulators needs (tiles.py).
@@ -50,28 +51,37 @@ class TritonBackend:
     return cls(*(dataclasses.replace(launch, interpret=interpret) for launch in
                  (forward_launch, default.dq_launch, default.dkdv_launch)))
 
-  def quantize(self, q, k, v, k_mean, config: Config, *,
-               for_backward: bool = True) -> QuantizedQKV:
+  def layouts(self, q, k, masks: Masks, config: Config) -> Layouts:
+    """Its kernels read every transposed tensor TOKENS."""
+    del q, k, masks, config
+    return Layouts()
+
+  def quantize(self, q, k, v, k_mean, config: Config, *, for_backward: bool = True,
+               layouts: Layouts = Layouts()) -> QuantizedQKV:
     _check_blocks(config)
-    return quantize_qkv(q, k, v, k_mean, config, self.forward_launch, for_backward)
+    return quantize_qkv(q, k, v, k_mean, config, self.forward_launch, for_backward, layouts)
 
   def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype):
     _check_blocks(config)
     return forward(qkv, masks, config, out_dtype, self.forward_launch)
 
-  def prepass(self, o, do, config: Config):
-    """Delta = rowsum(dO * O) and psi(dO) per block_q rows, stored (B, H, D, T)."""
-    delta, do8_t, do_scale = backward_prepass(o, do, block_q=config.block_q,
-                                              launch=self.dq_launch)
+  def prepass(self, o, do, config: Config,
+              layout: TransposedLayout = TransposedLayout.TOKENS) -> Prepass:
+    """Delta = rowsum(dO * O) and psi(dO) per block_q rows, stored transposed
+    in `layout`."""
+    prepass = backward_prepass(o, do, block_q=config.block_q, launch=self.dq_launch,
+                               layout=layout)
     if config.banded:  # a NaN dO block reaches keys it never meets (reference.py says why)
-      do_scale = nm.spread_nan(do_scale)
-    return delta, do8_t, do_scale
+      prepass = prepass._replace(do_scale=nm.spread_nan(prepass.do_scale))
+    return prepass
 
   def backward(self, qkv: QuantizedQKV, v, o, lse, do, masks: Masks, config: Config):
     _check_blocks(config)
-    delta, do8_t, do_scale = self.prepass(o, do, config)
+    for name in ("q8_t", "k8_t"):
+      check_layout(name, getattr(qkv, name), TransposedLayout.TOKENS)
+    delta, do8_t, do_scale, do_start = self.prepass(o, do, config)
     dk, dv = backward_dkdv(qkv, v, lse, delta, do, do8_t, do_scale, masks, config,
-                           self.dkdv_launch)
+                           self.dkdv_launch, do_start)
     dq = backward_dq(qkv, v, lse, delta, do, masks, config, self.dq_launch)
     return dq, dk, dv
 

@@ -186,19 +186,21 @@ def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_sca
 
 
 def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: Masks,
-                  config: Config, launch: LaunchConfig) -> tuple[jax.Array, jax.Array]:
+                  config: Config, launch: LaunchConfig, do_start: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
   """dK, dV (B, Tk, Hkv, D) in V's dtype, summed over each kv head's group.
 
-  Each program takes `launch.rows_per_program` keys.
+  Each program takes `launch.rows_per_program` keys. `do_start`: the
+  pre-pass's P^T.dO accumulator start (`types.Prepass`), else formed here.
   """
 
   def run(k8, k_scale, v, kv_ids, q8, q8_t, q_scale, q_mean, lse, delta, do, do8_t, do_scale,
-          q16, q_ids):
+          do_start, q16, q_ids):
     batch, heads, q_len, head_dim = q8.shape
     kv_heads, kv_len = k8.shape[1], k8.shape[2]
     args = [k8, k_scale, v, placeholder(kv_ids, jnp.int32), q8, placeholder(q8_t, jnp.int8),
             q_scale, placeholder(q_mean, jnp.float32), lse, delta, do, do8_t, do_scale,
-            tiles.shifted_accumulator_start(do8_t, config.block_q), placeholder(q16, v.dtype),
+            tiles.accumulator_start(do_start, do8_t, config.block_q), placeholder(q16, v.dtype),
             placeholder(q_ids, jnp.int32)]
     shape = jax.ShapeDtypeStruct(v.shape, v.dtype)
     keys = launch.rows_per_program(kv_len, config.block_kv)
@@ -219,4 +221,4 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
 
   return batch_folded(run)(qkv.k8, qkv.k_scale, v, masks.kv_ids, qkv.q8, qkv.q8_t,
                            qkv.q_scale, qkv.q_mean, lse, delta, do, do8_t, do_scale,
-                           qkv.q16, masks.q_ids)
+                           do_start, qkv.q16, masks.q_ids)

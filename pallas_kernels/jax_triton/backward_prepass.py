@@ -1,5 +1,7 @@
-"""The backward pre-pass: Delta = rowsum(dO * O) and psi(dO) per block_q rows,
-stored transposed (D, T) for the INT8 dV = P^T.dO."""
+"""The backward pre-pass, one kernel: Delta = rowsum(dO * O) and psi(dO) per
+block_q rows, O and dO read once, dO8 written once, transposed (D, T) for the
+INT8 dV = P^T.dO in the layout the dK/dV kernel that will run reads (TOKENS,
+with the portable kernel's P^T.dO accumulator start, or REGISTER_B)."""
 
 from __future__ import annotations
 
@@ -10,38 +12,49 @@ import triton.language as tl
 
 from pallas_kernels.jax_triton import tiles
 from pallas_kernels.jax_triton.launch import LaunchConfig, batch_folded
+from pallas_kernels.jax_triton.quantize import check_register_blocks, transposed_shape
+from pallas_kernels.types import Prepass, TransposedLayout
 
 
 @triton.jit
-def _prepass_kernel(o_ptr, do_ptr, delta_ptr, do8_t_ptr, do_scale_ptr, T: tl.constexpr,
-                    H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr):
+def _prepass_kernel(o_ptr, do_ptr, delta_ptr, do8_t_ptr, do_scale_ptr, do_start_ptr,
+                    T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr,
+                    REGISTER_B: tl.constexpr):
   t = tl.program_id(0)
   b = tl.program_id(1).to(tl.int64)
   h = tl.program_id(2)
   head = b * H + h
-  rows = t * BQ + tl.arange(0, BQ)
-  dims = tl.arange(0, D)
+  rows = tiles.block_rows(t, BQ, REGISTER_B)
   tokens = tiles.token_offsets(b, rows, h, T, H, D)
   do = tl.load(do_ptr + tokens).to(tl.float32)
   o = tl.load(o_ptr + tokens).to(tl.float32)
   tl.store(delta_ptr + head * T + rows, tl.sum(do * o, axis=1))
   do8, scale = tiles.quantize_tile(do)
-  tl.store(do8_t_ptr + head * D * T + dims[:, None] * T + rows[None, :], tl.trans(do8))
+  tiles.store_transposed(do8_t_ptr, do8, rows, head, t, T, D, BQ, REGISTER_B)
   tl.store(do_scale_ptr + head * T + rows, tl.full((BQ,), scale, tl.float32))
+  if not REGISTER_B:
+    tl.store(do_start_ptr + (head * (T // BQ) + t) * D + tl.arange(0, D), tiles.block_start(do8))
 
 
-def backward_prepass(o: jax.Array, do: jax.Array, *, block_q: int, launch: LaunchConfig
-                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """(Delta (B, H, T), dO8 (B, H, D, T), dO scales per token (B, H, T))."""
+def backward_prepass(o: jax.Array, do: jax.Array, *, block_q: int, launch: LaunchConfig,
+                     layout: TransposedLayout = TransposedLayout.TOKENS) -> Prepass:
+  """Delta (B, H, T), dO8^T in `layout`, dO's scales per token (B, H, T) and,
+  TOKENS, the P^T.dO accumulator start (B, H, T // block_q, D)."""
+  check_register_blocks(layout, block_q)
+  register_b = layout is TransposedLayout.REGISTER_B
 
   def run(o, do):
     batch, seq_len, heads, head_dim = o.shape
+    start = (1,) if register_b else (batch, heads, seq_len // block_q, head_dim)
     out_shape = [jax.ShapeDtypeStruct((batch, heads, seq_len), jnp.float32),
-                 jax.ShapeDtypeStruct((batch, heads, head_dim, seq_len), jnp.int8),
-                 jax.ShapeDtypeStruct((batch, heads, seq_len), jnp.float32)]
-    return tuple(launch.call(_prepass_kernel, [o, do], out_shape,
-                             grid=(seq_len // block_q, batch, heads),
-                             name="sagebwd_triton_backward_prepass", T=seq_len, H=heads,
-                             D=head_dim, BQ=block_q))
+                 jax.ShapeDtypeStruct(transposed_shape(batch, heads, head_dim, seq_len, layout),
+                                      jnp.int8),
+                 jax.ShapeDtypeStruct((batch, heads, seq_len), jnp.float32),
+                 jax.ShapeDtypeStruct(start, jnp.int32)]
+    delta, do8_t, do_scale, do_start = launch.call(
+        _prepass_kernel, [o, do], out_shape, grid=(seq_len // block_q, batch, heads),
+        name="sagebwd_triton_backward_prepass", T=seq_len, H=heads, D=head_dim,
+        BQ=block_q, REGISTER_B=register_b)
+    return delta, do8_t, do_scale, None if register_b else do_start
 
-  return batch_folded(run)(o, do)
+  return Prepass(*batch_folded(run)(o, do))

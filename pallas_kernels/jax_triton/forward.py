@@ -27,7 +27,8 @@ from pallas_kernels import causal_blocks, numerics as nm
 from pallas_kernels.jax_triton import tiles
 from pallas_kernels.jax_triton.interpreter import device_function
 from pallas_kernels.jax_triton.launch import LaunchConfig, batch_folded, placeholder
-from pallas_kernels.types import Config, Masks, QuantizedQKV
+from pallas_kernels.layouts import check_layout
+from pallas_kernels.types import Config, Masks, QuantizedQKV, TransposedLayout
 
 LOG2_LEVELS = tiles.LOG2_UINT8_MAX
 E_FLOOR = tl.constexpr(nm.E_FLOOR_BELOW_MAX)
@@ -136,11 +137,11 @@ def forward(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
             launch: LaunchConfig) -> tuple[jax.Array, jax.Array]:
   """O (B, Tq, H, D) in `out_dtype` and the base-2 log-sum-exp (B, H, Tq)."""
 
-  def run(q8, q_scale, q_mean, k8, k_scale, v8_t, v_scale, q_ids, kv_ids):
+  def run(q8, q_scale, q_mean, k8, k_scale, v8_t, v_scale, v_start, q_ids, kv_ids):
     batch, heads, q_len, head_dim = q8.shape
     kv_heads, kv_len = k8.shape[1], k8.shape[2]
     args = [q8, q_scale, placeholder(q_mean, jnp.float32), k8, k_scale, v8_t, v_scale,
-            tiles.shifted_accumulator_start(v8_t, config.block_kv),
+            tiles.accumulator_start(v_start, v8_t, config.block_kv),
             placeholder(q_ids, jnp.int32),
             placeholder(kv_ids, jnp.int32)]
     out_shape = [jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), out_dtype),
@@ -156,5 +157,6 @@ def forward(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
         IDS=q_ids is not None, SMOOTH_Q=q_mean is not None, CONVERT=launch.convert)
     return o, lse
 
+  check_layout("v8_t", qkv.v8_t, TransposedLayout.TOKENS)
   return batch_folded(run)(qkv.q8, qkv.q_scale, qkv.q_mean, qkv.k8, qkv.k_scale, qkv.v8_t,
-                           qkv.v_scale, masks.q_ids, masks.kv_ids)
+                           qkv.v_scale, qkv.v_start, masks.q_ids, masks.kv_ids)

@@ -1,5 +1,13 @@
-"""The quantization pass: psi of Q, K and V per block, in the layouts the int8
-dots need (natural (T, D) and transposed (D, T)), with per-token scales."""
+"""The forward's quantization pass, one kernel: psi of Q per `block_q` rows and
+of K - k_mean and V per `block_kv` rows, each 16-bit input read once and each
+output written once, in the layouts the kernels that will run read
+(`types.Layouts`): Q8 and K8 (T, D); Q8^T and K8^T (for a backward) and V8^T
+transposed, TOKENS or REGISTER_B; per-token scales; Q-smoothing's block means;
+and, where V8^T is TOKENS, the portable forward's P.V accumulator start.
+
+K's mean (K-smoothing) needs every token of K before any is quantized, so it
+arrives computed (`sagebwd.key_mean`): K is read twice in all, V and Q once.
+"""
 
 from __future__ import annotations
 
@@ -10,28 +18,33 @@ import triton.language as tl
 
 from pallas_kernels import numerics as nm
 from pallas_kernels.jax_triton import tiles
+from pallas_kernels.jax_triton.interpreter import device_function
 from pallas_kernels.jax_triton.launch import LaunchConfig, batch_folded, placeholder
-from pallas_kernels.types import Config, QuantizedQKV
+from pallas_kernels.layouts import REGISTER_BLOCK
+from pallas_kernels.types import Config, Layouts, QuantizedQKV, TransposedLayout
 
 
-@triton.jit
-def _quantize_kernel(x_ptr, mean_ptr, x8_ptr, x8_t_ptr, scale_ptr, row_mean_ptr,
-                     T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                     MULTIPLIER: tl.constexpr, HAS_MEAN: tl.constexpr, SMOOTH_ROWS: tl.constexpr,
-                     PER_ROW: tl.constexpr, NATURAL: tl.constexpr, TRANSPOSED: tl.constexpr):
-  t = tl.program_id(0)
-  b = tl.program_id(1).to(tl.int64)
-  h = tl.program_id(2)
-  head = b * H + h
-  rows = t * BLOCK + tl.arange(0, BLOCK)
+@device_function
+def _block(i, T: tl.constexpr, H: tl.constexpr, BLOCK: tl.constexpr):
+  """Block i of all (batch, head) rows as (t, head = b * H + h, b, h)."""
+  t = i % (T // BLOCK)
+  head = (i // (T // BLOCK)).to(tl.int64)
+  return t, head, head // H, head % H
+
+
+@device_function
+def _quantize_q(q_ptr, q8_ptr, q8_t_ptr, q_scale_ptr, q_mean_ptr, i, T: tl.constexpr,
+                H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                MULTIPLIER: tl.constexpr, SMOOTH: tl.constexpr, PER_ROW: tl.constexpr,
+                TRANSPOSED: tl.constexpr, REGISTER_B: tl.constexpr):
+  t, head, b, h = _block(i, T, H, BLOCK)
+  rows = tiles.block_rows(t, BLOCK, REGISTER_B)
   dims = tl.arange(0, D)
-  x = tl.load(x_ptr + tiles.token_offsets(b, rows, h, T, H, D)).to(tl.float32)
-  if HAS_MEAN:
-    x = x - tl.load(mean_ptr + head * D + dims)[None, :]
-  if SMOOTH_ROWS:
+  x = tl.load(q_ptr + tiles.token_offsets(b, rows, h, T, H, D)).to(tl.float32)
+  if SMOOTH:
     row_mean = tl.sum(x, axis=0) / BLOCK
     x = x - row_mean[None, :]
-    tl.store(row_mean_ptr + (head * (T // BLOCK) + t) * D + dims, row_mean * MULTIPLIER)
+    tl.store(q_mean_ptr + (head * (T // BLOCK) + t) * D + dims, row_mean * MULTIPLIER)
   # The multiplier goes into the scale, not the values: one multiply per
   # element leaves no product that a compiler could fuse or reassociate
   # differently than the reference's.
@@ -40,54 +53,123 @@ def _quantize_kernel(x_ptr, mean_ptr, x8_ptr, x8_t_ptr, scale_ptr, row_mean_ptr,
   else:
     x8, scale = tiles.quantize_tile(x)
     scale = tl.full((BLOCK,), scale, tl.float32)
-  if NATURAL:
-    tl.store(x8_ptr + head * T * D + rows[:, None] * D + dims[None, :], x8)
+  tl.store(q8_ptr + head * T * D + rows[:, None] * D + dims[None, :], x8)
   if TRANSPOSED:
-    tl.store(x8_t_ptr + head * D * T + dims[:, None] * T + rows[None, :], tl.trans(x8))
-  tl.store(scale_ptr + head * T + rows, scale * MULTIPLIER)
+    tiles.store_transposed(q8_t_ptr, x8, rows, head, t, T, D, BLOCK, REGISTER_B)
+  tl.store(q_scale_ptr + head * T + rows, scale * MULTIPLIER)
 
 
-def quantize(x: jax.Array, *, block: int, launch: LaunchConfig, multiplier: float = 1.0,
-             mean: jax.Array | None = None, smooth_rows: bool = False, per_row: bool = False,
-             natural: bool = True, transposed: bool = True) -> tuple[jax.Array | None, ...]:
-  """psi per `block` tokens (or per token, `per_row`) of x (B, T, H, D) minus
-  `mean` (B, H, D): int8 (B, H, T, D) if `natural`, int8 (B, H, D, T) if
-  `transposed`, scales (B, H, T), and with `smooth_rows` the block means
-  (B, H, T // block, D) times `multiplier`; None for the tensors not asked
-  for."""
+@device_function
+def _quantize_kv(k_ptr, v_ptr, k_mean_ptr, k8_ptr, k8_t_ptr, k_scale_ptr, v8_t_ptr,
+                 v_scale_ptr, v_start_ptr, i, T: tl.constexpr, H: tl.constexpr,
+                 D: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr,
+                 K_TRANSPOSED: tl.constexpr, K_REGISTER_B: tl.constexpr,
+                 V_REGISTER_B: tl.constexpr):
+  t, head, b, h = _block(i, T, H, BLOCK)
+  dims = tl.arange(0, D)
+  rows = tiles.block_rows(t, BLOCK, K_REGISTER_B)
+  x = tl.load(k_ptr + tiles.token_offsets(b, rows, h, T, H, D)).to(tl.float32)
+  if HAS_MEAN:
+    x = x - tl.load(k_mean_ptr + head * D + dims)[None, :]
+  x8, scale = tiles.quantize_tile(x)
+  tl.store(k8_ptr + head * T * D + rows[:, None] * D + dims[None, :], x8)
+  if K_TRANSPOSED:
+    tiles.store_transposed(k8_t_ptr, x8, rows, head, t, T, D, BLOCK, K_REGISTER_B)
+  tl.store(k_scale_ptr + head * T + rows, tl.full((BLOCK,), scale, tl.float32))
 
-  def run(x, mean):
-    batch, seq_len, heads, head_dim = x.shape
-    wanted = (natural, transposed, True, smooth_rows)
-    shapes = [((batch, heads, seq_len, head_dim), jnp.int8),
-              ((batch, heads, head_dim, seq_len), jnp.int8),
-              ((batch, heads, seq_len), jnp.float32),
-              ((batch, heads, seq_len // block, head_dim), jnp.float32)]
-    # Outputs not asked for get one element, never written.
-    out_shape = [jax.ShapeDtypeStruct(shape if want else (1,), dtype)
-                 for want, (shape, dtype) in zip(wanted, shapes)]
-    outs = launch.call(
-        _quantize_kernel, [x, placeholder(mean, jnp.float32)], out_shape,
-        grid=(seq_len // block, batch, heads), name="sagebwd_triton_quantize", T=seq_len,
-        H=heads, D=head_dim, BLOCK=block, MULTIPLIER=multiplier, HAS_MEAN=mean is not None,
-        SMOOTH_ROWS=smooth_rows, PER_ROW=per_row, NATURAL=natural, TRANSPOSED=transposed)
-    return tuple(y if want else None for want, y in zip(wanted, outs))
-
-  return batch_folded(run)(x, mean)
+  rows = tiles.block_rows(t, BLOCK, V_REGISTER_B)
+  y = tl.load(v_ptr + tiles.token_offsets(b, rows, h, T, H, D)).to(tl.float32)
+  y8, scale = tiles.quantize_tile(y)
+  tiles.store_transposed(v8_t_ptr, y8, rows, head, t, T, D, BLOCK, V_REGISTER_B)
+  tl.store(v_scale_ptr + head * T + rows, tl.full((BLOCK,), scale, tl.float32))
+  if not V_REGISTER_B:
+    tl.store(v_start_ptr + (head * (T // BLOCK) + t) * D + dims, tiles.block_start(y8))
 
 
-def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig,
-                 for_backward: bool) -> QuantizedQKV:
-  """The forward's quantization pass (docs/algorithm.md, forward steps 1-3);
+@triton.jit
+def _quantize_kernel(q_ptr, k_ptr, v_ptr, k_mean_ptr, q8_ptr, q8_t_ptr, q_scale_ptr,
+                     q_mean_ptr, k8_ptr, k8_t_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr,
+                     v_start_ptr, B: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr,
+                     TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr,
+                     BK: tl.constexpr, MULTIPLIER: tl.constexpr, SMOOTH_Q: tl.constexpr,
+                     PER_ROW: tl.constexpr, HAS_MEAN: tl.constexpr, Q_TRANSPOSED: tl.constexpr,
+                     K_TRANSPOSED: tl.constexpr, BACKWARD_REGISTER_B: tl.constexpr,
+                     FORWARD_REGISTER_B: tl.constexpr):
+  # One program per block: Q's blocks first, then K's and V's, a block of each.
+  i = tl.program_id(0)
+  q_blocks: tl.constexpr = B * H * (TQ // BQ)
+  if i < q_blocks:
+    _quantize_q(q_ptr, q8_ptr, q8_t_ptr, q_scale_ptr, q_mean_ptr, i, TQ, H, D, BQ,
+                MULTIPLIER, SMOOTH_Q, PER_ROW, Q_TRANSPOSED, BACKWARD_REGISTER_B)
+  else:
+    _quantize_kv(k_ptr, v_ptr, k_mean_ptr, k8_ptr, k8_t_ptr, k_scale_ptr, v8_t_ptr,
+                 v_scale_ptr, v_start_ptr, i - q_blocks, TK, HKV, D, BK, HAS_MEAN,
+                 K_TRANSPOSED, BACKWARD_REGISTER_B, FORWARD_REGISTER_B)
+
+
+def transposed_shape(batch: int, heads: int, head_dim: int, length: int,
+                     layout: TransposedLayout) -> tuple[int, ...]:
+  """The shape of a transposed int8 array in `layout` (types.TransposedLayout)."""
+  if layout is TransposedLayout.REGISTER_B:
+    return (batch, heads, length // REGISTER_BLOCK, head_dim, REGISTER_BLOCK)
+  return (batch, heads, head_dim, length)
+
+
+def check_register_blocks(layout: TransposedLayout, *blocks: int, smooth_q: bool = False):
+  """REGISTER_B tiles are whole quantization blocks of 64 tokens, and their
+  rows are permuted, which would reorder Q-smoothing's sums."""
+  if layout is TransposedLayout.REGISTER_B and (
+      any(block != REGISTER_BLOCK for block in blocks) or smooth_q):
+    raise ValueError(f"the REGISTER_B layout takes {REGISTER_BLOCK}-token blocks and no "
+                     f"Q-smoothing; got blocks {blocks}, smooth_q={smooth_q}")
+
+
+def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig, for_backward: bool,
+                 layouts: Layouts = Layouts()) -> QuantizedQKV:
+  """The forward's quantization pass (docs/algorithm.md, forward steps 1-3):
   Q's and K's transposed layouts, which only the backward reads, if
-  `for_backward`."""
+  `for_backward`; each transposed tensor in its `layouts`."""
+  check_register_blocks(layouts.backward, config.block_q, config.block_kv,
+                        smooth_q=config.smooth_q)
+  check_register_blocks(layouts.forward, config.block_kv)
   # Per-token Q goes with 16-bit dS: no int8 dK product reads Q8 transposed.
-  q8, q8_t, q_scale, q_mean = quantize(q, block=config.block_q, launch=launch,
-                                       multiplier=config.scale * nm.LOG2_E,
-                                       smooth_rows=config.smooth_q, per_row=config.q_per_token,
-                                       transposed=for_backward and not config.q_per_token)
-  k8, k8_t, k_scale, _ = quantize(k, block=config.block_kv, launch=launch, mean=k_mean,
-                                  transposed=for_backward)
-  _, v8_t, v_scale, _ = quantize(v, block=config.block_kv, launch=launch, natural=False)
+  q_transposed = for_backward and not config.q_per_token
+  backward_b = layouts.backward is TransposedLayout.REGISTER_B
+  forward_b = layouts.forward is TransposedLayout.REGISTER_B
+
+  def run(q, k, v, k_mean):
+    batch, q_len, heads, head_dim = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    i8, f32 = jnp.int8, jnp.float32
+    outputs = [  # (wanted, shape, dtype)
+        (True, (batch, heads, q_len, head_dim), i8),
+        (q_transposed, transposed_shape(batch, heads, head_dim, q_len, layouts.backward), i8),
+        (True, (batch, heads, q_len), f32),
+        (config.smooth_q, (batch, heads, q_len // config.block_q, head_dim), f32),
+        (True, (batch, kv_heads, kv_len, head_dim), i8),
+        (for_backward, transposed_shape(batch, kv_heads, head_dim, kv_len, layouts.backward),
+         i8),
+        (True, (batch, kv_heads, kv_len), f32),
+        (True, transposed_shape(batch, kv_heads, head_dim, kv_len, layouts.forward), i8),
+        (True, (batch, kv_heads, kv_len), f32),
+        (not forward_b, (batch, kv_heads, kv_len // config.block_kv, head_dim), jnp.int32),
+    ]
+    # Outputs not asked for get one element, never written.
+    out_shape = [jax.ShapeDtypeStruct(shape if wanted else (1,), dtype)
+                 for wanted, shape, dtype in outputs]
+    blocks = (batch * heads * q_len // config.block_q
+              + batch * kv_heads * kv_len // config.block_kv)
+    outs = launch.call(
+        _quantize_kernel, [q, k, v, placeholder(k_mean, f32)], out_shape, grid=(blocks,),
+        name="sagebwd_triton_quantize", B=batch, H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
+        D=head_dim, BQ=config.block_q, BK=config.block_kv,
+        MULTIPLIER=config.scale * nm.LOG2_E, SMOOTH_Q=config.smooth_q,
+        PER_ROW=config.q_per_token, HAS_MEAN=k_mean is not None, Q_TRANSPOSED=q_transposed,
+        K_TRANSPOSED=for_backward, BACKWARD_REGISTER_B=backward_b,
+        FORWARD_REGISTER_B=forward_b)
+    return tuple(y if wanted else None for (wanted, _, _), y in zip(outputs, outs))
+
+  q8, q8_t, q_scale, q_mean, k8, k8_t, k_scale, v8_t, v_scale, v_start = batch_folded(run)(
+      q, k, v, k_mean)
   return QuantizedQKV(q8=q8, q8_t=q8_t, q_scale=q_scale, q_mean=q_mean, k8=k8, k8_t=k8_t,
-                      k_scale=k_scale, v8_t=v8_t, v_scale=v_scale)
+                      k_scale=k_scale, v8_t=v8_t, v_scale=v_scale, v_start=v_start)

@@ -73,11 +73,25 @@ def unsigned_byte(p):
 
 def shifted_accumulator_start(x8_t: jax.Array, block: int) -> jax.Array:
   """The accumulator start of `unsigned_byte` P times int8 X, per block of
-  `block` tokens of X given (B, H, D, T): (B, H, T // block, D) int32."""
+  `block` tokens of X given (B, H, D, T): (B, H, T // block, D) int32. The
+  quantization pass and the pre-pass form it in-kernel (`block_start`);
+  this is for int8 tensors that another backend quantized."""
   batch, heads, head_dim, length = x8_t.shape
   blocks = x8_t.reshape(batch, heads, head_dim, length // block, block)
   sums = jnp.sum(blocks, axis=-1, dtype=jnp.int32)  # int32 under jax_enable_x64 too
   return jnp.swapaxes(nm.ROUND_MAGIC_I32 + P_SHIFT.value * sums, 2, 3)
+
+
+def accumulator_start(start: jax.Array | None, x8_t: jax.Array, block: int) -> jax.Array:
+  """`start` where the quantization pass or the pre-pass formed it, else
+  `shifted_accumulator_start` of X8^T (TOKENS)."""
+  return shifted_accumulator_start(x8_t, block) if start is None else start
+
+
+@device_function
+def block_start(x8):
+  """`shifted_accumulator_start` of one int8 block (tokens, D): (D,) int32."""
+  return MAGIC_I32 + P_SHIFT * tl.sum(x8.to(tl.int32), axis=0)
 
 
 @device_function
@@ -200,6 +214,33 @@ def token_offsets(b, rows, h, T: tl.constexpr, H: tl.constexpr, D: tl.constexpr)
   """Offsets of tokens `rows` of head h, batch b, in a (B, T, H, D) array (the
   op's q, k, v, o, dO layout): (len(rows), D)."""
   return (b * T + rows[:, None]) * H * D + h * D + tl.arange(0, D)[None, :]
+
+
+@device_function
+def block_rows(t, BLOCK: tl.constexpr, REGISTER_B: tl.constexpr):
+  """The tokens of block t, in order or, for a REGISTER_B layout
+  (types.TransposedLayout), in its order: position 4c + 2h + e of each 16
+  holds token 8h + 2c + e (layouts.permute_keys). A quantization kernel loads
+  its block's rows so, which leaves every value and scale as it was (a
+  block's scale is a maximum) and its transposed store contiguous."""
+  p = tl.arange(0, BLOCK)
+  if REGISTER_B:
+    p = p - p % 16 + 8 * ((p % 4) // 2) + 2 * ((p % 16) // 4) + p % 2
+  return t * BLOCK + p
+
+
+@device_function
+def store_transposed(x8_t_ptr, x8, rows, head, t, T: tl.constexpr, D: tl.constexpr,
+                     BLOCK: tl.constexpr, REGISTER_B: tl.constexpr):
+  """Stores block t of int8 rows `x8` (BLOCK, D), row i token rows[i]
+  (`block_rows`), of head `head` into a transposed array in its layout:
+  (heads, D, T), or REGISTER_B (heads, T // BLOCK, D, BLOCK), one contiguous tile."""
+  dims = tl.arange(0, D)
+  if REGISTER_B:
+    offsets = ((head * (T // BLOCK) + t) * D + dims[:, None]) * BLOCK + tl.arange(0, BLOCK)[None, :]
+  else:
+    offsets = head * D * T + dims[:, None] * T + rows[None, :]
+  tl.store(x8_t_ptr + offsets, tl.trans(x8))
 
 
 @device_function

@@ -2,16 +2,17 @@
 backend's (`fallback`) everywhere else.
 
 The quantization pass and the backward pre-pass are the fallback's (the same
-int8 tensors feed both paths). The forward runs in Mosaic GPU when
-`forward.takes` accepts the case (no masks but causality, no Q-smoothing,
-ds_precision="int8", whose Q scales are per block, D in
-{64, 128}, 64 x 64 blocks, whole 128-key steps, Tq == Tk when causal, 16-bit
-output), quantizing P as `ReferenceBackend(p_block=128, unsigned_p=True)`
-does; the dK/dV and dQ kernels when `backward_takes` accepts it (the same, with
-queries and keys in whole CTA tiles of 128), quantizing P^T as
-`ReferenceBackend(unsigned_p_t=True)` does (`reference.HOPPER_NUMERICS`: both).
-Anything else runs in the fallback, call by call. The Mosaic kernels compile
-for an sm_90 GPU only.
+int8 values feed both paths), written in the layouts the kernels that will run
+read (`layouts`, `types.Layouts`): REGISTER_B for the Mosaic kernels, TOKENS
+for the fallback's. The forward runs in Mosaic GPU when `forward.takes`
+accepts the case (no masks but causality, no Q-smoothing,
+ds_precision="int8", whose Q scales are per block, D in {64, 128}, 64 x 64
+blocks, whole 128-key steps, Tq == Tk when causal, 16-bit output), quantizing
+P as `ReferenceBackend(p_block=128, unsigned_p=True)` does; the dK/dV and dQ
+kernels when `backward_takes` accepts it (the same, with queries and keys in
+whole CTA tiles of 128), quantizing P^T as `ReferenceBackend(unsigned_p_t=True)`
+does (`reference.HOPPER_NUMERICS`: both). Anything else runs in the fallback,
+call by call. The Mosaic kernels compile for an sm_90 GPU only.
 """
 
 from __future__ import annotations
@@ -25,17 +26,17 @@ from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
 from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
 from pallas_kernels.mosaic import forward
-from pallas_kernels.types import Config, Masks, PrepassBackend, QuantizedQKV
+from pallas_kernels.types import (Config, Layouts, Masks, PrepassBackend, QuantizedQKV,
+                                  TransposedLayout)
 
 
-def backward_takes(qkv: QuantizedQKV, masks: Masks, config: Config, dtype,
-                   tuning: BackwardTuning = BackwardTuning()) -> bool:
+def backward_takes(masks: Masks, config: Config, q_len: int, kv_len: int, head_dim: int,
+                   dtype, tuning: BackwardTuning = BackwardTuning()) -> bool:
   """Whether the Mosaic backward kernels run this case (`dtype`: V's, which the
   backward's dO.V^T wgmma takes as is). Their dS products are INT8 only:
   ds_precision="bf16" runs in the fallback."""
-  q_len, kv_len = qkv.q8.shape[2], qkv.k8.shape[2]
   cta_rows = tuning.compute_wgs * common.BLOCK
-  return (common.supports(masks, config, qkv.q8.shape[-1])
+  return (common.supports(masks, config, head_dim)
           and config.ds_precision == "int8" and config.window is None
           and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
           and q_len % cta_rows == 0 and kv_len % cta_rows == 0
@@ -64,22 +65,42 @@ class MosaicBackend:
     return cls(fallback, forward_mosaic=forward.ForwardTuning(),
                dkdv_tuning=BackwardTuning(), dq_tuning=BackwardTuning(schedule_barrier=False))
 
-  def quantize(self, q, k, v, k_mean, config: Config, *,
-               for_backward: bool = True) -> QuantizedQKV:
-    return self.fallback.quantize(q, k, v, k_mean, config, for_backward=for_backward)
+  def _runs_forward(self, masks: Masks, config: Config, q_len: int, kv_len: int,
+                    head_dim: int, dtype) -> bool:
+    return self.forward_mosaic is not None and forward.takes(masks, config, q_len, kv_len,
+                                                             head_dim, dtype)
+
+  def _runs_backward(self, masks: Masks, config: Config, q_len: int, kv_len: int,
+                     head_dim: int, dtype) -> bool:
+    return all(backward_takes(masks, config, q_len, kv_len, head_dim, dtype, tuning)
+               for tuning in (self.dkdv_tuning, self.dq_tuning))
+
+  def layouts(self, q, k, masks: Masks, config: Config) -> Layouts:
+    """REGISTER_B for each direction whose Mosaic kernels will run (by the
+    rules `forward` and `backward` follow, with q's dtype, the op's output's
+    and V's), TOKENS for the fallback's."""
+    case = (masks, config, q.shape[1], k.shape[1], q.shape[-1], q.dtype)
+    pick = lambda mosaic: TransposedLayout.REGISTER_B if mosaic else TransposedLayout.TOKENS
+    return Layouts(forward=pick(self._runs_forward(*case)),
+                   backward=pick(self._runs_backward(*case)))
+
+  def quantize(self, q, k, v, k_mean, config: Config, *, for_backward: bool = True,
+               layouts: Layouts = Layouts()) -> QuantizedQKV:
+    return self.fallback.quantize(q, k, v, k_mean, config, for_backward=for_backward,
+                                  layouts=layouts)
 
   def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype):
     q_len, head_dim = qkv.q8.shape[2:]
-    if self.forward_mosaic is None or not forward.takes(masks, config, q_len, qkv.k8.shape[2],
-                                                        head_dim, out_dtype):
+    if not self._runs_forward(masks, config, q_len, qkv.k8.shape[2], head_dim, out_dtype):
       return self.fallback.forward(qkv, masks, config, out_dtype)
     return forward.forward_mosaic(qkv, masks, config, out_dtype, self.forward_mosaic)
 
   def backward(self, qkv: QuantizedQKV, v, o, lse, do, masks: Masks, config: Config):
-    if not all(backward_takes(qkv, masks, config, v.dtype, tuning)
-               for tuning in (self.dkdv_tuning, self.dq_tuning)):
+    q_len, head_dim = qkv.q8.shape[2:]
+    if not self._runs_backward(masks, config, q_len, qkv.k8.shape[2], head_dim, v.dtype):
       return self.fallback.backward(qkv, v, o, lse, do, masks, config)
-    delta, do8_t, do_scale = self.fallback.prepass(o, do, config)
+    delta, do8_t, do_scale, _ = self.fallback.prepass(o, do, config,
+                                                      TransposedLayout.REGISTER_B)
     dk, dv = backward_dkdv_mosaic(qkv, v, lse, delta, do, do8_t, do_scale, masks, config,
                                   self.dkdv_tuning)
     dq = backward_dq_mosaic(qkv, v, lse, delta, do, masks, config, self.dq_tuning)

@@ -10,8 +10,8 @@ scales). dP = dO.V^T runs in 16 bits (the one product never quantized) in an
 accumulator that starts at -Delta; dQ issues it with S under one wait, dK/dV
 after forming P^T (registers). The int8
 products (P^T.dO, dS^T.Q, dS.K) take their 8-bit operand straight from
-registers (`registers.dot_from_registers`; the B operands' token axis is stored
-in `registers.permute_keys` order), rounded by one add each, into int32
+registers (`registers.dot_from_registers`; the B operands arrive REGISTER_B,
+`types.TransposedLayout`), rounded by one add each, into int32
 accumulators that no instruction initializes (the first wgmma ignores them):
 merging one into fp32 is a conversion and an FMA (its per-row scale).
 """

@@ -36,13 +36,14 @@ from pallas_kernels.mosaic import backward_common as bc
 from pallas_kernels.mosaic import pipeline, registers
 from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic.common import BLOCK, check_supported, smem_transforms
-from pallas_kernels.types import Config, Masks, QuantizedQKV
+from pallas_kernels.layouts import check_layout
+from pallas_kernels.types import Config, Masks, QuantizedQKV, TransposedLayout
 
 
 def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scale, *,
                causal: bool, out_dtype, tuning: BackwardTuning):
-  """q8_t, do8_t: (B, H, D, Tq) int8 with queries in `registers.permute_keys`
-  order; scales per token (B, H, T)."""
+  """q8_t, do8_t: REGISTER_B (B, H, Tq / 64, D, 64) int8 (`types.TransposedLayout`);
+  scales per token (B, H, T)."""
   batch, heads, q_len, head_dim = q8.shape
   kv_heads, kv_len = k8.shape[1], k8.shape[2]
   group = heads // kv_heads
@@ -131,9 +132,8 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
         rows = pl.ds(i * BLOCK, BLOCK)
         plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_ring.at[slot], q_bars.at[slot])
         plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_ring.at[slot], do_bars.at[slot])
-        plgpu.copy_gmem_to_smem(do8_t_ref.at[b, h, :, rows], do8_t_ring.at[slot],
-                                do8_t_bars.at[slot])
-        plgpu.copy_gmem_to_smem(q8_t_ref.at[b, h, :, rows], q8_t_ring.at[slot], q8_t_bars.at[slot])
+        plgpu.copy_gmem_to_smem(do8_t_ref.at[b, h, i], do8_t_ring.at[slot], do8_t_bars.at[slot])
+        plgpu.copy_gmem_to_smem(q8_t_ref.at[b, h, i], q8_t_ring.at[slot], q8_t_bars.at[slot])
 
       pipeline.stream(ring, first=cta_start, end=end, load=load, consumed=(consumed,))
 
@@ -169,18 +169,20 @@ def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
   """dK, dV (B, Tk, Hkv, D) in V's dtype, summed over each kv head's group.
 
   Same contract as `triton.backward_dkdv.backward_dkdv` for the cases
-  `mosaic.common.supports` accepts, with whole CTA tiles; P^T quantized as
+  `mosaic.common.supports` accepts, with whole CTA tiles, but Q8^T and dO8^T
+  REGISTER_B (`types.Layouts`); P^T quantized as
   `ReferenceBackend(unsigned_p_t=True)` does. With GQA the per-query-head
   partials are kept in fp32 until summed.
   """
   check_supported(qkv, masks, config, "backward_dkdv_mosaic", tuning.compute_wgs * BLOCK)
+  for name, x8_t in (("q8_t", qkv.q8_t), ("do8_t", do8_t)):
+    check_layout(name, x8_t, TransposedLayout.REGISTER_B)
   batch, heads, _, head_dim = qkv.q8.shape
   kv_heads, kv_len = qkv.k8.shape[1], qkv.k8.shape[2]
   group = heads // kv_heads
   out_dtype = v.dtype if group == 1 else jnp.dtype(jnp.float32)
-  dk, dv = _dkdv_call(qkv.q8, registers.permute_keys(qkv.q8_t), qkv.q_scale, qkv.k8,
-                      qkv.k_scale, v, lse, delta, do, registers.permute_keys(do8_t), do_scale,
-                      causal=config.causal, out_dtype=out_dtype, tuning=tuning)
+  dk, dv = _dkdv_call(qkv.q8, qkv.q8_t, qkv.q_scale, qkv.k8, qkv.k_scale, v, lse, delta, do,
+                      do8_t, do_scale, causal=config.causal, out_dtype=out_dtype, tuning=tuning)
   if group > 1:
     sum_group = lambda x: x.reshape(batch, kv_len, kv_heads, group, head_dim).sum(axis=3)
     dk, dv = sum_group(dk).astype(v.dtype), sum_group(dv).astype(v.dtype)

@@ -8,7 +8,7 @@ block a step) by TMA through a ring. Per step a warpgroup computes
         -Delta), one wait;
   P = exp2(S * q_scale * k_scale - lse)        (`backward_common.exponent`);
   dS = P * (dP - Delta), quantized per query row, from registers into
-  dQ += dS's scale * K's scale * (dS8.K8)      K8^T's keys permuted.
+  dQ += dS's scale * K's scale * (dS8.K8)      K8^T REGISTER_B.
 
 Causal: the longest CTAs launch first; a warpgroup stops after the key block
 holding its diagonal (masked) and releases the ring's later blocks, which
@@ -30,12 +30,13 @@ from pallas_kernels.mosaic import backward_common as bc
 from pallas_kernels.mosaic import pipeline, registers
 from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic.common import BLOCK, check_supported, smem_transforms
-from pallas_kernels.types import Config, Masks, QuantizedQKV
+from pallas_kernels.layouts import check_layout
+from pallas_kernels.types import Config, Masks, QuantizedQKV, TransposedLayout
 
 
 def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, causal: bool, scale: float,
              tuning: BackwardTuning):
-  """k8_t: (B, Hkv, D, Tk) int8 with keys in `registers.permute_keys` order;
+  """k8_t: REGISTER_B (B, Hkv, Tk / 64, D, 64) int8 (`types.TransposedLayout`);
   scales per token (B, H, T)."""
   batch, heads, q_len, head_dim = q8.shape
   kv_heads, kv_len = k8.shape[1], k8.shape[2]
@@ -114,7 +115,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, causal: bool,
         kv = pl.ds(j * BLOCK, BLOCK)
         plgpu.copy_gmem_to_smem(k_ref.at[b, kvh, kv], k_ring.at[slot], k_bars.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[b, kv, kvh], v_ring.at[slot], v_bars.at[slot])
-        plgpu.copy_gmem_to_smem(k8_t_ref.at[b, kvh, :, kv], k8_t_ring.at[slot], k8_t_bars.at[slot])
+        plgpu.copy_gmem_to_smem(k8_t_ref.at[b, kvh, j], k8_t_ring.at[slot], k8_t_bars.at[slot])
 
       pipeline.stream(ring, first=jnp.int32(0), end=cta_end, load=load, consumed=(consumed,))
 
@@ -148,8 +149,9 @@ def backward_dq_mosaic(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, confi
                        tuning: BackwardTuning = BackwardTuning()):
   """dQ (B, Tq, H, D) in dO's dtype; same contract as
   `triton.backward_dq.backward_dq` for the cases `mosaic.common.supports`
-  accepts, with whole CTA tiles (dS quantized as there)."""
+  accepts, with whole CTA tiles, but K8^T REGISTER_B (`types.Layouts`); dS
+  quantized as there."""
   check_supported(qkv, masks, config, "backward_dq_mosaic", tuning.compute_wgs * BLOCK)
-  return _dq_call(qkv.q8, qkv.q_scale, lse, delta, do, qkv.k8,
-                  registers.permute_keys(qkv.k8_t), qkv.k_scale, v, causal=config.causal,
-                  scale=config.scale, tuning=tuning)
+  check_layout("k8_t", qkv.k8_t, TransposedLayout.REGISTER_B)
+  return _dq_call(qkv.q8, qkv.q_scale, lse, delta, do, qkv.k8, qkv.k8_t, qkv.k_scale, v,
+                  causal=config.causal, scale=config.scale, tuning=tuning)

@@ -23,9 +23,9 @@ and half, a warpgroup computes
         elsewhere, so no argument exceeds log2 255 and P needs no clip;
 
 then rounds P by adding 1.5 * 2**23, packs the low bytes into wgmma's 8-bit
-register operand (`registers.dot_from_registers`; V^T's keys are stored permuted to
-match), and forms PV = P_0.V8_0 + P_1.V8_1 in one int32 accumulator by
-unsigned x signed wgmmas. The output accumulates as
+register operand (`registers.dot_from_registers`; V^T arrives REGISTER_B, its
+keys permuted to match, `types.TransposedLayout`), and forms PV = P_0.V8_0 +
+P_1.V8_1 in one int32 accumulator by unsigned x signed wgmmas. The output accumulates as
 acc = acc * exp2(E_prev - E) + float(PV). E is floored at the running maximum
 minus 60, so the rescale factor never overflows; tiles that far below the
 maximum contribute below fp32 resolution anyway. docs/algorithm.md gives the
@@ -53,7 +53,8 @@ from jax import lax
 from pallas_kernels import numerics as nm
 from pallas_kernels.mosaic import pipeline, registers
 from pallas_kernels.mosaic.common import BLOCK, positive_scale, smem_transforms, supports
-from pallas_kernels.types import Config, Masks, QuantizedQKV
+from pallas_kernels.layouts import check_layout
+from pallas_kernels.types import Config, Masks, QuantizedQKV, TransposedLayout
 
 KV_STEP = 2 * BLOCK  # keys per step: two quantization blocks
 _LOG2_P_LEVELS = math.log2(nm.UINT8_MAX)  # P is unsigned 8-bit
@@ -74,11 +75,6 @@ def takes(masks: Masks, config: Config, q_len: int, kv_len: int, head_dim: int,
           and q_len % BLOCK == 0 and kv_len % KV_STEP == 0
           and (not config.causal or q_len == kv_len) and config.window is None
           and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
-
-
-def _block_scales(per_token: jax.Array) -> jax.Array:
-  """(B, H, T) per-token copies -> (B, H, T // BLOCK), one per block."""
-  return per_token[..., ::BLOCK]
 
 
 def _causal_mask(f, q_base, kv_base):
@@ -123,14 +119,17 @@ def _finalize(acc, e, l):
 
 def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, causal: bool,
                   out_dtype, tuning: ForwardTuning):
-  """q8 (B, H, Tq, D); k8 (B, Hkv, Tk / 64, 64, D); vt8 (B, Hkv, Tk / 64, D, 64)
-  with keys in `registers.permute_keys` order; scales per block."""
+  """q8 (B, H, Tq, D); k8 (B, Hkv, Tk / 64, 64, D); vt8 REGISTER_B (B, Hkv,
+  Tk / 64, D, 64); Q's and K's scales per token, V's folded ones per block.
+  Where Tq is not whole CTA tiles, the last CTA's last warpgroup computes the
+  last query block again (the same values, stored twice) rather than pad Q."""
   batch, heads, q_len, head_dim = q8.shape
   kv_heads, num_kv_blocks = k8.shape[1], k8.shape[2]
   group = heads // kv_heads
   wgs = tuning.compute_wgs
   num_steps = num_kv_blocks * BLOCK // KV_STEP
-  num_q_tiles = q_len // (wgs * BLOCK)
+  num_q_blocks = q_len // BLOCK
+  num_q_tiles = -(-num_q_blocks // wgs)
   ring = pipeline.Ring(min(tuning.max_concurrent_steps, num_steps))
   halves = KV_STEP // BLOCK
   row = plgpu.Layout.WGMMA.reduce(1)
@@ -150,7 +149,10 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
     schedule = pipeline.Schedule(sched, tuning)
 
     def compute():
-      q_base = (t * wgs + wg) * BLOCK
+      q_block = t * wgs + wg
+      if num_q_blocks % wgs:  # (causal cases are whole tiles: Tq == Tk, whole steps)
+        q_block = jnp.minimum(q_block, num_q_blocks - 1)
+      q_base = q_block * BLOCK
       plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(q_base, BLOCK)], q_smem.at[wg],
                               q_bars.at[wg])
       q_scale = qs_ref[b, h, q_base]
@@ -161,7 +163,7 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
         out = []
         for half in range(halves):
           blk = j * halves + half
-          c = positive_scale(q_scale * ks_ref[b, kvh, blk])
+          c = positive_scale(q_scale * ks_ref[b, kvh, blk * BLOCK])
           out.append((c, lsv_ref[b, kvh, blk], isv_ref[b, kvh, blk]))
         return tuple(out)
 
@@ -271,8 +273,8 @@ def forward_mosaic(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
                    tuning: ForwardTuning = ForwardTuning()):
   """O (B, Tq, H, D) in `out_dtype` and the base-2 log-sum-exp (B, H, Tq).
 
-  For the cases `takes` accepts; P is quantized as `ReferenceBackend(p_block=128,
-  unsigned_p=True)` does. Tq is padded to whole CTA tiles (dropped after).
+  For the cases `takes` accepts, V8^T REGISTER_B (`types.Layouts`); P is
+  quantized as `ReferenceBackend(p_block=128, unsigned_p=True)` does.
   """
   batch, heads, q_len, head_dim = qkv.q8.shape
   kv_heads, kv_len = qkv.k8.shape[1], qkv.k8.shape[2]
@@ -283,19 +285,10 @@ def forward_mosaic(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
         f"D in (64, 128), Tq % 64 == 0, Tk % {KV_STEP} == 0, Tq == Tk when causal, 16-bit "
         f"output; got D={head_dim}, Tq={q_len}, Tk={kv_len}, config={config}, "
         f"masks={masks.q_ids is not None}, dtype={jnp.dtype(out_dtype)}")
-  q8, q_scale = qkv.q8, qkv.q_scale
-  pad = -q_len % (tuning.compute_wgs * BLOCK)
-  if pad:  # only without causality (Tq == Tk is a multiple of 128 with it)
-    q8 = jnp.pad(q8, ((0, 0), (0, 0), (0, pad), (0, 0)))
-    q_scale = jnp.pad(q_scale, ((0, 0), (0, 0), (0, pad)))
-  blocks = kv_len // BLOCK
-  k8 = qkv.k8.reshape(batch, kv_heads, blocks, BLOCK, head_dim)
-  vt8 = registers.permute_keys(qkv.v8_t).reshape(batch, kv_heads, head_dim, blocks, BLOCK)
-  vt8 = jnp.swapaxes(vt8, 2, 3)
-  log2_v_scale, inv_v_scale = nm.folded_v_scales(_block_scales(qkv.v_scale), KV_STEP // BLOCK)
-  o, lse = _forward_call(q8, q_scale, k8, _block_scales(qkv.k_scale), vt8, log2_v_scale,
-                         inv_v_scale, causal=config.causal, out_dtype=jnp.dtype(out_dtype),
-                         tuning=tuning)
-  if pad:
-    o, lse = o[:, :q_len], lse[:, :, :q_len]
-  return o, lse
+  check_layout("v8_t", qkv.v8_t, TransposedLayout.REGISTER_B)
+  # Splitting the token axis in blocks moves no byte (a bitcast).
+  k8 = qkv.k8.reshape(batch, kv_heads, kv_len // BLOCK, BLOCK, head_dim)
+  log2_v_scale, inv_v_scale = nm.folded_v_scales(qkv.v_scale[..., ::BLOCK], KV_STEP // BLOCK)
+  return _forward_call(qkv.q8, qkv.q_scale, k8, qkv.k_scale, qkv.v8_t, log2_v_scale,
+                       inv_v_scale, causal=config.causal, out_dtype=jnp.dtype(out_dtype),
+                       tuning=tuning)

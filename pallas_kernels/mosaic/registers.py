@@ -6,7 +6,9 @@ each thread holds, per 16 columns, columns {2c, 2c+1, 2c+8, 2c+9}) becomes the
 consecutive ones {4c..4c+3}) without moving data between threads: the four
 values a thread holds are packed into one 32-bit register as they are, so A's
 column 4c+i holds P's column sigma16(4c+i). The B operand's rows (keys) are
-stored in that same order (`permute_keys`), so the product is unchanged.
+stored in that same order (`layouts.permute_keys`: the REGISTER_B layout,
+which the quantization pass and the pre-pass write), so the product is
+unchanged.
 
 The values arrive as the int32 bits of `x + 1.5 * 2**23` (the rounding add of
 `numerics`), whose low byte is round(x) as an unsigned byte for 0 <= x <= 255
@@ -37,17 +39,6 @@ import numpy as np
 mgpu_wgmma = importlib.import_module("jax.experimental.mosaic.gpu.wgmma")
 
 ROWS = 64  # rows of a wgmma M tile: one warpgroup's query block
-
-
-def permute_keys(x: jax.Array, axis: int = -1) -> jax.Array:
-  """Reorders `axis` (a multiple of 16) within each 16 as sigma16:
-  position 4c + 2h + e holds element 8h + 2c + e (c < 4; h, e < 2)."""
-  axis = axis % x.ndim
-  n = x.shape[axis]
-  split = x.reshape(*x.shape[:axis], n // 16, 2, 4, 2, *x.shape[axis + 1:])
-  perm = list(range(split.ndim))
-  perm[axis + 1], perm[axis + 2] = axis + 2, axis + 1
-  return jnp.transpose(split, perm).reshape(x.shape)
 
 
 def _pack_low_bytes(x: fa.FragmentedArray) -> fa.FragmentedArray:
@@ -131,11 +122,12 @@ def dot_from_registers(a_tiles: tuple[jax.Array, ...], b_tiles: tuple, transform
                        n: int, *, unsigned_a: bool) -> jax.Array:
   """int32 sum over i of A_i.B_i, each A_i 8-bit from registers.
 
-  `a_tiles[i]`: (64, 64) int8 from `pack`, its columns in `permute_keys`
-  order (read as unsigned with `unsigned_a`). `b_tiles[i]`: a shared-memory
-  (n, 64) int8 tile of B^T whose contraction axis is in `permute_keys` order,
-  stored with `transforms` (64-byte swizzle). Issues every product, then
-  waits for them; returns (64, n) int32, WGMMA layout. The first wgmma
+  `a_tiles[i]`: (64, 64) int8 from `pack`, its columns in
+  `layouts.permute_keys` order (read as unsigned with `unsigned_a`).
+  `b_tiles[i]`: a shared-memory (n, 64) int8 tile of B^T whose contraction
+  axis is in that order (REGISTER_B), stored with `transforms` (64-byte
+  swizzle). Issues every product, then waits for them; returns (64, n)
+  int32, WGMMA layout. The first wgmma
   ignores its accumulator input, so no instruction initializes the
   accumulator (callers convert and scale the exact sum).
   """

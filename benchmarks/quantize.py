@@ -1,0 +1,134 @@
+"""The passes around the attention kernels against the GPU's copy bandwidth.
+
+    python -m benchmarks.quantize [--shapes 4x4096x16x128,16x1024x16x128] [--out DIR]
+
+For each shape (B x T x H x D, bf16; H = Hkv), in one process: first a
+device-to-device copy of a 1 GiB buffer, as an XLA copy and as an elementwise
+kernel (its bytes read + written over its time: the copy bandwidth, the
+larger of the two); then each pass of the op's data flow, with the bytes it
+must move (each input read once, each output written once: from the arrays'
+sizes), its device time (kernels of a `jax.profiler` trace, per call, summed
+over the pass's launches) and that rate as a share of the copy's:
+
+  k_mean            K's mean for K-smoothing (XLA): K's first read
+  quantize_fwd      the quantization pass of a forward alone, V8^T REGISTER_B
+                    (the Mosaic forward's layout)
+  quantize_fwd_bwd  the same with Q8^T and K8^T REGISTER_B (a gradient follows)
+  quantize_tokens   the same, every layout TOKENS (the portable kernels')
+  prepass           the backward pre-pass, dO8^T REGISTER_B
+  prepass_tokens    the same, TOKENS
+  forward_total     k_mean + quantize_fwd_bwd: what the op's forward runs
+                    before its kernel, K read twice
+
+Issue 31's bar: every pass at >= 0.70 of the copy. Writes quantize.csv to
+--out (default $OUT, else nothing). Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.attention import time_call, write_csv
+from benchmarks.breakdown import profile
+from pallas_kernels.jax_triton.backend import TritonBackend
+from pallas_kernels.layouts import REGISTER_B, TOKENS
+from pallas_kernels.types import Config, Layouts
+from sagebwd_jax.sagebwd import key_mean
+
+COPY_BYTES = 1 << 30
+
+
+def moved_bytes(fn, *args) -> tuple[int, int]:
+  """(bytes read, bytes written) by `fn(*args)` if it reads each input and
+  writes each output once."""
+  size = lambda tree: sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+  return size(args), size(jax.eval_shape(fn, *args))
+
+
+def device_seconds(fn, args, iters: int) -> float:
+  """Device time per call of the compiled `fn(*args)`, summed over its kernels
+  (wall time per call, `time_call`'s, where the trace shows none: a copy the
+  runtime does by DMA may not appear among a stream's kernels)."""
+  return sum(t for t, _ in profile(fn, args, iters).values()) or time_call(fn, *args)
+
+
+def copy_bandwidth(iters: int) -> dict[str, float]:
+  """Bytes per second (read + written) of a 1 GiB device-to-device copy."""
+  x = jnp.arange(COPY_BYTES // 4, dtype=jnp.uint32)
+  copies = {"copy_xla": jax.jit(jnp.copy), "copy_kernel": jax.jit(lambda x: x ^ 1)}
+  return {name: 2 * COPY_BYTES / device_seconds(fn, (x,), iters)
+          for name, fn in copies.items()}
+
+
+def passes(batch: int, seq: int, heads: int, head_dim: int) -> dict:
+  """{name: (jitted fn, args)} for each pass the module docstring lists."""
+  keys = jax.random.split(jax.random.key(0), 5)
+  q, k, v, o, do = (jax.random.normal(key, (batch, seq, heads, head_dim), jnp.bfloat16)
+                    for key in keys)
+  config = Config(scale=head_dim**-0.5, causal=False, smooth_q=False, block_q=64, block_kv=64)
+  triton = TritonBackend.tuned(causal=False)
+  k_mean = key_mean(k, None)
+
+  def quantize(for_backward: bool, layouts: Layouts):
+    return jax.jit(lambda q, k, v, k_mean: triton.quantize(
+        q, k, v, k_mean, config, for_backward=for_backward, layouts=layouts))
+
+  def prepass(layout):
+    return jax.jit(lambda o, do: triton.prepass(o, do, config, layout))
+
+  return {
+      "k_mean": (jax.jit(lambda k: key_mean(k, None)), (k,)),
+      "quantize_fwd": (quantize(False, Layouts(forward=REGISTER_B)), (q, k, v, k_mean)),
+      "quantize_fwd_bwd": (quantize(True, Layouts(REGISTER_B, REGISTER_B)), (q, k, v, k_mean)),
+      "quantize_tokens": (quantize(True, Layouts(TOKENS, TOKENS)), (q, k, v, k_mean)),
+      "prepass": (prepass(REGISTER_B), (o, do)),
+      "prepass_tokens": (prepass(TOKENS), (o, do)),
+  }
+
+
+def row(shape: str, name: str, read: int, written: int, seconds: float, copy: float) -> dict:
+  rate = (read + written) / seconds
+  return dict(shape=shape, name=name, mb_read=read / 1e6, mb_written=written / 1e6,
+              us=seconds * 1e6, tb_s=rate / 1e12, x_copy=rate / copy)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--shapes", default="4x4096x16x128,16x1024x16x128",
+                      help="B x T x H x D, comma-separated")
+  parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--out", default=os.environ.get("OUT"))
+  args = parser.parse_args()
+  if jax.default_backend() != "gpu":
+    raise SystemExit("benchmarks.quantize times GPU kernels: run it on a GPU")
+
+  copies = copy_bandwidth(args.iters)
+  copy = max(copies.values())
+  print(", ".join(f"{name} {rate / 1e12:.2f} TB/s" for name, rate in copies.items()))
+  rows = []
+  for shape in args.shapes.split(","):
+    batch, seq, heads, head_dim = (int(x) for x in shape.split("x"))
+    totals = {}
+    for name, (fn, fn_args) in passes(batch, seq, heads, head_dim).items():
+      read, written = moved_bytes(fn, *fn_args)
+      totals[name] = (read, written, device_seconds(fn, fn_args, args.iters))
+      rows.append(row(shape, name, *totals[name], copy))
+    parts = [totals[name] for name in ("k_mean", "quantize_fwd_bwd")]
+    rows.append(row(shape, "forward_total", *map(sum, zip(*parts)), copy))
+
+  print(f"\n| shape | pass | MB read | MB written | us | TB/s | x copy ({copy / 1e12:.2f} TB/s) |")
+  print("|---|---|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['shape']} | {r['name']} | {r['mb_read']:.1f} | {r['mb_written']:.1f} | "
+          f"{r['us']:.1f} | {r['tb_s']:.2f} | {r['x_copy']:.2f} |")
+  if args.out:
+    write_csv(rows + [dict(name=name, tb_s=rate / 1e12) for name, rate in copies.items()],
+              args.out, "quantize.csv")
+
+
+if __name__ == "__main__":
+  main()
