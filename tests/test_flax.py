@@ -181,7 +181,7 @@ def test_attention_fn_key_mask_is_exact_even_traced():
   got = attend(q, k.at[0, 20:].set(1e3), v.at[0, 20:].set(jnp.nan), mask)
   want = nnx.dot_product_attention(q, k, v, mask=mask)
   assert bool(jnp.all(jnp.isfinite(got)))
-  assert float(relative_l2(got, want)) < 0.03
+  assert float(relative_l2(got, want)) < 0.02
   # The masked keys' contents do not matter at all.
   clean = attend(q, k.at[0, 20:].set(0.0), v.at[0, 20:].set(0.0), mask)
   np.testing.assert_array_equal(got, clean)
@@ -325,14 +325,13 @@ def test_llama_sage_logits_match_full_precision():
     sage(tokens.astype(jnp.float32))
 
 
-@pytest.mark.parametrize("attention,tolerance", [("full", 1e-5), ("sage", 0.03)])
-def test_llama_decode_with_the_cache_gives_the_full_forwards_logits(attention, tolerance):
+def test_llama_decode_with_the_cache_gives_the_full_forwards_logits():
   """Generation's path: prefill a prompt, then one token at a time through
   each layer's key/value cache (the op on the cache with its length as
-  key_value_seq_lengths): the logits of the whole sequence in one forward.
-  SageBwd differs by its int8 blocks, which span the tokens seen so far."""
-  model = Llama(LlamaConfig(**TINY, dtype=jnp.float32, attention=attention),
-                rngs=nnx.Rngs(0))
+  key_value_seq_lengths): the logits of the whole sequence in one forward, up
+  to SageBwd's int8 blocks, which span the tokens seen so far (1.0% here; the
+  decoded token's position off by one gives 7%)."""
+  model = Llama(LlamaConfig(**TINY, dtype=jnp.float32), rngs=nnx.Rngs(0))
   tokens = jax.random.randint(jax.random.key(5), (B, 24), 0, TINY["vocab_size"])
   want = model(tokens)
   logits, caches = model.prefill(tokens[:, :8])
@@ -343,7 +342,7 @@ def test_llama_decode_with_the_cache_gives_the_full_forwards_logits(attention, t
     logits, caches = decode(model, tokens[:, i:i + 1], caches, jnp.int32(i))
     got.append(logits)
   got = jnp.concatenate(got, axis=1)
-  assert float(relative_l2(got, want)) < tolerance
+  assert float(relative_l2(got, want)) < 0.02
   with pytest.raises(ValueError, match="decode takes one token"):
     model.decode(tokens[:, :2], caches, jnp.int32(3))
 
