@@ -25,12 +25,13 @@ and half, a warpgroup computes
 then rounds P by adding 1.5 * 2**23, packs the low bytes into wgmma's 8-bit
 register operand (`registers.dot_from_registers`; V^T arrives REGISTER_B, its
 keys permuted to match, `types.TransposedLayout`), and forms PV = P_0.V8_0 +
-P_1.V8_1 in one int32 accumulator by unsigned x signed wgmmas. The output accumulates as
-acc = acc * exp2(E_prev - E) + float(PV). E is floored at the running maximum
-minus 60, so the rescale factor never overflows; tiles that far below the
-maximum contribute below fp32 resolution anyway. docs/algorithm.md gives the
-algorithm and `sagebwd_jax.reference.ReferenceBackend(p_block=128,
-unsigned_p=True)` computes the same values in plain JAX.
+P_1.V8_1 in one int32 accumulator by unsigned x signed wgmmas. The output
+accumulates as acc = acc * exp2(E_prev - E) + float(PV). E is floored at the
+running maximum minus 60, so the rescale factor never overflows; tiles that
+far below the maximum contribute below fp32 resolution anyway.
+docs/algorithm.md gives the algorithm and
+`sagebwd_jax.reference.ReferenceBackend(p_block=128, unsigned_p=True)`
+computes the same values in plain JAX.
 
 The two warpgroups take turns on the tensor cores (a schedule barrier): one
 runs its softmax while the other's products run. Causal: the query blocks of a

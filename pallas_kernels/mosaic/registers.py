@@ -127,9 +127,9 @@ def dot_from_registers(a_tiles: tuple[jax.Array, ...], b_tiles: tuple, transform
   `b_tiles[i]`: a shared-memory (n, 64) int8 tile of B^T whose contraction
   axis is in that order (REGISTER_B), stored with `transforms` (64-byte
   swizzle). Issues every product, then waits for them; returns (64, n)
-  int32, WGMMA layout. The first wgmma
-  ignores its accumulator input, so no instruction initializes the
-  accumulator (callers convert and scale the exact sum).
+  int32, WGMMA layout. The first wgmma ignores its accumulator input, so no
+  instruction initializes the accumulator (callers convert and scale the
+  exact sum).
   """
   swizzle = transforms[-1].swizzle
   count = len(a_tiles)
