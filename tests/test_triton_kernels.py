@@ -301,7 +301,9 @@ def test_fitted_keeps_the_stages_that_fit(monkeypatch):
 # Compiled on a GPU (run through the device tool).
 @pytest.mark.gpu
 def test_gpu_kernels_match_reference():
-  test_quantization_pass_forms_the_reference_int8_tensors(128, True, False, "int8")
+  test_quantization_pass_forms_the_reference_int8_tensors(128, True, False, "int8", Layouts())
+  test_quantization_pass_forms_the_reference_int8_tensors(64, False, True, "int8",
+                                                          Layouts(REGISTER_B, REGISTER_B))
   test_forward_matches_reference_with_unsigned_p(True, True, True)
   test_backward_matches_reference_fp32(False, True, True, (4, 1), 128)
   test_forward_at_large_logits_matches_reference(1e4)

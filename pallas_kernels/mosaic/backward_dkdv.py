@@ -64,8 +64,9 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
     wg = lax.axis_index("wg")
     kvh = lax.div(h, jnp.array(group, h.dtype))
     smem, (k_bars, v_bars), ring_bars, consumed, sched = scoped
-    k_smem2, v_smem2, q_ring, q8_t_ring, do_ring, do8_t_ring, out_smem2 = smem
-    q_bars, q8_t_bars, do_bars, do8_t_bars = ring_bars
+    k_smem2, v_smem2, q_ring, q8_t_ring, do_ring, do8_t_ring, lse_ring, delta_ring, out_smem2 = (
+        smem)
+    q_bars, q8_t_bars, do_bars, do8_t_bars, lse_bars, delta_bars = ring_bars
     cta_start = q_range(t * wgs)[0]
     end = jnp.int32(num_q_blocks)
     ring = pipeline.Ring(tuning.max_concurrent_steps)
@@ -91,11 +92,19 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
         f = bc.as_float(s)
         if masked:
           f = bc.causal_mask(f, row_start=j * BLOCK, col_start=i * BLOCK, rows_are_keys=True)
-        lse = bc.col_vector(lse_ref.at[b, h, rows])
+        if tuning.rows_by_tma:
+          plgpu.barrier_wait(lse_bars.at[slot])
+          lse = bc.col_vector(lse_ring.at[slot])
+        else:
+          lse = bc.col_vector(lse_ref.at[b, h, rows])
         pq, top = nm.unsigned_rows(bc.exponent(f, q_scale * k_scale, lse, along=1))
         # dP^T only now: with S^T, pq and dK, dV it would not fit the registers.
-        minus_delta = -lax.broadcast_in_dim(bc.col_vector(delta_ref.at[b, h, rows]), bc.TILE,
-                                            [1])
+        if tuning.rows_by_tma:
+          plgpu.barrier_wait(delta_bars.at[slot])
+          delta = bc.col_vector(delta_ring.at[slot])
+        else:
+          delta = bc.col_vector(delta_ref.at[b, h, rows])
+        minus_delta = -lax.broadcast_in_dim(delta, bc.TILE, [1])
         plgpu.barrier_wait(do_bars.at[slot])
         (dp,) = bc.products([(v_smem, do_ring.at[slot])], [minus_delta])
         p8 = bc.pack_unsigned(pq)
@@ -134,6 +143,9 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
         plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_ring.at[slot], do_bars.at[slot])
         plgpu.copy_gmem_to_smem(do8_t_ref.at[b, h, i], do8_t_ring.at[slot], do8_t_bars.at[slot])
         plgpu.copy_gmem_to_smem(q8_t_ref.at[b, h, i], q8_t_ring.at[slot], q8_t_bars.at[slot])
+        plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_ring.at[slot], lse_bars.at[slot])
+        plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_ring.at[slot],
+                                delta_bars.at[slot])
 
       pipeline.stream(ring, first=cta_start, end=end, load=load, consumed=(consumed,))
 
@@ -148,11 +160,13 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
       plgpu.SMEM((slots, head_dim, BLOCK), i8, transforms=t_transforms),  # Q8^T
       plgpu.SMEM((slots, BLOCK, head_dim), fdt, transforms=smem_transforms(head_dim, fdt)),  # dO
       plgpu.SMEM((slots, head_dim, BLOCK), i8, transforms=t_transforms),  # dO8^T
+      plgpu.SMEM((slots, BLOCK), jnp.float32),  # lse
+      plgpu.SMEM((slots, BLOCK), jnp.float32),  # Delta
       plgpu.SMEM((wgs, BLOCK, head_dim), out_dtype,
                  transforms=smem_transforms(head_dim, out_dtype)),  # dK, then dV
   )
   barriers = ((plgpu.Barrier(num_barriers=wgs),) * 2,
-              (plgpu.Barrier(num_barriers=slots),) * 4,
+              (plgpu.Barrier(num_barriers=slots),) * 6,
               plgpu.Barrier(num_arrivals=wgs, num_barriers=slots),
               plgpu.Barrier(num_arrivals=wgs))
   shape = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), out_dtype)
