@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import numerics as nm
 from pallas_kernels.types import Backend, Config, Masks
-from sagebwd_jax.sagebwd import key_mean, quantize
+from sagebwd_jax.sagebwd import key_mean, opaque, quantize
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -53,7 +53,7 @@ def _backward(config, backend, smooth_k, residuals, cotangent):
   qkv = quantize(query, key, key, masks, config, backend, smooth_k)
   p_k, lse_2 = backend.forward(qkv, masks, config, query.dtype)
   dq = g * p_k.astype(jnp.float32)
-  do = (g * query.astype(jnp.float32)).astype(query.dtype)
+  (do,) = opaque((g * query.astype(jnp.float32)).astype(query.dtype))
   dk = backend.backward(qkv, jnp.zeros_like(key), jnp.zeros_like(query), lse_2, do, masks,
                         config)[2]
   return dq.astype(query.dtype), dk.astype(key.dtype), jnp.zeros_like(value), None

@@ -35,6 +35,18 @@ def key_mean(k: jax.Array, kv_ids: jax.Array | None) -> jax.Array:
   return total / jnp.maximum(jnp.sum(valid, axis=1), 1.0)[:, None, None]
 
 
+def opaque(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+  """The arrays, as values XLA cannot fold at compile time.
+
+  A loss may close over constants: `jnp.sum(out)` makes dO a broadcast 1, a
+  test fixes dO or the keys. XLA would then evaluate the quantization and
+  everything after it that reads only constants while compiling, in its
+  slow evaluator (seconds per reduction at T=1024, docs/performance.md),
+  to save no run time: every stage reads these arrays once anyway.
+  """
+  return jax.lax.optimization_barrier(arrays)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def sagebwd_attention(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks,
                       config: Config, backend: Backend, smooth_k: bool) -> jax.Array:
@@ -55,6 +67,7 @@ def quantize(q, k, v, masks: Masks, config: Config, backend: Backend,
   with causal block skipping no kernel program would pair the later blocks
   with the earlier queries. (K-smoothing's mean spreads a NaN key so anyway.)
   """
+  q, k, v = opaque(q, k, v)
   k_mean = key_mean(k, masks.kv_ids) if smooth_k else None
   qkv = backend.quantize(q, k, v, k_mean, config, for_backward=for_backward)
   if config.ds_precision == "bf16":
@@ -75,6 +88,7 @@ def _forward(q, k, v, masks, config, backend, smooth_k, for_backward=True):
 def _backward(config, backend, smooth_k, residuals, do):
   del smooth_k  # rows of dS sum to zero: the smoothing mean has no gradient term
   qkv, v, o, lse, masks = residuals
+  (do,) = opaque(do)
   dq, dk, dv = backend.backward(qkv, v, o, lse, do, masks, config)
   dq, dk, dv = _head_group_nan(qkv, lse, do, dq, dk, dv)
   # q, k and v share one dtype (the op checks it), which o carries too.
