@@ -13,6 +13,7 @@ from flax import nnx
 
 from sagebwd_jax.flax import (Attention, Llama, LlamaConfig, attention_fn, count_params,
                               make_attention_fn)
+from sagebwd_jax.flax.llama import unscanned
 from sagebwd_jax.metrics import cosine_similarity, relative_l2
 
 B, T, HEADS, HEAD_DIM = 2, 64, 2, 64
@@ -301,6 +302,7 @@ TINY = dict(vocab_size=64, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim
     (dict(dim=1024), "head_dim = dim // n_heads = 512"),
     (dict(n_kv_heads=3), "n_heads \\(2\\) must be a multiple of n_kv_heads \\(3\\)"),
     (dict(attention="flash"), "LlamaConfig.attention must be one of"),
+    (dict(remat="all"), "LlamaConfig.remat must be one of"),
     (dict(n_heads=3), "dim \\(128\\) must be divisible by n_heads \\(3\\)"),
 ])
 def test_llama_config_refuses_bad_values(kwargs, match):
@@ -323,6 +325,31 @@ def test_llama_sage_logits_match_full_precision():
   _assert_close(logits, _forward(full, tokens))
   with pytest.raises(ValueError, match="tokens must be an integer array"):
     sage(tokens.astype(jnp.float32))
+
+
+def test_llama_scan_layers_is_the_same_model():
+  """Stacked blocks under jax.lax.scan: an unscanned model's initial values,
+  logits and gradients (each layer's the slice of the stacked one), whatever
+  is rematerialized; and the layers one by one again through `unscanned`."""
+  tokens = jax.random.randint(jax.random.key(5), (B, 32), 0, TINY["vocab_size"])
+  cfg = dict(TINY, dtype=jnp.float32, attention="full")
+  plain = Llama(LlamaConfig(**cfg, remat="dots"), rngs=nnx.Rngs(0))
+  scanned = Llama(LlamaConfig(**cfg, scan_layers=True, remat="full"), rngs=nnx.Rngs(0))
+
+  def value_and_grads(model):
+    graphdef, params = nnx.split(model, nnx.Param)
+    loss = lambda params: jnp.mean(nnx.merge(graphdef, params)(tokens) ** 2)
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+  (loss, grads), (scan_loss, scan_grads) = value_and_grads(plain), value_and_grads(scanned)
+  np.testing.assert_allclose(scan_loss, loss, rtol=1e-5)
+  for layer in range(TINY["n_layers"]):
+    for stacked, ref in ((nnx.state(scanned.blocks), nnx.state(plain.blocks[layer])),
+                         (scan_grads["blocks"], grads["blocks"][layer])):
+      for mine, theirs in zip(jax.tree.leaves(stacked), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(mine[layer], theirs, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(_forward(unscanned(scanned), tokens), _forward(plain, tokens),
+                             rtol=1e-5, atol=1e-6)
 
 
 def test_llama_loss_decreases_with_adamw():
