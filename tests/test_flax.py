@@ -328,28 +328,20 @@ def test_llama_sage_logits_match_full_precision():
 
 
 def test_llama_scan_layers_is_the_same_model():
-  """Stacked blocks under jax.lax.scan: an unscanned model's initial values,
-  logits and gradients (each layer's the slice of the stacked one), whatever
-  is rematerialized; and the layers one by one again through `unscanned`."""
+  """Stacked blocks: an unscanned model's initial values (each layer's the
+  slice of the stacked ones) and logits, and the layers one by one again
+  through `unscanned`. (tests/test_train.py trains the two, remat on.)"""
   tokens = jax.random.randint(jax.random.key(5), (B, 32), 0, TINY["vocab_size"])
   cfg = dict(TINY, dtype=jnp.float32, attention="full")
-  plain = Llama(LlamaConfig(**cfg, remat="dots"), rngs=nnx.Rngs(0))
-  scanned = Llama(LlamaConfig(**cfg, scan_layers=True, remat="full"), rngs=nnx.Rngs(0))
-
-  def value_and_grads(model):
-    graphdef, params = nnx.split(model, nnx.Param)
-    loss = lambda params: jnp.mean(nnx.merge(graphdef, params)(tokens) ** 2)
-    return jax.jit(jax.value_and_grad(loss))(params)
-
-  (loss, grads), (scan_loss, scan_grads) = value_and_grads(plain), value_and_grads(scanned)
-  np.testing.assert_allclose(scan_loss, loss, rtol=1e-5)
+  plain = Llama(LlamaConfig(**cfg), rngs=nnx.Rngs(0))
+  scanned = Llama(LlamaConfig(**cfg, scan_layers=True), rngs=nnx.Rngs(0))
   for layer in range(TINY["n_layers"]):
-    for stacked, ref in ((nnx.state(scanned.blocks), nnx.state(plain.blocks[layer])),
-                         (scan_grads["blocks"], grads["blocks"][layer])):
-      for mine, theirs in zip(jax.tree.leaves(stacked), jax.tree.leaves(ref), strict=True):
-        np.testing.assert_allclose(mine[layer], theirs, rtol=1e-5, atol=1e-7)
-  np.testing.assert_allclose(_forward(unscanned(scanned), tokens), _forward(plain, tokens),
-                             rtol=1e-5, atol=1e-6)
+    stacked, ref = nnx.state(scanned.blocks), nnx.state(plain.blocks[layer])
+    for mine, theirs in zip(jax.tree.leaves(stacked), jax.tree.leaves(ref), strict=True):
+      np.testing.assert_array_equal(mine[layer], theirs)
+  logits = _forward(plain, tokens)
+  np.testing.assert_allclose(_forward(scanned, tokens), logits, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(_forward(unscanned(scanned), tokens), logits, rtol=1e-5, atol=1e-6)
 
 
 def test_llama_loss_decreases_with_adamw():
