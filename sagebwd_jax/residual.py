@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import numerics as nm
 from pallas_kernels.types import Backend, Config, Masks
-from sagebwd_jax.sagebwd import key_mean, quantize
+from sagebwd_jax.sagebwd import attend, key_mean, opaque, quantize
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -34,7 +34,7 @@ def log_sum_exp(query, key, value, masks: Masks, config: Config, backend: Backen
 def _forward(query, key, value, masks, config, backend, smooth_k, for_backward=True):
   # As the op's forward quantizes (sagebwd_attention), so that XLA can merge them.
   qkv = quantize(query, key, value, masks, config, backend, smooth_k, for_backward)
-  lse = jnp.swapaxes(backend.forward(qkv, masks, config, query.dtype)[1], 1, 2) * nm.LN_2
+  lse = jnp.swapaxes(attend(qkv, masks, config, backend, query.dtype)[1], 1, 2) * nm.LN_2
   if smooth_k:
     # The kernels' scores are of K - mean(K): each row is shifted by q . mean.
     group = query.shape[2] // key.shape[2]
@@ -51,9 +51,9 @@ def _backward(config, backend, smooth_k, residuals, cotangent):
   # One quantization with K as the values too: the forward then gives P.K;
   # the backward, with dO = g q and zero V and O (so dS = 0), P^T.(g q) as dV.
   qkv = quantize(query, key, key, masks, config, backend, smooth_k)
-  p_k, lse_2 = backend.forward(qkv, masks, config, query.dtype)
+  p_k, lse_2 = attend(qkv, masks, config, backend, query.dtype)
   dq = g * p_k.astype(jnp.float32)
-  do = (g * query.astype(jnp.float32)).astype(query.dtype)
+  (do,) = opaque((g * query.astype(jnp.float32)).astype(query.dtype))
   dk = backend.backward(qkv, jnp.zeros_like(key), jnp.zeros_like(query), lse_2, do, masks,
                         config)[2]
   return dq.astype(query.dtype), dk.astype(key.dtype), jnp.zeros_like(value), None

@@ -12,12 +12,14 @@ arrive padded to whole blocks, with the true lengths in `masks`.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import numerics as nm
 from pallas_kernels.types import Backend, Config, Masks, QuantizedQKV
+from sagebwd_jax.reference import ReferenceBackend
 
 
 def key_mean(k: jax.Array, kv_ids: jax.Array | None) -> jax.Array:
@@ -35,6 +37,18 @@ def key_mean(k: jax.Array, kv_ids: jax.Array | None) -> jax.Array:
   return total / jnp.maximum(jnp.sum(valid, axis=1), 1.0)[:, None, None]
 
 
+def opaque(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+  """The arrays, as values XLA cannot fold at compile time.
+
+  A loss may close over constants: `jnp.sum(out)` makes dO a broadcast 1, a
+  test fixes dO or the keys. XLA would then evaluate the quantization and
+  everything after it that reads only constants while compiling, in its
+  slow evaluator (seconds per reduction at T=1024, docs/performance.md),
+  to save no run time: every stage reads these arrays once anyway.
+  """
+  return jax.lax.optimization_barrier(arrays)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def sagebwd_attention(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks,
                       config: Config, backend: Backend, smooth_k: bool) -> jax.Array:
@@ -43,6 +57,33 @@ def sagebwd_attention(q: jax.Array, k: jax.Array, v: jax.Array, masks: Masks,
   return _forward(q, k, v, masks, config, backend, smooth_k, for_backward=False)[0]
 
 
+def _stage(fn):
+  """`fn` (a stage that runs the backend's kernels) as a jit of its own, static
+  in the options. A model's identical layers then trace and lower the stage
+  once per shape and options (jax reuses a lowered jit within a program), not
+  once per call site, and so share one text of each Mosaic GPU kernel, which
+  is then compiled once (Mosaic GPU keys compiled kernels on the text, and
+  numbers every lowering of a kernel apart in it). The stages return only
+  what every caller uses, so that jax's pruning of unused outputs makes no
+  second variant of one.
+
+  The pure-JAX reference has no kernels to lower: it stays inline, where XLA
+  fuses it with the code around it as before (a jit boundary moves its fp32
+  results by float noise, about 1e-5, against eager execution).
+  """
+  signature = inspect.signature(fn)
+  options = ("config", "backend", "smooth_k", "for_backward", "out_dtype")
+  jitted = jax.jit(fn, static_argnames=[n for n in signature.parameters if n in options])
+
+  @functools.wraps(fn)
+  def stage(*args, **kwargs):
+    backend = signature.bind(*args, **kwargs).arguments["backend"]
+    return (fn if isinstance(backend, ReferenceBackend) else jitted)(*args, **kwargs)
+
+  return stage
+
+
+@_stage
 def quantize(q, k, v, masks: Masks, config: Config, backend: Backend,
              smooth_k: bool, for_backward: bool = True) -> QuantizedQKV:
   """K-smoothing and the quantization pass (and, with 16-bit dS, the 16-bit
@@ -56,6 +97,7 @@ def quantize(q, k, v, masks: Masks, config: Config, backend: Backend,
   with causal block skipping no kernel program would pair the later blocks
   with the earlier queries. (K-smoothing's mean spreads a NaN key so anyway.)
   """
+  q, k, v = opaque(q, k, v)
   k_mean = key_mean(k, masks.kv_ids) if smooth_k else None
   qkv = backend.quantize(q, k, v, k_mean, config, for_backward=for_backward,
                          layouts=backend.layouts(q, k, masks, config))
@@ -68,15 +110,24 @@ def quantize(q, k, v, masks: Masks, config: Config, backend: Backend,
   return qkv._replace(k_scale=nm.spread_nan(qkv.k_scale), v_scale=nm.spread_nan(qkv.v_scale))
 
 
+@_stage
+def attend(qkv: QuantizedQKV, masks: Masks, config: Config, backend: Backend,
+           out_dtype) -> tuple[jax.Array, jax.Array]:
+  """The INT8 forward: the output and the base-2 log-sum-exp (B, H, T)."""
+  return backend.forward(qkv, masks, config, out_dtype)
+
+
 def _forward(q, k, v, masks, config, backend, smooth_k, for_backward=True):
   qkv = quantize(q, k, v, masks, config, backend, smooth_k, for_backward)
-  o, lse = backend.forward(qkv, masks, config, q.dtype)
+  o, lse = attend(qkv, masks, config, backend, q.dtype)
   return o, (qkv, v, o, lse, masks)
 
 
+@_stage
 def _backward(config, backend, smooth_k, residuals, do):
   del smooth_k  # rows of dS sum to zero: the smoothing mean has no gradient term
   qkv, v, o, lse, masks = residuals
+  (do,) = opaque(do)
   dq, dk, dv = backend.backward(qkv, v, o, lse, do, masks, config)
   dq, dk, dv = _head_group_nan(qkv, lse, do, dq, dk, dv)
   # q, k and v share one dtype (the op checks it), which o carries too.

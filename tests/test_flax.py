@@ -13,6 +13,7 @@ from flax import nnx
 
 from sagebwd_jax.flax import (Attention, Llama, LlamaConfig, attention_fn, count_params,
                               make_attention_fn)
+from sagebwd_jax.flax.llama import unscanned
 from sagebwd_jax.metrics import cosine_similarity, relative_l2
 
 B, T, HEADS, HEAD_DIM = 2, 64, 2, 64
@@ -301,6 +302,7 @@ TINY = dict(vocab_size=64, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim
     (dict(dim=1024), "head_dim = dim // n_heads = 512"),
     (dict(n_kv_heads=3), "n_heads \\(2\\) must be a multiple of n_kv_heads \\(3\\)"),
     (dict(attention="flash"), "LlamaConfig.attention must be one of"),
+    (dict(remat="all"), "LlamaConfig.remat must be one of"),
     (dict(n_heads=3), "dim \\(128\\) must be divisible by n_heads \\(3\\)"),
 ])
 def test_llama_config_refuses_bad_values(kwargs, match):
@@ -345,6 +347,23 @@ def test_llama_decode_with_the_cache_gives_the_full_forwards_logits():
   assert float(relative_l2(got, want)) < 0.02
   with pytest.raises(ValueError, match="decode takes one token"):
     model.decode(tokens[:, :2], caches, jnp.int32(3))
+
+
+def test_llama_scan_layers_is_the_same_model():
+  """Stacked blocks: an unscanned model's initial values (each layer's the
+  slice of the stacked ones) and logits, and the layers one by one again
+  through `unscanned`. (tests/test_train.py trains the two, remat on.)"""
+  tokens = jax.random.randint(jax.random.key(5), (B, 32), 0, TINY["vocab_size"])
+  cfg = dict(TINY, dtype=jnp.float32, attention="full")
+  plain = Llama(LlamaConfig(**cfg), rngs=nnx.Rngs(0))
+  scanned = Llama(LlamaConfig(**cfg, scan_layers=True), rngs=nnx.Rngs(0))
+  for layer in range(TINY["n_layers"]):
+    stacked, ref = nnx.state(scanned.blocks), nnx.state(plain.blocks[layer])
+    for mine, theirs in zip(jax.tree.leaves(stacked), jax.tree.leaves(ref), strict=True):
+      np.testing.assert_array_equal(mine[layer], theirs)
+  logits = _forward(plain, tokens)
+  np.testing.assert_allclose(_forward(scanned, tokens), logits, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(_forward(unscanned(scanned), tokens), logits, rtol=1e-5, atol=1e-6)
 
 
 def test_llama_loss_decreases_with_adamw():

@@ -19,7 +19,7 @@ import pytest
 
 from train import data, flops, optim, rundir
 from train.__main__ import main
-from train.checkpoint import Checkpoints
+from train.checkpoint import Checkpoints, flatten
 from train.config import Config
 from train.loop import train
 from train.metrics import MetricsError, MetricsLog, read
@@ -71,8 +71,8 @@ def _copy(finished, tmp_path) -> Path:
   return dest
 
 
-def _like():
-  cfg = Config(**SMALL)
+def _like(**overrides):
+  cfg = Config(**{**SMALL, **overrides})
   return make_steps(build_model(cfg, 256), optim.optimizer(cfg))[0]
 
 
@@ -279,6 +279,25 @@ def test_resume_after_a_corrupt_checkpoint_equals_a_run_never_stopped(finished, 
   assert summary["step"] == 4 and summary["tokens_per_s"] is not None  # steps 3, 4 again
   assert _strip(read(str(run / "metrics.jsonl"))) == _strip(
       read(str(finished[0] / "metrics.jsonl")))
+
+
+def test_checkpoints_are_the_same_with_scan_layers(tmp_path):
+  """--scan-layers (issue 32) stacks the blocks' parameters; checkpoints keep
+  one array per layer all the same: one saved without it (as every one
+  before it) restores into a model with it, and the other way round."""
+  plain, scanned = (_like(n_layers=2, scan_layers=scan) for scan in (False, True))
+  assert flatten(plain).keys() == flatten(scanned).keys()
+  ckpts = Checkpoints(str(tmp_path), 3)
+  ckpts.save(1, plain)
+  restored = ckpts.restore(scanned, 1)
+  stacked = restored["params"]["blocks"]
+  for layer in range(2):
+    for mine, saved in zip(jax.tree.leaves(stacked), jax.tree.leaves(plain["params"]["blocks"][layer]),
+                           strict=True):
+      np.testing.assert_array_equal(mine[layer], saved)
+  ckpts.save(2, restored)
+  assert _tree_equal(ckpts.restore(plain, 2), plain)
+  ckpts.close()
 
 
 def test_a_full_disk_is_one_line(tmp_path, corpus):

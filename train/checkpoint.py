@@ -1,12 +1,15 @@
 """Checkpoints with orbax: every `ckpt_every` steps, the last `keep` kept, and
 on resume the newest one that restores intact.
 
-The train state is saved as a flat dict `{"params/layers/0/...": array}`
+The train state is saved as a flat dict `{"params/blocks/0/...": array}`
 (names any reader can list) and put back into the structure of a freshly
 built state, so nothing about flax's or optax's pytree classes reaches the
-files. Beside it each checkpoint holds a CRC-32 of every array: orbax checks
-its own files' structure, not the values in them, and a flipped byte would
-otherwise restore silently.
+files. A model with --scan-layers holds each block parameter stacked over the
+layers; it is saved one array per layer all the same, so checkpoints do not
+depend on the flag (nor did those written before it). Beside it each
+checkpoint holds a CRC-32 of every array: orbax checks its own files'
+structure, not the values in them, and a flipped byte would otherwise restore
+silently.
 
 Orbax writes a checkpoint into a temporary folder and renames it when done,
 so a process killed mid-save leaves no checkpoint of that step (orbax deletes
@@ -31,9 +34,11 @@ import zlib
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from sagebwd_jax.flax.llama import is_stacked
 from train.rundir import RunError
 
 
@@ -44,17 +49,37 @@ def _key(k) -> str:
   return str(k)
 
 
+def _layer_names(keys: list[str], layers: int) -> list[str]:
+  """The names of a leaf stacked over the layers (`is_stacked`), one per
+  layer, as an unscanned model's parameters are named."""
+  at = keys.index("blocks") + 1
+  return ["/".join([*keys[:at], str(layer), *keys[at:]]) for layer in range(layers)]
+
+
 def flatten(state) -> dict:
-  leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-  flat = {"/".join(_key(k) for k in path): x for path, x in leaves}
-  assert len(flat) == len(leaves), "checkpoint names collide"
+  named = []
+  for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+    keys = [_key(k) for k in path]
+    if is_stacked(keys):
+      named += zip(_layer_names(keys, x.shape[0]), x)
+    else:
+      named.append(("/".join(keys), x))
+  flat = dict(named)
+  assert len(flat) == len(named), "checkpoint names collide"
   return flat
 
 
 def unflatten(flat: dict, like):
   leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
-  return jax.tree_util.tree_unflatten(
-      treedef, [flat["/".join(_key(k) for k in path)] for path, _ in leaves])
+  values = []
+  for path, x in leaves:
+    keys = [_key(k) for k in path]
+    if is_stacked(keys):  # its layers stacked again, placed as `like`'s
+      layers = [flat[name] for name in _layer_names(keys, x.shape[0])]
+      values.append(jax.device_put(jnp.stack(layers), x.sharding))
+    else:
+      values.append(flat["/".join(keys)])
+  return jax.tree_util.tree_unflatten(treedef, values)
 
 
 def _host(x) -> np.ndarray:

@@ -66,6 +66,10 @@ class Config:
   ds_precision: str = "int8"
   # Compute dtype; parameters and optimizer state stay float32.
   dtype: str = "bfloat16"
+  # Stack the blocks' parameters and run them under jax.lax.scan: the step compiles one block, whatever --n-layers (checkpoints are the same either way).
+  scan_layers: bool = False
+  # What each block keeps for the backward: none (everything), full (its input: the block runs again), dots (its weight products).
+  remat: str = "none"
 
   # --- data ---
   # Text files, folders (every text file inside) or one nanoGPT .bin of uint16 tokens; default: this Python's stdlib sources.
@@ -144,7 +148,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 CHOICES = {"attention": ("sage", "full", "reference"), "dtype": ("bfloat16", "float32"),
-           "ds_precision": ("int8", "bf16")}
+           "ds_precision": ("int8", "bf16"), "remat": ("none", "full", "dots")}
 
 
 @dataclass(frozen=True)

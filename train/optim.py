@@ -2,7 +2,8 @@
 weight-decay mask.
 
 Weight decay applies to the matrices of the linear layers only: not to norm
-gains, biases (any parameter with fewer than 2 dimensions) nor to the token
+gains, biases (any parameter with fewer than 2 dimensions per layer: with
+--scan-layers the blocks' carry a leading layer axis) nor to the token
 embedding (its rows of rare tokens get few gradients and decay would erase
 them; with tied embeddings the output head is left alone as well).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import jax
 import optax
 
+from sagebwd_jax.flax.llama import is_stacked
 from train.config import Config
 
 
@@ -25,18 +27,22 @@ def schedule(cfg: Config) -> optax.Schedule:
   return lambda count: curve(count + 1)
 
 
+def _keys(path) -> list[str]:
+  return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+
+
 def _path_str(path) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
-                  for k in path)
+  return "/".join(_keys(path))
 
 
 def decays(path: str, ndim: int) -> bool:
+  """`ndim`: the parameter's dimensions in one layer."""
   return ndim >= 2 and "embed" not in path.lower()
 
 
 def decay_mask(params):
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: decays(_path_str(path), x.ndim), params)
+      lambda path, x: decays(_path_str(path), x.ndim - is_stacked(_keys(path))), params)
 
 
 def optimizer(cfg: Config) -> optax.GradientTransformation:

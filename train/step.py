@@ -29,7 +29,7 @@ def build_model(cfg: Config, vocab_size: int, mesh=None) -> nnx.Module:
       n_kv_heads=cfg.n_kv_heads, ffn_dim=cfg.ffn_dim, max_seq_len=cfg.seq_len,
       rope_theta=cfg.rope_theta, qk_norm=cfg.qk_norm, tie_embeddings=cfg.tie_embeddings,
       attention=cfg.attention, smooth_k=cfg.smooth_k, smooth_q=cfg.smooth_q,
-      ds_precision=cfg.ds_precision,
+      ds_precision=cfg.ds_precision, scan_layers=cfg.scan_layers, remat=cfg.remat,
       dtype=getattr(jnp, cfg.dtype), param_dtype=jnp.float32)
   return Llama(mcfg, rngs=nnx.Rngs(cfg.seed), mesh=mesh)
 

@@ -33,6 +33,7 @@ import optax
 from flax import nnx
 
 from pallas_kernels import numerics as nm
+from sagebwd_jax.flax.llama import unscanned
 
 DS_TILE = 64  # keys per tile: the op's default block_kv
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -50,8 +51,9 @@ def make_telemetry(model: nnx.Module, ds_quantization: str | None):
   def hooked(params, hook):
     """The model with each layer's attention call (`Attention._attend`, which
     runs the op, under shard_map with a mesh) routed through
-    hook(layer, attend, q, k, v); a traced copy, rebuilt per call."""
-    model = nnx.merge(graphdef, params, rest)
+    hook(layer, attend, q, k, v); a traced copy, rebuilt per call, its layers
+    one by one (unscanned)."""
+    model = unscanned(nnx.merge(graphdef, params, rest))
     for i, block in enumerate(model.blocks):
       block.attn._attend = functools.partial(hook, i, block.attn._attend)
     return model

@@ -1,14 +1,17 @@
 """A Llama-style decoder-only language model in nnx, SageBwd attention inside.
 
 Pre-norm blocks: x + Attention(RMSNorm(x)), then x + SwiGLU(RMSNorm(x)).
-Attention has GQA, optional QK-norm and RoPE (see `attention.py`).
+Attention has GQA, optional QK-norm and RoPE (see `attention.py`). The blocks
+run one after another, or (`scan_layers`) as one block under `jax.lax.scan`
+over their stacked parameters; `remat` sets what each keeps for the backward.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +25,13 @@ from sagebwd_jax.flax.attention import IMPLEMENTATIONS, Attention, AttentionImpl
 # with depth.
 _STD = 0.02
 
+Remat = Literal["none", "full", "dots"]
+# What a block keeps for the backward (MaxText's remat policies, by name):
+# everything; only its input (the backward runs the block again); the
+# products of its weight matrices (attention and the rest are recomputed).
+REMAT_POLICIES = {"none": None, "full": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
@@ -30,6 +40,15 @@ class LlamaConfig:
   `ffn_dim` defaults to Llama's rule: 8/3 * dim rounded up to a multiple of
   `multiple_of`. `dtype` is the compute dtype; parameters, norms' statistics,
   softmax statistics and the returned logits stay fp32.
+
+  `scan_layers`: each parameter of the blocks is one array stacked over the
+  layers (leading axis n_layers, `is_stacked` tells which) and the blocks run
+  under `jax.lax.scan`, so a step traces, lowers and compiles one block
+  whatever n_layers; same initial values and results as without (up to
+  floating-point reassociation). `remat`: what each block keeps for the
+  backward, "none" (all its intermediates), "full" (its input alone: the
+  backward runs the block again) or "dots" (the products with its weight
+  matrices; the rest, attention included, recomputed).
   """
 
   vocab_size: int
@@ -50,6 +69,8 @@ class LlamaConfig:
   ds_precision: str = "int8"
   dtype: Any = jnp.bfloat16
   param_dtype: Any = jnp.float32
+  scan_layers: bool = False
+  remat: Remat = "none"
 
   def __post_init__(self):
     for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
@@ -64,6 +85,9 @@ class LlamaConfig:
     if self.attention not in IMPLEMENTATIONS:
       raise ValueError(f"LlamaConfig.attention must be one of {IMPLEMENTATIONS}; "
                        f"got {self.attention!r}")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"LlamaConfig.remat must be one of {tuple(REMAT_POLICIES)}; "
+                       f"got {self.remat!r}")
     if self.attention != "full" and self.head_dim > MAX_HEAD_DIM:
       raise ValueError(f"LlamaConfig: head_dim = dim // n_heads = {self.head_dim}; "
                        f"SageBwd attention takes at most {MAX_HEAD_DIM}")
@@ -154,7 +178,8 @@ class Llama(nnx.Module):
     self.embed = nnx.Embed(config.vocab_size, config.dim, dtype=config.dtype,
                            param_dtype=config.param_dtype,
                            embedding_init=nnx.initializers.normal(_STD), rngs=rngs)
-    self.blocks = nnx.List([Block(config, rngs=rngs, mesh=mesh) for _ in range(config.n_layers)])
+    blocks = [Block(config, rngs=rngs, mesh=mesh) for _ in range(config.n_layers)]
+    self.blocks = _stacked(blocks) if config.scan_layers else nnx.List(blocks)
     self.norm = RMSNorm(config.dim, eps=config.norm_eps, dtype=config.dtype,
                         param_dtype=config.param_dtype)
     if config.tie_embeddings:
@@ -167,8 +192,14 @@ class Llama(nnx.Module):
   def __call__(self, tokens: jax.Array) -> jax.Array:
     self._check(tokens)
     x = self.embed(tokens)
-    for block in self.blocks:
-      x = block(x)
+    remat = self.config.remat
+    if self.config.scan_layers:
+      graphdef, stacked = nnx.split(self.blocks)
+      step = lambda x, layer: (_run(nnx.merge(graphdef, layer), x, remat), None)
+      x, _ = jax.lax.scan(step, x, stacked)
+    else:
+      for block in self.blocks:
+        x = _run(block, x, remat)
     return self._logits(x)
 
   def prefill(self, tokens: jax.Array) -> tuple[jax.Array, list[KVCache]]:
@@ -176,7 +207,7 @@ class Llama(nnx.Module):
     and each layer's `KVCache` of max_seq_len positions, T of them filled."""
     self._check(tokens)
     x, caches = self.embed(tokens), []
-    for block in self.blocks:
+    for block in unscanned(self).blocks:
       x, cache = block.prefill(x, self.config.max_seq_len)
       caches.append(cache)
     return self._logits(x), caches
@@ -189,7 +220,7 @@ class Llama(nnx.Module):
     op (`Attention.decode`)."""
     self._check(token)
     x, new = self.embed(token), []
-    for block, cache in zip(self.blocks, caches):
+    for block, cache in zip(unscanned(self).blocks, caches, strict=True):
       x, cache = block.decode(x, cache, position)
       new.append(cache)
     return self._logits(x), new
@@ -206,6 +237,46 @@ class Llama(nnx.Module):
     x = self.norm(x)
     logits = self.embed.attend(x) if self.lm_head is None else self.lm_head(x)
     return logits.astype(jnp.float32)
+
+
+def _stacked(blocks: list[Block]) -> Block:
+  """One Block whose every variable is the blocks' stacked (leading axis: the
+  layer); built from blocks initialized one by one, so its initial values are
+  an unscanned model's."""
+  graphdef, _ = nnx.split(blocks[0])
+  return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs),
+                                          *(nnx.state(b) for b in blocks)))
+
+
+def _run(block: Block, x: jax.Array, remat: str) -> jax.Array:
+  """block(x), keeping for the backward what `remat` says."""
+  if remat == "none":
+    return block(x)
+  graphdef, state = nnx.split(block)
+  return jax.checkpoint(lambda state, x: nnx.merge(graphdef, state)(x),
+                        policy=REMAT_POLICIES[remat])(state, x)
+
+
+def unscanned(model: Llama) -> Llama:
+  """`model` with its blocks one by one, on slices of its stacked variables
+  when it has `scan_layers` (a copy): for code that hooks each layer."""
+  if not model.config.scan_layers:
+    return model
+  graphdef, stacked = nnx.split(model.blocks)
+  copy = nnx.merge(*nnx.split(model))
+  copy.config = dataclasses.replace(model.config, scan_layers=False)
+  copy.blocks = nnx.List([nnx.merge(graphdef, jax.tree.map(lambda x: x[i], stacked))
+                          for i in range(model.config.n_layers)])
+  return copy
+
+
+def is_stacked(path: Sequence[str | int]) -> bool:
+  """Whether the variable at `path` (its keys' names, from the model or from a
+  pytree that mirrors it, such as an optimizer's state) is stacked over the
+  layers: under "blocks" with no layer index after it (`scan_layers`)."""
+  keys = [str(k) for k in path]
+  after = keys[keys.index("blocks") + 1:] if "blocks" in keys else []
+  return bool(after) and not after[0].isdigit()
 
 
 def count_params(model: nnx.Module) -> int:

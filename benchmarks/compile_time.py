@@ -1,0 +1,234 @@
+"""How long the op takes to trace, lower and compile, against full-precision
+attention, and whether that grows with the call sites of a program.
+
+    # (a) forward+backward at B=4 T=1024 H=8 D=64 against jax.nn's (the loss
+    #     closes over a fixed dO), and whether XLA's slow-operation alarm
+    #     (constant folding) fires at T=4096
+    python -m benchmarks.compile_time --part op
+    # (b) the gradient of n chained calls at distinct call sites (n = 1, 2, 4,
+    #     12; B=2 T=2048 H=12 D=64, causal), each n in a fresh process: trace,
+    #     lower and compile apart, and the lowering time of each kernel
+    python -m benchmarks.compile_time --part chain
+    # (b) without a GPU for the GPU's kernels: lowered for CUDA as on an H200
+    #     (Mosaic and Triton kernels, Triton's for sm_90), not compiled; needs
+    #     jax-triton and a jax CUDA plugin (jax-cuda12-plugin) importable
+    python -m benchmarks.compile_time --part chain --cuda
+
+The op runs its default implementation: the GPU's kernels on a GPU, the
+pure-JAX reference on the CPU. Each figure is one measurement (compile times
+vary by some 10% between runs); JAX's persistent compilation cache is off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+from sagebwd_jax import dot_product_attention
+
+ALARM = "Constant folding an instruction is taking"
+# The lines of XLA's alarm message besides the first (which holds ALARM).
+_ALARM_LINES = ("slow_operation_alarm", "  %", "This isn't necessarily a bug",
+                "If you'd like to file a bug")
+
+
+@dataclasses.dataclass
+class Timing:
+  trace_s: float
+  lower_s: float
+  compile_s: float | None  # None: lowered for another platform, not compiled
+  alarm: bool = False  # XLA's slow-operation alarm fired while compiling
+  kernels: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def _stderr_captured(lines: list[str]):
+  """What the process (XLA's C++ included) writes to stderr, into `lines`."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile(mode="w+") as f:
+    os.dup2(f.fileno(), 2)
+    try:
+      yield
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+      f.seek(0)
+      lines += f.read().splitlines()
+
+
+@contextlib.contextmanager
+def _kernel_lowerings(times: dict[str, list[float]]):
+  """Times each lowering of a kernel (Pallas calls, the Mosaic GPU kernels'
+  `mpmd_map`, jax_triton calls), by name."""
+  from jax._src.interpreters import mlir
+  from jax._src.pallas.mpmd import mpmd_map_p
+  from jax._src.pallas.pallas_call import pallas_call_p
+  primitives = [pallas_call_p, mpmd_map_p]
+  with contextlib.suppress(ImportError):
+    from jax_triton.triton_lib import triton_kernel_call_p
+    primitives.append(triton_kernel_call_p)
+  tables = [mlir._lowerings, *mlir._platform_specific_lowerings.values()]
+  saved = [(table, p, table[p]) for table in tables for p in primitives if p in table]
+
+  def timed(rule):
+    def lower(ctx, *args, **params):
+      start = time.perf_counter()
+      try:
+        return rule(ctx, *args, **params)
+      finally:
+        times.setdefault(str(params.get("name")), []).append(time.perf_counter() - start)
+    return lower
+
+  for table, p, entry in saved:
+    table[p] = dataclasses.replace(entry, rule=timed(entry.rule))
+  try:
+    yield
+  finally:
+    for table, p, entry in saved:
+      table[p] = entry
+
+
+def measure(fn, *args, platforms: tuple[str, ...] | None = None) -> Timing:
+  """Trace, lower and (unless `platforms` names others) compile jit(fn)."""
+  kernels: dict[str, list[float]] = {}
+  t0 = time.perf_counter()
+  traced = jax.jit(fn).trace(*args)
+  t1 = time.perf_counter()
+  with _kernel_lowerings(kernels):
+    lowered = traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
+  t2 = time.perf_counter()
+  if platforms:
+    return Timing(t1 - t0, t2 - t1, None, kernels=kernels)
+  stderr: list[str] = []
+  with _stderr_captured(stderr):
+    lowered.compile()
+  t3 = time.perf_counter()
+  sys.stderr.write("".join(line + "\n" for line in stderr
+                           if line.strip() and ALARM not in line
+                           and not any(x in line for x in _ALARM_LINES)))
+  return Timing(t1 - t0, t2 - t1, t3 - t2, any(ALARM in line for line in stderr), kernels)
+
+
+def _inputs(batch: int, seq: int, heads: int, dim: int, n: int = 3):
+  keys = jax.random.split(jax.random.key(0), n)
+  return [jax.random.normal(k, (batch, seq, heads, dim), jnp.bfloat16) for k in keys]
+
+
+def forward_backward(attention, seq: int) -> Timing:
+  """Forward+backward of `attention` at B=4 H=8 D=64, the loss closing over a
+  fixed dO (a constant of the program)."""
+  q, k, v, do = _inputs(4, seq, 8, 64, 4)
+  loss = lambda q, k, v: jnp.vdot(attention(q, k, v).astype(jnp.float32),
+                                  do.astype(jnp.float32))
+  return measure(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+
+
+def chain(n: int, cuda: bool) -> Timing:
+  """The gradient of n op calls at distinct call sites, each call's output the
+  next one's query."""
+  if cuda:
+    _as_on_an_h200()
+
+  def loss(q, k, v):
+    for _ in range(n):
+      q = dot_product_attention(q, k, v, is_causal=True)
+    return jnp.sum(q.astype(jnp.float32))
+
+  x = jax.ShapeDtypeStruct((2, 2048, 12, 64), jnp.bfloat16)
+  return measure(jax.grad(loss, argnums=(0, 1, 2)), x, x, x,
+                 platforms=("cuda",) if cuda else None)
+
+
+def _as_on_an_h200() -> None:
+  """The op picks its kernels as on an H200, whose Triton kernels jax_triton
+  compiles for sm_90, on a machine without one (lowering only)."""
+  import jax_triton.triton_lib as triton_lib
+  from sagebwd_jax import api
+  api._platform = lambda: "cuda"
+  api._hopper = lambda: True
+  triton_lib.triton_kernel_call_lib.get_compute_capability = lambda device: 90
+
+
+def _child(n: int, cuda: bool) -> Timing:
+  """`chain(n)` in a fresh process: no kernel lowered or compiled before."""
+  env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
+  command = [sys.executable, "-m", "benchmarks.compile_time", "--one", str(n)]
+  proc = subprocess.run(command + (["--cuda"] if cuda else []), env=env,
+                        capture_output=True, text=True)
+  if proc.returncode:
+    raise SystemExit(f"{' '.join(command)} failed:\n{proc.stderr[-3000:]}")
+  return Timing(**json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
+def _seconds(x: float | None) -> str:
+  return "-" if x is None else f"{x:.2f}"
+
+
+def report_op() -> None:
+  jax.jit(lambda x: x + 1).lower(1.0).compile()  # the process's first compile sets XLA up
+  timings = {"sage": forward_backward(dot_product_attention, 1024),
+             "jax.nn": forward_backward(jax.nn.dot_product_attention, 1024)}
+  print(f"forward+backward, B=4 T=1024 H=8 D=64 bf16, on {jax.default_backend()}:")
+  print("| attention | trace s | lower s | compile s |\n|---|---|---|---|")
+  for name, t in timings.items():
+    print(f"| {name} | {_seconds(t.trace_s)} | {_seconds(t.lower_s)} | {_seconds(t.compile_s)} |")
+  ratio = timings["sage"].compile_s / timings["jax.nn"].compile_s
+  print(f"compile time against jax.nn's: {ratio:.2f}x (bar: at most 3x)")
+  for seq, t in ((1024, timings["sage"]), (4096, forward_backward(dot_product_attention, 4096))):
+    print(f"T={seq}: the op compiled in {t.compile_s:.2f} s; XLA's slow-operation alarm "
+          f"{'FIRED' if t.alarm else 'did not fire'}")
+
+
+def report_chain(calls: list[int], cuda: bool) -> None:
+  where = ("lowered for CUDA as on an H200, not compiled" if cuda
+           else f"compiled for {jax.default_backend()}")
+  print(f"gradient of n chained calls (B=2 T=2048 H=12 D=64 bf16, causal), {where}:")
+  print("| n | trace s | lower s | compile s | all three / n=1's |\n|---|---|---|---|---|")
+  timings = {}
+  for n in calls:
+    t = timings[n] = _child(n, cuda)
+    total = lambda t: t.trace_s + t.lower_s + (t.compile_s or 0.0)
+    ratio = total(t) / total(timings[calls[0]])
+    print(f"| {n} | {_seconds(t.trace_s)} | {_seconds(t.lower_s)} | {_seconds(t.compile_s)} "
+          f"| {ratio:.2f} |", flush=True)
+  last = timings[calls[-1]]
+  if last.kernels:
+    print(f"\nkernels lowered at n={calls[-1]} (seconds of the lowering above):")
+    print("| kernel | lowerings | s |\n|---|---|---|")
+    for name, times in sorted(last.kernels.items(), key=lambda kv: -sum(kv[1])):
+      print(f"| {name} | {len(times)} | {sum(times):.2f} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.compile_time",
+                                   description=__doc__.split("\n\n")[0])
+  parser.add_argument("--part", choices=("op", "chain", "all"), default="all",
+                      help="(a) op: the op against jax.nn; (b) chain: n chained calls")
+  parser.add_argument("--calls", default="1,2,4,12", help="chain: the values of n")
+  parser.add_argument("--cuda", action="store_true",
+                      help="chain: lower for CUDA with the H200's kernels, without a GPU")
+  parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child's n
+  args = parser.parse_args(argv)
+  if args.one is not None:
+    print(json.dumps(dataclasses.asdict(chain(args.one, args.cuda))))
+    return
+  if args.part in ("op", "all"):
+    report_op()
+  if args.part in ("chain", "all"):
+    report_chain([int(n) for n in args.calls.split(",")], args.cuda)
+
+
+if __name__ == "__main__":
+  main()
