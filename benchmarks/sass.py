@@ -107,7 +107,10 @@ def triton_launches(fn, *args) -> list[TritonLaunch]:
   original = launch.LaunchConfig.call
   launch.LaunchConfig.call = record
   try:
-    jax.eval_shape(fn, *args)
+    # The op's stages are jits: without this they would replay traces cached
+    # before (recording nothing) or cache these (the stand-in zeros) for later.
+    with jax.disable_jit():
+      jax.eval_shape(fn, *args)
   finally:
     launch.LaunchConfig.call = original
   return launches
