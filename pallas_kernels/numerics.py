@@ -21,6 +21,7 @@ from jax import lax
 
 INT8_MAX = 127.0
 UINT8_MAX = 255.0  # P's levels where it is quantized unsigned
+LOG2_UINT8_MAX = math.log2(UINT8_MAX)  # the exponent at which unsigned P is 255
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
@@ -28,6 +29,14 @@ LN_2 = math.log(2.0)
 # the low mantissa bits: one fp32 add instead of a quarter-rate conversion.
 ROUND_MAGIC_F32 = 12582912.0
 ROUND_MAGIC_I32 = 0x4B400000  # its bits as an int32
+
+# The kernels' floor for a score tile's scale product q_scale * k_scale, which
+# is 0 for an all-zero block (whose scores are 0 whatever multiplies them):
+# above 0, it keeps masked (-inf) scores -inf through the multiply (-inf * 0
+# is NaN), and it moves the scores of a block whose product lies below it by
+# less than 127 * 127 * 256 * 2**-100 < 2**-77. The reference masks with a
+# select after the multiply and needs none.
+SCALE_FLOOR = 2.0**-100
 
 
 def round_to_int8(x: jax.Array, *, nonnegative: bool = False) -> jax.Array:
@@ -95,27 +104,9 @@ def spread_nan(x: jax.Array, axis: int = -1) -> jax.Array:
   return jnp.where(jnp.any(jnp.isnan(x), axis=axis, keepdims=True), jnp.nan, x)
 
 
-def int8_dot(a: jax.Array, b: jax.Array) -> jax.Array:
-  """a @ b.T for int8 a (M, K) and b (N, K): exact int32 accumulation.
-
-  The second operand has its contraction dimension last (contiguous), the
-  only layout that reaches the int8 tensor cores through Triton.
-  """
-  return lax.dot_general(
-      a, b, (((a.ndim - 1,), (b.ndim - 1,)), ((), ())),
-      preferred_element_type=jnp.int32)
-
-
 def dequantize(acc: jax.Array, a_scale: jax.Array, b_scale: jax.Array) -> jax.Array:
   """An int32 product back to fp32: one multiply by the product of scales."""
   return acc.astype(jnp.float32) * (a_scale * b_scale)
-
-
-def float_dot(a: jax.Array, b: jax.Array) -> jax.Array:
-  """a @ b.T in the inputs' dtype with fp32 accumulation (dO.V^T)."""
-  return lax.dot_general(
-      a, b, (((a.ndim - 1,), (b.ndim - 1,)), ((), ())),
-      preferred_element_type=jnp.float32)
 
 
 # Ids of tokens past a sequence length: they match no id, not even each other.
@@ -194,7 +185,7 @@ def unsigned_rows(a: jax.Array) -> tuple[jax.Array, jax.Array]:
   Formed from the exponent rather than by dividing P by its row maximum, so
   the kernels spend one add per score; rows with nothing visible give 0.
   """
-  top = safe_row_max(jnp.max(a, axis=-1)) - math.log2(UINT8_MAX)
+  top = safe_row_max(jnp.max(a, axis=-1)) - LOG2_UINT8_MAX
   return jnp.exp2(a - lax.broadcast_in_dim(top, a.shape, tuple(range(a.ndim - 1)))), top
 
 

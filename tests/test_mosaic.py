@@ -18,7 +18,7 @@ import pytest
 
 from conftest import (CPU, MOSAIC_LAYOUTS, assert_lowers_to_mosaic_gpu, backend_tolerance,
                       gaussian_qkv, mosaic_config, rel_l2)
-from pallas_kernels import layouts
+from pallas_kernels import layouts, numerics as nm
 from pallas_kernels.mosaic.forward import ForwardTuning, forward_mosaic, takes
 from pallas_kernels.types import Layouts, Masks
 from sagebwd_jax.reference import HOPPER_NUMERICS, ReferenceBackend
@@ -204,5 +204,5 @@ def test_positive_scale_floors_and_keeps_nan():
   scale NaN (a max would drop it)."""
   from pallas_kernels.mosaic.common import positive_scale
   got = np.asarray(positive_scale(jnp.array([0.0, 2.0**-120, 0.5, jnp.nan], jnp.float32)))
-  np.testing.assert_array_equal(got[:3], [2.0**-100, 2.0**-100, 0.5])
+  np.testing.assert_array_equal(got[:3], [nm.SCALE_FLOOR, nm.SCALE_FLOOR, 0.5])
   assert np.isnan(got[3])

@@ -138,35 +138,11 @@ def test_quantize_rows():
   np.testing.assert_array_max_ulp(scale, ref_scale, maxulp=1)
 
 
-@pytest.mark.parametrize("m,n,k", [(64, 64, 128), (128, 64, 64), (16, 32, 256)])
-def test_int8_dot_exact(m, n, k):
-  rng = np.random.default_rng(m + n + k)
-  a = rng.integers(-127, 128, (m, k)).astype(np.int8)
-  b = rng.integers(-127, 128, (n, k)).astype(np.int8)
-  a[0, :], b[0, :] = 127, 127  # extreme: 127*127*k, the largest possible sum
-  a[1, :], b[1, :] = -127, 127  # the most negative
-  got = np.asarray(jax.jit(nm.int8_dot)(jnp.asarray(a), jnp.asarray(b)))
-  assert got.dtype == np.int32
-  want = a.astype(np.int64) @ b.astype(np.int64).T
-  assert want[0, 0] == 127 * 127 * k and want[1, 0] == -127 * 127 * k
-  np.testing.assert_array_equal(got.astype(np.int64), want)
-
 
 def test_dequantize():
   acc = jnp.asarray([[100, -3], [0, 16129]], jnp.int32)
   got = nm.dequantize(acc, jnp.float32(0.5), jnp.float32(0.25))
   np.testing.assert_array_equal(np.asarray(got), np.float32([[12.5, -0.375], [0, 2016.125]]))
-
-
-def test_float_dot():
-  rng = np.random.default_rng(4)
-  a = rng.standard_normal((32, 64)).astype(np.float32)
-  b = rng.standard_normal((16, 64)).astype(np.float32)
-  got = nm.float_dot(jnp.asarray(a, jnp.bfloat16), jnp.asarray(b, jnp.bfloat16))
-  assert got.dtype == jnp.float32
-  a16 = np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64)
-  b16 = np.asarray(jnp.asarray(b, jnp.bfloat16), np.float64)
-  np.testing.assert_allclose(np.asarray(got), a16 @ b16.T, rtol=1e-5, atol=1e-5)
 
 
 def _pos(bq, bk, q0=0, k0=0):

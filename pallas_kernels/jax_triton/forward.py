@@ -30,7 +30,6 @@ from pallas_kernels.jax_triton.launch import LaunchConfig, batch_folded, placeho
 from pallas_kernels.layouts import check_layout
 from pallas_kernels.types import Config, Masks, QuantizedQKV, TransposedLayout
 
-LOG2_LEVELS = tiles.LOG2_UINT8_MAX
 E_FLOOR = tl.constexpr(nm.E_FLOOR_BELOW_MAX)
 NOTHING_SEEN = tl.constexpr(nm.NOTHING_SEEN)
 
@@ -58,7 +57,7 @@ def _kv_step(acc, m, e, l, q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_pt
   # top - e_new is exact where top is the row's maximum and at most 0
   # elsewhere, and x - x_top at most 0: every argument is at most log2(255),
   # the row's largest score's exactly, so P needs no clip.
-  row = (top - e_new) + LOG2_LEVELS
+  row = (top - e_new) + tiles.LOG2_UINT8_MAX
   p = tl.exp2(tiles.from_top(x, x_top) * c + row[:, None])
   l = l * alpha + tl.sum(p, axis=1) * (1.0 / v_scale)
   p8 = tiles.unsigned_byte(p)
@@ -126,7 +125,7 @@ def _forward_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_p
   # numerics.finalize_folded_rows: rows that saw no key give O = 0, lse = +inf.
   empty = l == 0
   l = tl.where(empty, 1.0, l)
-  lse = tl.where(empty, float("inf"), e + tl.log2(l) - LOG2_LEVELS)
+  lse = tl.where(empty, float("inf"), e + tl.log2(l) - tiles.LOG2_UINT8_MAX)
   o = acc / l[:, None]
   tl.store(o_ptr + tiles.token_offsets(b, rows, h, TQ, H, D),
            o.to(o_ptr.dtype.element_ty))

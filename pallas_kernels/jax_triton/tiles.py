@@ -22,8 +22,6 @@ fp32 1.5 * 2**23 + P.X exactly.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import triton
@@ -35,12 +33,9 @@ from pallas_kernels.jax_triton.interpreter import device_function
 MAGIC_F32 = tl.constexpr(nm.ROUND_MAGIC_F32)
 MAGIC_I32 = tl.constexpr(nm.ROUND_MAGIC_I32)
 INT8_MAX = tl.constexpr(nm.INT8_MAX)
-LOG2_UINT8_MAX = tl.constexpr(math.log2(nm.UINT8_MAX))
+LOG2_UINT8_MAX = tl.constexpr(nm.LOG2_UINT8_MAX)
 P_SHIFT = tl.constexpr(128)
-# The smallest normal fp32: a floor for the product of two block scales, which
-# is 0 only for an all-zero block, whose scores are 0 whatever multiplies them;
-# above 0 it keeps -inf (masked) scores -inf through the multiply.
-TINY = tl.constexpr(1.1754943508222875e-38)
+SCALE_FLOOR = tl.constexpr(nm.SCALE_FLOOR)
 
 
 @device_function
@@ -151,7 +146,7 @@ def score_tile(a8, b8, a_scale, b_scale, b_bias, SMOOTH_Q: tl.constexpr,
   c = a_scale * b_scale
   if SMOOTH_Q:  # c shaped like the scales (every return's types agree)
     return x * c + b_bias, tl.zeros_like(c) + 1.0
-  return x, tl.maximum(c, TINY, propagate_nan=tl.PropagateNan.ALL)  # a NaN scale carries NaN
+  return x, tl.maximum(c, SCALE_FLOOR, propagate_nan=tl.PropagateNan.ALL)  # a NaN scale carries NaN
 
 
 @device_function

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+from pallas_kernels import numerics as nm
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 BLOCK = 64  # rows per compute warpgroup = quantization block = key tile
@@ -39,11 +40,10 @@ def check_supported(qkv: QuantizedQKV, masks: Masks, config: Config, name: str,
 
 
 def positive_scale(c):
-  """A score tile's scale product, floored at 2**-100 so masked scores stay
-  -inf (-inf * 0 is NaN); the floor moves an all-zero block's scores by less
-  than 2**-75. A NaN scale (a non-finite input block) stays NaN: a max would
-  drop it (PTX's max returns the other operand)."""
-  return jnp.where(c < 2.0**-100, 2.0**-100, c)
+  """A score tile's scale product, floored at `numerics.SCALE_FLOOR`. A NaN
+  scale (a non-finite input block) stays NaN: a max would drop it (PTX's max
+  returns the other operand)."""
+  return jnp.where(c < nm.SCALE_FLOOR, nm.SCALE_FLOOR, c)
 
 
 def smem_transforms(minor_elems: int, dtype) -> tuple:

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.experimental.pallas as pl
@@ -58,7 +57,6 @@ from pallas_kernels.layouts import check_layout
 from pallas_kernels.types import Config, Masks, QuantizedQKV, TransposedLayout
 
 KV_STEP = 2 * BLOCK  # keys per step: two quantization blocks
-_LOG2_P_LEVELS = math.log2(nm.UINT8_MAX)  # P is unsigned 8-bit
 # The least f an S accumulator can read as (1.5 * 2**23 - 2**22).
 _LOWEST_F = float(2**23)
 
@@ -103,7 +101,7 @@ def _softmax(f, scales, m, e, l):
     # A row that sees no key: its -inf scores stay -inf (not -inf + inf).
     from_top = x - bcast(jnp.maximum(f_top, _LOWEST_F))
     # At most log2 255, exactly so at the row's largest (no clip).
-    p = jnp.exp2(from_top * c + bcast((top - e_new) + _LOG2_P_LEVELS))
+    p = jnp.exp2(from_top * c + bcast((top - e_new) + nm.LOG2_UINT8_MAX))
     l_new = l_new + jnp.sum(p, axis=1) * inv_v_scale
     bits.append(lax.bitcast_convert_type(p + nm.ROUND_MAGIC_F32, jnp.int32))
   return bits, alpha, m_new, e_new, l_new
@@ -114,7 +112,7 @@ def _finalize(acc, e, l):
   a reciprocal per row."""
   empty = l == 0
   l_safe = jnp.where(empty, 1.0, l)
-  lse = jnp.where(empty, jnp.inf, e + jnp.log2(l_safe) - _LOG2_P_LEVELS)
+  lse = jnp.where(empty, jnp.inf, e + jnp.log2(l_safe) - nm.LOG2_UINT8_MAX)
   return acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0]), lse
 
 
