@@ -6,8 +6,8 @@ B=4, T=4096, H=16, D=128 by default, causal and not. Both SageBwd forwards are
 timed on the same quantized values (the quantization pass is timed apart, in
 the layouts of each: `quantize_pass` TOKENS, `quantize_pass_mosaic` with V^T
 REGISTER_B); cuDNN on the bf16 inputs. TOPS = 4*B*H*T*T*D / time (halved when causal). Each
-Mosaic variant's O and lse are checked against `ReferenceBackend(p_block=128,
-unsigned_p=True)` run on the same device (relative L2). Writes
+Mosaic variant's O and lse are checked against `ReferenceBackend(MOSAIC_NUMERICS)`
+run on the same device (relative L2). Writes
 mosaic_forward.csv to --out (default $OUT, else nothing).
 """
 
@@ -22,6 +22,7 @@ from benchmarks.attention import time_call, write_csv
 from benchmarks.variants import Rows, parse_args, random_inputs, rel_l2
 from pallas_kernels.jax_triton.backend import TritonBackend
 from pallas_kernels.jax_triton.forward import forward
+from pallas_kernels.mosaic.backend import MOSAIC_NUMERICS
 from pallas_kernels.mosaic.forward import ForwardTuning, forward_mosaic
 from pallas_kernels.types import Config, Layouts, Masks, TransposedLayout
 from sagebwd_jax.reference import ReferenceBackend
@@ -60,7 +61,7 @@ def main():
     triton_forward = jax.jit(lambda qkv: forward(qkv, Masks(), config, jnp.bfloat16,
                                                  triton.forward_launch))
     record("triton_fwd", time_call(triton_forward, qkv))
-    reference = jax.jit(lambda qkv: ReferenceBackend(p_block=128, unsigned_p=True).forward(
+    reference = jax.jit(lambda qkv: ReferenceBackend(MOSAIC_NUMERICS).forward(
         qkv, Masks(), config, jnp.bfloat16))
     o_ref, lse_ref = jax.block_until_ready(reference(qkv))
     for name in names:

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import NamedTuple, Protocol
+from typing import Literal, NamedTuple, Protocol, get_args
 
 import jax
+
+# The precision of the backward's dS products, dQ = dS.K and dK = dS^T.Q.
+DsPrecision = Literal["int8", "bf16"]
+DS_PRECISIONS: tuple[DsPrecision, ...] = get_args(DsPrecision)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +37,7 @@ class Config:
   smooth_q: bool
   block_q: int
   block_kv: int
-  ds_precision: str = "int8"
+  ds_precision: DsPrecision = "int8"
   window: tuple[int, int] | None = None
 
   @property
@@ -109,6 +113,26 @@ class Layouts:
   backward: TransposedLayout = TransposedLayout.TOKENS
 
 
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+  """How P and P^T are quantized: the one choice in which backends' int8
+  arithmetic differs (the rest is `numerics.py`'s, the same everywhere).
+
+  `p_block`: the keys of one step of the forward's online softmax, across
+  which each row of P is quantized (None: one key block, `block_kv`);
+  `unsigned_p`: P in 0..255, else 0..127. `unsigned_p_t`: the backward's P^T
+  per key row in 0..255 (`numerics.unsigned_rows`), else 0..127.
+
+  Each backend declares the numerics of the kernels it runs for a call
+  (`Backend.reference_numerics`); the reference takes them as its options,
+  so it forms the same int8 tensors as those kernels: the tests' oracle.
+  """
+
+  p_block: int | None = None
+  unsigned_p: bool = False
+  unsigned_p_t: bool = False
+
+
 class QuantizedQKV(NamedTuple):
   """Output of the quantization pass; head-major layout (B, H, T, D).
 
@@ -159,6 +183,12 @@ class Backend(Protocol):
   def layouts(self, q: jax.Array, k: jax.Array, masks: Masks, config: Config) -> Layouts:
     """The transposed layouts that the kernels this backend runs for these
     inputs read (`Layouts`: the contract)."""
+    ...
+
+  def reference_numerics(self, q: jax.Array, k: jax.Array, masks: Masks,
+                         config: Config) -> Numerics:
+    """How the kernels this backend runs for these inputs quantize P and P^T
+    (by the rules `layouts` follows)."""
     ...
 
   def quantize(self, q: jax.Array, k: jax.Array, v: jax.Array,

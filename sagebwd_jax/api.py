@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,13 +17,12 @@ import numpy as np
 
 from pallas_kernels import numerics as nm
 from pallas_kernels.mosaic.backend import MosaicBackend
-from pallas_kernels.types import Backend, Config, Masks
+from pallas_kernels.types import Backend, Config, DsPrecision, Masks
 from sagebwd_jax import arguments, residual
 from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import sagebwd_attention
 
 Implementation = Literal["triton", "mosaic", "reference", "cudnn", "xla"]
-DsPrecision = Literal["int8", "bf16"]
 SAGE_IMPLEMENTATIONS = ("triton", "mosaic", "reference")
 KERNEL_IMPLEMENTATIONS = ("triton", "mosaic")
 FULL_PRECISION_IMPLEMENTATIONS = ("cudnn", "xla")
@@ -48,7 +47,7 @@ def dot_product_attention(
     smooth_q: bool = False,
     block_q: int | None = None,
     block_kv: int | None = None,
-    implementation: Implementation | Sequence[Implementation] | None = None,
+    implementation: Implementation | Backend | Sequence[Implementation | Backend] | None = None,
     return_residual: bool = False,
     ds_precision: DsPrecision = "int8",
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -87,9 +86,10 @@ def dot_product_attention(
     smooth_k: subtract the per-channel mean of K before quantizing
       (docs/algorithm.md); exact for softmax, essential for accuracy.
     smooth_q: per-block Q-smoothing with its fp32 bias (off by default).
-    block_q, block_kv: tile sizes (powers of two >= 16); they fix the
-      quantization blocks, so results depend on them. Default: the
-      kernels' tuned sizes for this head dim.
+    block_q, block_kv: quantization block sizes (powers of two >= 16): one
+      int8 scale per block of rows, so results depend on them. Default 64
+      (`arguments.DEFAULT_BLOCK`), or the smallest power of two >= 32 that
+      covers a shorter sequence.
     implementation: a name or a sequence of names tried in order: a backend
       that cannot take the case raises NotImplementedError (with the reason)
       and the next one is tried. "triton" (the portable GPU kernels in
@@ -104,7 +104,12 @@ def dot_product_attention(
       attention by `jax.nn.dot_product_attention` ("cudnn" takes only bf16
       and fp16 on a GPU, and no segment_ids or smoothing options apply).
       None: ("mosaic", "triton") on a Hopper GPU, "triton" on other GPUs,
-      "reference" without a GPU.
+      "reference" without a GPU. A name may also be a backend object
+      (`pallas_kernels.types.Backend`): the kernels with other launches
+      (`TritonBackend`, `MosaicBackend`), or `ReferenceBackend(numerics)`,
+      the reference quantizing P as `numerics` says (a
+      `pallas_kernels.types.Numerics`, or a backend whose kernels' it then
+      follows call by call: the tests' oracle for that backend).
     return_residual: also return the log-sum-exp of the scores (natural
       log, jax.nn's layout (B, Tq, H) or (Tq, H), the output's dtype; -inf
       for rows that see no key). Unlike jax.nn's (a stopped gradient), it
@@ -154,9 +159,14 @@ def dot_product_attention(
                                  kv_len)
   q_seg, kv_seg = arguments.segments(segment_ids, batch, q_len, kv_len)
   scale = arguments.scale(scale)
-  case = _Case(bool(is_causal), arguments.window(local_window_size), q_lengths, kv_lengths,
-               q_seg, kv_seg, scale, bool(smooth_k), bool(smooth_q), block_q, block_kv,
-               arguments.ds_precision(ds_precision))
+  config = Config(
+      scale=_kernel_scale(scale, query.shape[-1]), causal=bool(is_causal),
+      smooth_q=bool(smooth_q),
+      block_q=arguments.block("block_q", block_q, arguments.DEFAULT_BLOCK, q_len),
+      block_kv=arguments.block("block_kv", block_kv, arguments.DEFAULT_BLOCK, kv_len),
+      ds_precision=arguments.ds_precision(ds_precision),
+      window=arguments.window(local_window_size))
+  case = _Case(config, scale, bool(smooth_k), q_lengths, kv_lengths, q_seg, kv_seg)
 
   # Tokens past a length are zeroed before anything reads them, so they
   # cannot set an int8 block's scale or carry a NaN into valid rows; the
@@ -177,20 +187,31 @@ def dot_product_attention(
   return (out[0], lse[0]) if unbatched else (out, lse)
 
 
-class _Case:
-  """One call's checked options, as the implementations consume them."""
+class _Case(NamedTuple):
+  """One call's checked options: the kernels' static `Config`, and besides it
+  the caller's scale (jax.nn's fallbacks take it as given), K-smoothing
+  (an op-level step) and the per-call arrays that become `Masks`."""
 
-  def __init__(self, causal: bool, window, q_lengths, kv_lengths, q_seg, kv_seg, scale,
-               smooth_k: bool, smooth_q: bool, block_q, block_kv, ds_precision: str):
-    self.causal, self.window = causal, window
-    self.q_lengths, self.kv_lengths = q_lengths, kv_lengths
-    self.q_seg, self.kv_seg, self.scale = q_seg, kv_seg, scale
-    self.smooth_k, self.smooth_q = smooth_k, smooth_q
-    self.block_q, self.block_kv = block_q, block_kv
-    self.ds_precision = ds_precision
+  config: Config
+  scale: float | jax.Array | None
+  smooth_k: bool
+  q_lengths: jax.Array | None
+  kv_lengths: jax.Array | None
+  q_seg: jax.Array | None
+  kv_seg: jax.Array | None
 
 
-def _first_that_takes(names: tuple[str, ...], query, key, value, case: _Case,
+def _kernel_scale(scale: float | jax.Array | None, head_dim: int) -> float:
+  """`Config.scale`: 1/sqrt(D) of the caller's D by default, |scale| for a
+  Python float (`_sage` negates Q for a negative one: exact, psi is
+  symmetric), 1 for a traced scale (Config is static: `_sage` multiplies it
+  into Q's values)."""
+  if scale is None:
+    return 1.0 / math.sqrt(head_dim)
+  return 1.0 if isinstance(scale, jax.Array) else abs(scale)
+
+
+def _first_that_takes(names: tuple[str | Backend, ...], query, key, value, case: _Case,
                       return_residual: bool) -> tuple[jax.Array, jax.Array | None]:
   """Runs the first implementation in `names` that does not raise
   NotImplementedError; raises one listing every reason if none takes it."""
@@ -201,34 +222,32 @@ def _first_that_takes(names: tuple[str, ...], query, key, value, case: _Case,
         return _full_precision(name, query, key, value, case, return_residual)
       return _sage(name, query, key, value, case, return_residual)
     except NotImplementedError as e:
-      reasons.append(f"{name!r}: {e}")
+      reasons.append(f"{_label(name)!r}: {e}")
   raise NotImplementedError("no implementation takes this case; " + "; ".join(reasons))
 
 
-def _sage(name: str, query, key, value, case: _Case, return_residual: bool):
+def _label(name: str | Backend) -> str:
+  return name if isinstance(name, str) else type(name).__name__
+
+
+def _sage(name: str | Backend, query, key, value, case: _Case, return_residual: bool):
   batch, q_len, _, head_dim = query.shape
   kv_len = key.shape[1]
-  backend = _backend(name, case.causal)
-  default_q, default_kv = _default_blocks(head_dim, case.causal)
-  block_q = arguments.block("block_q", case.block_q, default_q, q_len)
-  block_kv = arguments.block("block_kv", case.block_kv, default_kv, kv_len)
-  if (name != "reference" and _platform() in _GPU_PLATFORMS
+  config = case.config
+  backend = _backend(name, config.causal) if isinstance(name, str) else name
+  block_q, block_kv = config.block_q, config.block_kv
+  if (not isinstance(backend, ReferenceBackend) and _platform() in _GPU_PLATFORMS
       and min(block_q, block_kv) < arguments.MIN_DEFAULT_BLOCK):
     raise NotImplementedError(
         f"block_q={block_q}, block_kv={block_kv}: the compiled kernels give a wrong dQ with "
         f"tiles below {arguments.MIN_DEFAULT_BLOCK} (a known bug); use "
         f"block_q, block_kv >= {arguments.MIN_DEFAULT_BLOCK}")
 
-  scale = 1.0 / math.sqrt(head_dim) if case.scale is None else case.scale
-  if isinstance(scale, jax.Array):
+  if isinstance(case.scale, jax.Array):
     # Config is static: a traced scale goes into Q's values instead.
-    query = (query.astype(jnp.float32) * scale).astype(query.dtype)
-    scale = 1.0
-  elif scale < 0:
-    query, scale = -query, -scale  # exact: psi is symmetric
-  config = Config(scale=scale, causal=case.causal, smooth_q=case.smooth_q,
-                  block_q=block_q, block_kv=block_kv, ds_precision=case.ds_precision,
-                  window=case.window)
+    query = (query.astype(jnp.float32) * case.scale).astype(query.dtype)
+  elif case.scale is not None and case.scale < 0:
+    query = -query  # exact: psi is symmetric
 
   padded_dim = next(d for d in arguments.KERNEL_HEAD_DIMS if d >= head_dim)
   pad = lambda x, n, d: jnp.pad(x, [(0, 0), (0, n), (0, 0), (0, d)])
@@ -267,34 +286,44 @@ def _full_precision(name: str, query, key, value, case: _Case, return_residual: 
   if case.q_seg is not None:
     mask = (case.q_seg[:, :, None] == case.kv_seg[:, None, :])[:, None]
   result = jax.nn.dot_product_attention(
-      query, key, value, mask=mask, scale=case.scale, is_causal=case.causal,
+      query, key, value, mask=mask, scale=case.scale, is_causal=case.config.causal,
       query_seq_lengths=case.q_lengths, key_value_seq_lengths=case.kv_lengths,
-      local_window_size=case.window, implementation=name, return_residual=return_residual)
+      local_window_size=case.config.window, implementation=name,
+      return_residual=return_residual)
   return result if return_residual else (result, None)
 
 
-def _implementations(implementation) -> tuple[str, ...]:
-  """`implementation` as the names to try, in order."""
+def _is_backend(x) -> bool:
+  """Whether `x` is a backend object (`types.Backend`: its stages' methods)."""
+  return not isinstance(x, (str, type)) and all(
+      callable(getattr(x, method, None))
+      for method in ("layouts", "reference_numerics", "quantize", "forward", "backward"))
+
+
+def _implementations(implementation) -> tuple[str | Backend, ...]:
+  """`implementation` as the names (or backend objects) to try, in order."""
   if implementation is None:
     if _platform() not in _GPU_PLATFORMS:
       return ("reference",)
     return ("mosaic", "triton") if _hopper() else ("triton",)
-  names = ((implementation,) if isinstance(implementation, str)
+  names = ((implementation,) if isinstance(implementation, str) or _is_backend(implementation)
            else tuple(implementation) if isinstance(implementation, Sequence) else None)
   known = SAGE_IMPLEMENTATIONS + FULL_PRECISION_IMPLEMENTATIONS
-  if not names or any(name not in known for name in names):
+  if not names or any(not _is_backend(name) and name not in known for name in names):
     # The same kernels were once lowered through Pallas' (deprecated) Triton backend.
     hint = "; 'pallas' is now 'triton'" if names and "pallas" in names else ""
-    raise ValueError(f"implementation must be one of {known}, a non-empty sequence of "
-                     f"them, or None; got {implementation!r}{hint}")
+    raise ValueError(f"implementation must be one of {known}, a backend object, a "
+                     f"non-empty sequence of these, or None; got {implementation!r}{hint}")
   return names
 
 
-def _check_no_auto_sharding(names: tuple[str, ...], *arrays: jax.Array) -> None:
+def _check_no_auto_sharding(names: tuple[str | Backend, ...], *arrays: jax.Array) -> None:
   """The kernels run only where every mesh axis is manual: inside
   `shard_map`. Refuses, with what to do, the cases visible at trace time:
   an explicit mesh in context, or concrete arrays spread over devices."""
-  if names[0] not in KERNEL_IMPLEMENTATIONS:
+  first = names[0]
+  if (first not in KERNEL_IMPLEMENTATIONS if isinstance(first, str)
+      else isinstance(first, ReferenceBackend)):
     return
   mesh = jax.sharding.get_abstract_mesh()
   automatic = [name for name, kind in zip(mesh.axis_names, mesh.axis_types)
@@ -302,11 +331,12 @@ def _check_no_auto_sharding(names: tuple[str, ...], *arrays: jax.Array) -> None:
   spread = any(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
                and len(x.sharding.device_set) > 1 for x in arrays)
   if automatic or spread:
-    kind = "Triton" if names[0] == "triton" else "Mosaic GPU"
+    kind = ({"triton": "Triton", "mosaic": "Mosaic GPU"}[first] if isinstance(first, str)
+            else _label(first))
     where = (f"mesh axes {tuple(automatic)} are not manual" if automatic
              else "the inputs are spread over several devices")
     raise ValueError(
-        f"implementation={names[0]!r} runs {kind} kernels, which cannot be partitioned "
+        f"implementation={_label(first)!r} runs {kind} kernels, which cannot be partitioned "
         f"automatically, and {where}. Run the op under jax.shard_map: "
         "sagebwd_jax.sharding.sharded_attention(mesh, q, k, v, ...) or "
         "shard_attention(dot_product_attention, mesh) does it for you.")
@@ -363,13 +393,4 @@ def _device() -> jax.Device:
 
 def _hopper() -> bool:
   return getattr(_device(), "compute_capability", None) == "9.0"
-
-
-def _default_blocks(head_dim: int, causal: bool) -> tuple[int, int]:
-  # 64 x 64 quantization blocks keep every Table 1 error within 1.25x the
-  # paper's at sigma 1 (O 0.0197, dV 0.0197 at T=4096, D=128); 128-row
-  # blocks of dO push dV past it (0.0218).
-  del head_dim, causal
-  return 64, 64
-
 

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.types import DS_PRECISIONS, DsPrecision
+
 # Head dims the kernels run as they are; smaller ones are zero-padded up to
 # the next of these inside the op.
 KERNEL_HEAD_DIMS = (64, 128, 256)
@@ -72,10 +74,14 @@ def check_trivial(name: str, x, is_trivial: Callable[[np.ndarray], bool], trivia
                      f"{trivial}: {why}.")
 
 
-# The smallest tile chosen by default. Compiled on an H200, the portable
-# kernels gave a wrong dQ with 16 x 16 tiles (dQ cosine 0.876 at D=128, causal,
-# T=200, tests/attention_suite.py::test_block_sizes_all_accurate) while 32 and
-# up passed; `dot_product_attention` refuses 16 on a GPU until that is fixed.
+# The quantization blocks' default, both sides: 64 x 64 blocks keep every
+# Table 1 error within its bar, 128-row blocks of dO push dV's past it
+# (docs/performance.md, "Figures moved out of the code").
+DEFAULT_BLOCK = 64
+# The smallest block chosen by default. Compiled on an H200, the portable
+# kernels gave a wrong dQ with 16 x 16 blocks while 32 and up passed
+# (tests/attention_suite.py::test_block_sizes_all_accurate; docs/performance.md);
+# `dot_product_attention` refuses 16 on a GPU until that is fixed.
 MIN_DEFAULT_BLOCK = 32
 
 
@@ -107,10 +113,7 @@ def scale(scale) -> float | jax.Array | None:
   return scale
 
 
-DS_PRECISIONS = ("int8", "bf16")
-
-
-def ds_precision(value) -> str:
+def ds_precision(value) -> DsPrecision:
   if not isinstance(value, str) or value not in DS_PRECISIONS:
     raise ValueError(f"ds_precision must be one of {DS_PRECISIONS}; got {value!r}")
   return value

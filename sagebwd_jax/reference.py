@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import numerics as nm
 from pallas_kernels.layouts import arrange
-from pallas_kernels.types import Config, Layouts, Masks, QuantizedQKV
+from pallas_kernels.types import Backend, Config, Layouts, Masks, Numerics, QuantizedQKV
 
 _f32 = jnp.float32
 
@@ -74,21 +74,30 @@ def _group(x: jax.Array, num_kv_heads: int) -> jax.Array:
 class ReferenceBackend:
   """The algorithm of docs/algorithm.md in `jnp`; see `pallas_kernels.types.Backend`.
 
-  The fields pick how P is quantized, so the reference mirrors each kernel:
-  the forward's P per row of a `p_block`-key tile (default: one key block, as
-  the portable kernels), to 0..127, or to 0..255 with `unsigned_p`; the
-  backward's P^T per key row of a block_kv x block_q tile to 0..127, or to
-  0..255 by `numerics.unsigned_rows` with `unsigned_p_t`. The Hopper kernels:
-  `HOPPER_NUMERICS`; the Triton kernels: `TRITON_NUMERICS`.
+  `numerics` picks how P and P^T are quantized (`types.Numerics`; default: P
+  per row of one key block and P^T per key row, both to 0..127), or is a
+  backend whose `reference_numerics` for each call the reference then
+  follows: `ReferenceBackend(kernels)` forms the int8 tensors of the kernels
+  that `kernels` runs, call by call (the kernel backends' test oracle).
   """
 
-  p_block: int | None = None
-  unsigned_p: bool = False
-  unsigned_p_t: bool = False
+  numerics: Numerics | Backend = Numerics()
 
   def layouts(self, q, k, masks: Masks, config: Config) -> Layouts:
     del q, k, masks, config
     return Layouts()
+
+  def reference_numerics(self, q, k, masks: Masks, config: Config) -> Numerics:
+    if isinstance(self.numerics, Numerics):
+      return self.numerics
+    return self.numerics.reference_numerics(q, k, masks, config)
+
+  def _numerics_of(self, qkv: QuantizedQKV, masks: Masks, config: Config, dtype) -> Numerics:
+    """`reference_numerics` of the call whose quantized tensors are `qkv`
+    (q and k as the op passed them: (B, T, H, D), `dtype`)."""
+    tokens_major = lambda x8: jax.ShapeDtypeStruct(
+        (x8.shape[0], x8.shape[2], x8.shape[1], x8.shape[3]), dtype)
+    return self.reference_numerics(tokens_major(qkv.q8), tokens_major(qkv.k8), masks, config)
 
   def quantize(self, q, k, v, k_mean, config: Config, *, for_backward: bool = True,
                layouts: Layouts = Layouts()) -> QuantizedQKV:
@@ -124,15 +133,16 @@ class ReferenceBackend:
     return arrange(qkv, layouts)  # the reference may transpose: it is not timed
 
   def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype):
+    numerics = self._numerics_of(qkv, masks, config, out_dtype)
     qkv = arrange(qkv, Layouts())
     batch, num_heads, q_len, head_dim = qkv.q8.shape
     num_kv_heads, kv_len = qkv.k8.shape[1], qkv.k8.shape[2]
-    p_block = self.p_block or config.block_kv
+    p_block = numerics.p_block or config.block_kv
     if p_block % config.block_kv or kv_len % p_block:
       raise ValueError(f"p_block={p_block} must be a multiple of block_kv={config.block_kv} "
                        f"that divides the padded key length {kv_len}")
     blocks_per_step = p_block // config.block_kv
-    levels = nm.UINT8_MAX if self.unsigned_p else nm.INT8_MAX
+    levels = nm.UINT8_MAX if numerics.unsigned_p else nm.INT8_MAX
     tiles = _Tiles(qkv, masks, config)
     shape = (batch, num_kv_heads, num_heads // num_kv_heads, q_len // config.block_q,
              config.block_q)
@@ -160,6 +170,7 @@ class ReferenceBackend:
     return jnp.swapaxes(o, 1, 2).astype(out_dtype), lse.reshape(batch, num_heads, q_len)
 
   def backward(self, qkv: QuantizedQKV, v, o, lse, do, masks: Masks, config: Config):
+    unsigned_p_t = self._numerics_of(qkv, masks, config, v.dtype).unsigned_p_t
     qkv = arrange(qkv, Layouts())
     batch, num_heads, q_len, head_dim = qkv.q8.shape
     num_kv_heads = qkv.k8.shape[1]
@@ -187,7 +198,7 @@ class ReferenceBackend:
                       preferred_element_type=_f32)
       ds = p * (dp - delta[..., None])
       # dV = P^T.dO: P^T quantized per key (a row of the dK/dV kernel's tile).
-      if self.unsigned_p_t:
+      if unsigned_p_t:
         pq_t, log2_p_scale = nm.unsigned_rows(jnp.swapaxes(s - lse[..., None], -1, -2))
         p8_t, p_scale = jnp.round(pq_t), jnp.exp2(log2_p_scale)
         # dS^T from P^T in its 0..255 units: its per-row scale absorbs them.
@@ -219,7 +230,7 @@ class ReferenceBackend:
       dq = dq + nm.dequantize(dq_tiles, ds_scale[..., None], k_scale)
 
       ds8_t, ds_t_scale = nm.quantize_rows(ds_t)
-      if self.unsigned_p_t:
+      if unsigned_p_t:
         ds_t_scale = ds_t_scale * p_scale
       dk_tiles = _int8_einsum("bhgikq,bhgiqd->bhgikd", ds8_t, tiles.q8)
       dk_tiles = nm.dequantize(dk_tiles, ds_t_scale[..., None],
@@ -239,14 +250,6 @@ class ReferenceBackend:
     dk = kv_seq(dk) * nm.LN_2
     dv = kv_seq(dv)
     return dq, dk, dv
-
-
-# The Hopper (Mosaic GPU) kernels' numerics: the forward's P per 128-key row
-# and the backward's P^T per key row, both unsigned.
-HOPPER_NUMERICS = ReferenceBackend(p_block=128, unsigned_p=True, unsigned_p_t=True)
-# The Triton kernels': the forward's P per row of each 64-key block and the
-# backward's P^T per key row, both unsigned.
-TRITON_NUMERICS = ReferenceBackend(unsigned_p=True, unsigned_p_t=True)
 
 
 class _Tiles:

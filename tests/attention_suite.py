@@ -133,7 +133,9 @@ class AttentionTestBase:
   # -------------------------------------------------------------- the reference backend
 
   def test_matches_reference_backend(self, case):
-    """The op on this backend against the reference backend on the CPU."""
+    """The op on this backend against the reference backend on the CPU, with
+    the P quantization the backend declares for the case
+    (`Backend.reference_numerics`)."""
     check_against_reference(case, self.implementation)
 
   # -------------------------------------------------------------- masks, shapes

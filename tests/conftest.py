@@ -7,6 +7,7 @@ the property tests of test_api.py run on (those fast enough on the CPU).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import shutil
@@ -32,7 +33,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from pallas_kernels.types import Config, Layouts, TransposedLayout  # noqa: E402
-from sagebwd_jax import dot_product_attention, full_precision_attention, metrics  # noqa: E402
+from sagebwd_jax import api, dot_product_attention, full_precision_attention, metrics  # noqa: E402
+from sagebwd_jax.reference import ReferenceBackend  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", os.environ["JAX_NUMPY_RANK_PROMOTION"])
 
@@ -105,11 +107,13 @@ def _sage_jit(q, k, v, do, arrays, kwargs_items):
 
 
 def _split_kwargs(kwargs):
-  """Array-valued keyword arguments are traced; the rest are static."""
+  """Array-valued keyword arguments are traced; the rest (backend objects
+too) are static."""
   arrays, static = {}, {}
   for name, value in kwargs.items():
     if value is None or isinstance(value, (bool, int, float, str)) or (
-        isinstance(value, tuple) and all(isinstance(x, int) for x in value)):
+        isinstance(value, tuple) and all(isinstance(x, int) for x in value)) or (
+        dataclasses.is_dataclass(value)):
       static[name] = value
     else:
       arrays[name] = value
@@ -257,7 +261,7 @@ KERNEL_CASES = {
 }
 
 
-def run_case(case: str, implementation: str | None, *, dtype=jnp.bfloat16):
+def run_case(case: str, implementation, *, dtype=jnp.bfloat16):
   opts = dict(KERNEL_CASES[case])
   heads, kv_heads = opts.pop("heads", (2, 2))
   q_len, kv_len = opts.pop("lengths", (128, 128))
@@ -282,31 +286,15 @@ def backend_tolerance(x) -> float:
   return 1e-3 + 4e-3 * (x.dtype == jnp.bfloat16)
 
 
-# The KERNEL_CASES the Hopper kernels take (at run_case's sizes); the others
-# have masks or Q-smoothing, which run on the portable kernels.
-HOPPER_CASES = frozenset({"plain", "causal", "gqa_causal", "mqa", "no_smooth_k", "d128"})
-
-
-def use_hopper_numerics(monkeypatch):
-  """The op's "reference" quantizes P and P^T as the Hopper kernels do (per
-  128-key row, per key row, unsigned), for cases the Mosaic kernels take."""
-  from sagebwd_jax import api
-  from sagebwd_jax.reference import HOPPER_NUMERICS
-  monkeypatch.setattr(api, "ReferenceBackend", lambda: HOPPER_NUMERICS)
-
-
-def use_triton_numerics(monkeypatch):
-  """The op's "reference" quantizes P and P^T as the Triton kernels do (per row
-  of each key block, per key row, unsigned)."""
-  from sagebwd_jax import api
-  from sagebwd_jax.reference import TRITON_NUMERICS
-  monkeypatch.setattr(api, "ReferenceBackend", lambda: TRITON_NUMERICS)
-
-
-def check_against_reference(case: str, implementation: str | None):
+def check_against_reference(case: str, implementation: str, kernels=None):
+  """The op with `implementation` on `case` against the CPU reference with
+  the numerics that `kernels` (default: the backend the op runs for
+  `implementation`) declares for each call (`Backend.reference_numerics`)."""
   ours = run_case(case, implementation)
+  if kernels is None:
+    kernels = api._backend(implementation, KERNEL_CASES[case].get("is_causal", False))
   with jax.default_device(CPU):  # the exact oracle is the CPU reference
-    ref = run_case(case, "reference")
+    ref = run_case(case, ReferenceBackend(kernels))
   for name, a, b in zip(("O", "dQ", "dK", "dV"), ours, ref):
     assert bool(jnp.all(jnp.isfinite(a.astype(jnp.float32)))), name
     assert float(metrics.relative_l2(a, b)) <= backend_tolerance(a), name

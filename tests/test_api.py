@@ -10,7 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import BACKENDS, cosine, gaussian_qkv, oracle, sage
+from pallas_kernels.types import Numerics
 from sagebwd_jax import dot_product_attention
+from sagebwd_jax.reference import ReferenceBackend
 
 
 def _qkv(b=2, tq=32, tk=48, h=4, hkv=2, d=64, dtype=jnp.bfloat16):
@@ -118,6 +120,18 @@ BAD_KWARGS = [
 def test_bad_kwargs(kwargs, exc, match):
   with pytest.raises(exc, match=match):
     _call(**kwargs)
+
+
+def test_implementation_takes_a_backend_object():
+  """A backend object runs as its name does; `ReferenceBackend(numerics)` with
+  other numerics gives other int8 values (unsigned P: twice the levels)."""
+  q, k, v, _ = gaussian_qkv(jax.random.key(2), 1, 64, 64, 2, 2, 64, dtype=jnp.float32)
+  named = dot_product_attention(q, k, v, implementation="reference")
+  np.testing.assert_array_equal(
+      dot_product_attention(q, k, v, implementation=ReferenceBackend()), named)
+  unsigned = dot_product_attention(q, k, v,
+                                   implementation=ReferenceBackend(Numerics(unsigned_p=True)))
+  assert not np.array_equal(unsigned, named)
 
 
 def test_segment_ids_single_array_shape():

@@ -9,19 +9,12 @@ import jax
 import pytest
 
 from attention_suite import AttentionTestBase
-from conftest import (HOPPER_CASES, check_against_reference, use_hopper_numerics,
-                      use_triton_numerics)
 
 pytestmark = pytest.mark.gpu
 
 
 class TestTritonGpu(AttentionTestBase):
   implementation = "triton"
-
-  def test_matches_reference_backend(self, case, monkeypatch):
-    """The reference with the Triton kernels' P and P^T (`TRITON_NUMERICS`)."""
-    use_triton_numerics(monkeypatch)
-    check_against_reference(case, self.implementation)
 
 
 def _hopper() -> bool:
@@ -31,12 +24,3 @@ def _hopper() -> bool:
 @pytest.mark.skipif(not _hopper(), reason="the Mosaic backend needs a Hopper GPU")
 class TestMosaicGpu(AttentionTestBase):
   implementation = "mosaic"
-
-  def test_matches_reference_backend(self, case, monkeypatch):
-    """The reference quantizes P as the kernels that run the case do: the
-    Mosaic forward where it takes the case, the Triton kernels elsewhere."""
-    if case in HOPPER_CASES:
-      use_hopper_numerics(monkeypatch)
-    else:
-      use_triton_numerics(monkeypatch)
-    check_against_reference(case, self.implementation)

@@ -9,7 +9,6 @@ import jax
 import pytest
 
 from attention_suite import AttentionTestBase
-from conftest import check_against_reference, use_triton_numerics
 
 pytest.importorskip("triton", reason="the Triton kernels need the package triton")
 
@@ -29,7 +28,3 @@ class TestTritonInterpret(AttentionTestBase):
       "dtype": [jax.numpy.float16, jax.numpy.bfloat16],
   }
 
-  def test_matches_reference_backend(self, case, monkeypatch):
-    """The reference with the Triton kernels' P and P^T (`TRITON_NUMERICS`)."""
-    use_triton_numerics(monkeypatch)
-    check_against_reference(case, self.implementation)

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 from conftest import (CPU, backend_tolerance, gaussian_qkv, kernel_config, mosaic_config,
-                      oracle64, rel_l2, sage, use_triton_numerics, value_and_grads)
+                      oracle64, rel_l2, sage, value_and_grads)
 from pallas_kernels import numerics as nm
 from pallas_kernels.mosaic import forward as mosaic_forward
 from pallas_kernels.mosaic.backend import backward_takes
 from pallas_kernels.types import Masks
-from sagebwd_jax import dot_product_attention
+from sagebwd_jax import api, dot_product_attention
 from sagebwd_jax.reference import ReferenceBackend
 
 
@@ -62,33 +62,35 @@ def test_bf16_ds_quantizes_q_per_token():
                                   dict(is_causal=True, smooth_q=True),
                                   dict(smooth_q=True, lengths=(192, 128)),
                                   dict(lengths=(100, 75), is_causal=True, smooth_k=False)])
-def test_triton_kernels_match_reference(case, monkeypatch):
+def test_triton_kernels_match_reference(case):
   """The Triton kernels (interpreted on the CPU, compiled on a GPU) against
   the reference with their P and P^T, through the op."""
   pytest.importorskip("triton")
-  use_triton_numerics(monkeypatch)
+  from pallas_kernels.jax_triton.backend import TritonBackend
   case = dict(case)
   heads, kv_heads = case.pop("heads", (2, 2))
   q_len, kv_len = case.pop("lengths", (128, 128))
   q, k, v, do = gaussian_qkv(jax.random.key(5), 2, q_len, kv_len, heads, kv_heads, 64,
                              sigma=2.0)
   ours = sage(q, k, v, do, implementation="triton", ds_precision="bf16", **case)
-  with jax.default_device(CPU):  # not through `sage`, whose jit cache has one reference
+  with jax.default_device(CPU):
     ref = value_and_grads(lambda q, k, v: dot_product_attention(
-        q, k, v, implementation="reference", ds_precision="bf16", **case), q, k, v, do)
+        q, k, v, implementation=ReferenceBackend(TritonBackend()), ds_precision="bf16",
+        **case), q, k, v, do)
   for name, a, b in zip(("O", "dQ", "dK", "dV"), (ours[0], *ours[1]), (ref[0], *ref[1])):
     assert rel_l2(a, b) < backend_tolerance(a), name
 
 
 @pytest.mark.gpu
-def test_default_gpu_backend_matches_reference(monkeypatch):
+def test_default_gpu_backend_matches_reference():
   """The op's default on a GPU (on Hopper the Mosaic backend, which hands
   this case to the Triton kernels) against the CPU reference with their P."""
-  use_triton_numerics(monkeypatch)
   q, k, v, do = gaussian_qkv(jax.random.key(6), 2, 256, 256, 4, 2, 128)
   ours = sage(q, k, v, do, is_causal=True, ds_precision="bf16")
+  kernels = api._backend(api._implementations(None)[0], causal=True)
   with jax.default_device(CPU):
-    ref = sage(q, k, v, do, is_causal=True, implementation="reference", ds_precision="bf16")
+    ref = sage(q, k, v, do, is_causal=True, implementation=ReferenceBackend(kernels),
+               ds_precision="bf16")
   for name, a, b in zip(("O", "dQ", "dK", "dV"), (ours[0], *ours[1]), (ref[0], *ref[1])):
     assert rel_l2(a, b) < backend_tolerance(a), name
 

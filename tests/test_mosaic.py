@@ -5,7 +5,7 @@ GPU's interpret mode cannot run: on the CPU every variant is lowered for CUDA
 (`lowering_platforms=("cuda",)`, which catches most errors) and the layout
 helpers are checked against an independent construction; on a GPU
 (`@pytest.mark.gpu`) the compiled kernel is compared with
-`reference.HOPPER_NUMERICS`, the same algorithm in plain
+`ReferenceBackend(MOSAIC_NUMERICS)`, the same algorithm in plain
 JAX, fed the same quantized tensors.
 """
 
@@ -21,8 +21,12 @@ from conftest import (CPU, MOSAIC_LAYOUTS, assert_lowers_to_mosaic_gpu, backend_
 from pallas_kernels import layouts, numerics as nm
 from pallas_kernels.mosaic.forward import ForwardTuning, forward_mosaic, takes
 from pallas_kernels.types import Layouts, Masks
-from sagebwd_jax.reference import HOPPER_NUMERICS, ReferenceBackend
+from pallas_kernels.mosaic.backend import MOSAIC_NUMERICS
+from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import key_mean
+
+# The reference with the Mosaic kernels' P and P^T quantization.
+HOPPER = ReferenceBackend(MOSAIC_NUMERICS)
 
 TUNINGS = {"default": ForwardTuning(),
            "one_warpgroup": ForwardTuning(compute_wgs=1, schedule_barrier=False),
@@ -39,8 +43,8 @@ def _case(batch, q_len, kv_len, heads, kv_heads, head_dim, causal, *, seed=0, si
   config = mosaic_config(head_dim, causal)
   with jax.default_device(CPU):
     q, k, v = (jax.device_put(x, CPU) for x in (q, k, v))
-    qkv = HOPPER_NUMERICS.quantize(q, k, v, key_mean(k, None), config, layouts=MOSAIC_LAYOUTS)
-    o_ref, lse_ref = HOPPER_NUMERICS.forward(qkv, Masks(), config, jnp.bfloat16)
+    qkv = HOPPER.quantize(q, k, v, key_mean(k, None), config, layouts=MOSAIC_LAYOUTS)
+    o_ref, lse_ref = HOPPER.forward(qkv, Masks(), config, jnp.bfloat16)
   return qkv, config, np.asarray(o_ref), np.asarray(lse_ref)
 
 

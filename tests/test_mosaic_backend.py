@@ -4,8 +4,9 @@ dispatch: which kernels it runs for which case, and the op's results.
 CI checks the wiring: the op on every kernel case with the three Mosaic entry
 points swapped for their Triton twins (same contract but the layouts, which
 the twins convert; Triton's interpreter), against the CPU reference with the
-Triton kernels' P quantization, recording which entry points ran, and which
-layouts the backend asks the quantization pass for. The Mosaic kernels
+Triton kernels' P quantization, recording which entry points ran: those of
+each direction whose layouts the backend asked the quantization pass for as
+REGISTER_B, and which layouts it asks for. The Mosaic kernels
 themselves are checked one by one (tests/test_mosaic.py, tests/test_mosaic_backward.py).
 The op compiled on a Hopper GPU is checked by the behaviour suite
 (tests/test_attention_gpu.py).
@@ -19,15 +20,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from conftest import (HOPPER_CASES, KERNEL_CASES, check_against_reference,
-                      mosaic_config, use_triton_numerics)
+from conftest import KERNEL_CASES, check_against_reference, mosaic_config
 from pallas_kernels.jax_triton.backend import TritonBackend
 from pallas_kernels.jax_triton.backward_dkdv import backward_dkdv
 from pallas_kernels.jax_triton.backward_dq import backward_dq
 from pallas_kernels.jax_triton.forward import forward
 from pallas_kernels.jax_triton.launch import LaunchConfig
 from pallas_kernels.mosaic import backend as mosaic_backend
-from pallas_kernels.mosaic.backend import MosaicBackend, backward_takes
+from pallas_kernels.mosaic.backend import MOSAIC_NUMERICS, MosaicBackend, backward_takes
 from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic import forward as mosaic_forward
 from pallas_kernels.layouts import REGISTER_B, TOKENS, arrange, to_layout
@@ -71,16 +71,24 @@ def test_op_wiring(case, make_backend, monkeypatch):
   twin(mosaic_forward, "forward_mosaic", forward)
   twin(mosaic_backend, "backward_dkdv_mosaic", backward_dkdv)
   twin(mosaic_backend, "backward_dq_mosaic", backward_dq)
+  asked = set()  # the layouts the backend asks the quantization pass for
+  layouts = MosaicBackend.layouts
+
+  def recorded(self, *args):
+    asked.add(layouts(self, *args))
+    return layouts(self, *args)
+
+  monkeypatch.setattr(MosaicBackend, "layouts", recorded)
   backend = make_backend(causal=KERNEL_CASES[case].get("is_causal", False), interpret=True)
   original = api._backend
   monkeypatch.setattr(api, "_backend", lambda implementation, causal: (
       backend if implementation == "mosaic" else original(implementation, causal)))
-  use_triton_numerics(monkeypatch)  # the twins quantize P as the Triton kernels do
-  check_against_reference(case, "mosaic")
-  expected = set()
-  if case in HOPPER_CASES:
-    expected = {"backward_dkdv_mosaic", "backward_dq_mosaic"} | (
-        set() if backend.forward_mosaic is None else {"forward_mosaic"})
+  # The twins quantize P as the Triton kernels do: the fallback's numerics.
+  check_against_reference(case, "mosaic", kernels=backend.fallback)
+  (one_call,) = asked
+  expected = ({"forward_mosaic"} if one_call.forward is REGISTER_B else set()) | (
+      {"backward_dkdv_mosaic", "backward_dq_mosaic"} if one_call.backward is REGISTER_B
+      else set())
   assert calls == expected
 
 
@@ -113,10 +121,12 @@ def test_backward_takes():
     (256, 256, False, jnp.bfloat16, True, True, (TOKENS, TOKENS)),  # masks
     (256, 256, False, jnp.float32, False, True, (TOKENS, TOKENS)),
 ])
-def test_layouts_follow_the_kernels_that_run(q_len, kv_len, causal, dtype, ids,
-                                             mosaic_forward_on, expected):
+def test_layouts_and_numerics_follow_the_kernels_that_run(q_len, kv_len, causal, dtype, ids,
+                                                          mosaic_forward_on, expected):
   """REGISTER_B for each direction whose Mosaic kernels will run, by the rules
-  by which the backend runs them; TOKENS for the fallback's."""
+  by which the backend runs them; TOKENS for the fallback's. The declared
+  numerics likewise: P per 128-key step where the Mosaic forward runs, per
+  key block where the fallback's does."""
   backend = _tuned(causal, interpret=True)
   if not mosaic_forward_on:
     backend = dataclasses.replace(backend, forward_mosaic=None)
@@ -126,6 +136,11 @@ def test_layouts_follow_the_kernels_that_run(q_len, kv_len, causal, dtype, ids,
       else Masks()
   layouts = backend.layouts(q, k, masks, mosaic_config(64, causal))
   assert (layouts.forward, layouts.backward) == expected
+  numerics = backend.reference_numerics(q, k, masks, mosaic_config(64, causal))
+  forward_numerics = MOSAIC_NUMERICS if expected[0] is REGISTER_B else TritonBackend.NUMERICS
+  assert (numerics.p_block, numerics.unsigned_p) == (forward_numerics.p_block,
+                                                     forward_numerics.unsigned_p)
+  assert numerics.unsigned_p_t  # the Mosaic backward's and the Triton kernels' alike
 
 
 def test_tuned_launches():

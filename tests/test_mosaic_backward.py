@@ -4,7 +4,7 @@ The kernels feed P^T and dS to wgmma from registers (`plgpu.inline_mgpu`),
 which Mosaic GPU's interpret mode cannot run: on the CPU every tuning is
 lowered for CUDA (`lowering_platforms=("cuda",)`); on a GPU
 (`@pytest.mark.gpu`) the compiled kernels are compared with
-`reference.HOPPER_NUMERICS.backward`, the same algorithm in plain JAX,
+`ReferenceBackend(MOSAIC_NUMERICS).backward`, the same algorithm in plain JAX,
 on the same quantized tensors, O and lse.
 """
 
@@ -24,8 +24,12 @@ from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
 from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
 from pallas_kernels.layouts import REGISTER_B
 from pallas_kernels.types import Layouts, Masks
-from sagebwd_jax.reference import HOPPER_NUMERICS
+from pallas_kernels.mosaic.backend import MOSAIC_NUMERICS
+from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import key_mean
+
+# The reference with the Mosaic kernels' P and P^T quantization.
+HOPPER = ReferenceBackend(MOSAIC_NUMERICS)
 
 TUNINGS = {"default": BackwardTuning(),
            "no_schedule_barrier": BackwardTuning(schedule_barrier=False),
@@ -37,9 +41,9 @@ def _abstract_args(batch, seq, heads, kv_heads, head_dim, causal, layouts=MOSAIC
   """The kernels' arguments, the transposed int8 ones in `layouts`."""
   config = mosaic_config(head_dim, causal)
   qkv = jax.eval_shape(
-      lambda: HOPPER_NUMERICS.quantize(*gaussian_qkv(jax.random.key(0), batch, seq, seq, heads,
-                                                     kv_heads, head_dim)[:3], None, config,
-                                       layouts=layouts))
+      lambda: HOPPER.quantize(*gaussian_qkv(jax.random.key(0), batch, seq, seq, heads,
+                                            kv_heads, head_dim)[:3], None, config,
+                              layouts=layouts))
   sds = jax.ShapeDtypeStruct
   rows = sds((batch, heads, seq), jnp.float32)
   do8_t = (sds((batch, heads, seq // 64, head_dim, 64), jnp.int8)
@@ -99,13 +103,13 @@ def _gpu_case(batch, seq, heads, kv_heads, head_dim, causal, *, seed=0, sigma=2.
   q, k, v, do = gaussian_qkv(jax.random.key(seed), batch, seq, seq, heads, kv_heads, head_dim,
                              sigma=sigma)
   config = mosaic_config(head_dim, causal)
-  qkv = HOPPER_NUMERICS.quantize(q, k, v, key_mean(k, None), config, layouts=MOSAIC_LAYOUTS)
-  o, lse = HOPPER_NUMERICS.forward(qkv, Masks(), config, jnp.bfloat16)
+  qkv = HOPPER.quantize(q, k, v, key_mean(k, None), config, layouts=MOSAIC_LAYOUTS)
+  o, lse = HOPPER.forward(qkv, Masks(), config, jnp.bfloat16)
   delta, do8_t, do_scale, _ = backward_prepass(o, do, block_q=config.block_q,
                                                launch=LaunchConfig(), layout=REGISTER_B)
   with jax.default_device(CPU):
     cpu = jax.device_put((qkv, v, o, lse, do), CPU)
-    want = jax.jit(lambda *a: HOPPER_NUMERICS.backward(*a, Masks(), config))(*cpu)
+    want = jax.jit(lambda *a: HOPPER.backward(*a, Masks(), config))(*cpu)
   return (qkv, v, lse, delta, do, do8_t, do_scale), config, want
 
 

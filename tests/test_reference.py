@@ -11,7 +11,7 @@ import pytest
 
 from conftest import gaussian_qkv, oracle, oracle64, rel_l2
 from pallas_kernels import numerics as nm
-from pallas_kernels.types import Config, Masks
+from pallas_kernels.types import Config, Masks, Numerics
 from sagebwd_jax import full_precision_attention
 from sagebwd_jax.reference import ReferenceBackend
 
@@ -134,7 +134,7 @@ def test_unsigned_p_t_backward_against_fp64(causal):
     o, lse = backend.forward(qkv, Masks(), config, jnp.float32)
     return backend.backward(qkv, v, o, lse, do, Masks(), config)
 
-  unsigned = grads(ReferenceBackend(unsigned_p_t=True))
+  unsigned = grads(ReferenceBackend(Numerics(unsigned_p_t=True)))
   signed = grads(ReferenceBackend())
   for name, got, ref in zip(("dQ", "dK"), unsigned[:2], want[:2]):
     assert rel_l2(got, ref) < 0.03, name

@@ -25,12 +25,12 @@ from pallas_kernels.jax_triton.launch import HOPPER_SHARED_MEMORY, LaunchConfig 
 from pallas_kernels.layouts import REGISTER_B, TOKENS, to_layout  # noqa: E402
 from pallas_kernels.types import Layouts, Masks  # noqa: E402
 from sagebwd_jax import dot_product_attention, metrics  # noqa: E402
-from sagebwd_jax.reference import TRITON_NUMERICS  # noqa: E402
+from sagebwd_jax.reference import ReferenceBackend  # noqa: E402
 from sagebwd_jax.sagebwd import key_mean  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
 TRITON = TritonBackend.tuned(causal=False, interpret=not ON_GPU)
-REFERENCE = TRITON_NUMERICS
+REFERENCE = ReferenceBackend(TRITON)  # with the numerics TRITON declares
 # Kernel against reference on the same int8 tensors, fp32 results: contracted
 # multiply-adds (and, compiled, the GPU's approximate exp2) move a few P and dS
 # roundings (interpreted: O 3e-5 off, gradients equal); a wrong tile, scale or

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from pallas_kernels.jax_triton.backward_dkdv import backward_dkdv
 from pallas_kernels.jax_triton.backward_dq import backward_dq
@@ -12,7 +13,8 @@ from pallas_kernels.jax_triton.launch import LaunchConfig
 from pallas_kernels.jax_triton.quantize import quantize_qkv
 from pallas_kernels import numerics as nm
 from pallas_kernels.layouts import check_layout
-from pallas_kernels.types import Config, Layouts, Masks, Prepass, QuantizedQKV, TransposedLayout
+from pallas_kernels.types import (Config, Layouts, Masks, Numerics, Prepass, QuantizedQKV,
+                                  TransposedLayout)
 
 # Tiles up to 128: every int8 product then stays below 2**22 in magnitude,
 # which the exact int32 -> fp32 reading of the accumulators needs (tiles.py).
@@ -24,9 +26,9 @@ class TritonBackend:
   """SageBwd on Triton kernels called through jax_triton (`interpret`: Triton's
   interpreter on the CPU).
 
-  P and the backward's P^T are quantized as `reference.TRITON_NUMERICS` does
-  (0..255 per row of each key block, V's scale folded in; 0..255 per key
-  row); the rest is the reference's arithmetic. `forward_launch` runs the
+  P and the backward's P^T are quantized as `NUMERICS` says (0..255 per row
+  of each key block, V's scale folded in; 0..255 per key row); the rest is
+  the reference's arithmetic. `forward_launch` runs the
   quantization pass and the forward, `dq_launch` the backward pre-pass and
   dQ, `dkdv_launch` dK/dV.
   """
@@ -34,6 +36,8 @@ class TritonBackend:
   forward_launch: LaunchConfig = LaunchConfig(num_stages=3)
   dq_launch: LaunchConfig = LaunchConfig()
   dkdv_launch: LaunchConfig = LaunchConfig(num_warps=8, num_stages=3, block_rows=128)
+
+  NUMERICS: ClassVar[Numerics] = Numerics(unsigned_p=True, unsigned_p_t=True)
 
   @classmethod
   def tuned(cls, *, causal: bool, interpret: bool = False) -> "TritonBackend":
@@ -55,6 +59,11 @@ class TritonBackend:
     """Its kernels read every transposed tensor TOKENS."""
     del q, k, masks, config
     return Layouts()
+
+  def reference_numerics(self, q, k, masks: Masks, config: Config) -> Numerics:
+    """Every kernel here quantizes P and P^T as `NUMERICS` says."""
+    del q, k, masks, config
+    return self.NUMERICS
 
   def quantize(self, q, k, v, k_mean, config: Config, *, for_backward: bool = True,
                layouts: Layouts = Layouts()) -> QuantizedQKV:

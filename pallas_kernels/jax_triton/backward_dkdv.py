@@ -3,7 +3,7 @@ the query heads of its group and the query blocks that see its keys. It works
 on transposed tiles (S^T = K.Q^T, dP^T = V.dO^T) so P^T and dS^T are the first
 operands of their INT8 dots and are quantized per key (a row here; with
 ds_precision="bf16" dS^T.Q runs in the inputs' dtype instead). P^T is
-unsigned, as the Hopper backward has it (`reference.TRITON_NUMERICS`):
+unsigned, as the Hopper backward has it (`TritonBackend.NUMERICS`):
 0..255 against the row's largest, from the exponent (one add per score, no
 division), and dS^T is formed from those unrounded 0..255 values, its row
 scale absorbing P^T's. The group's sum (GQA) stays in the program's fp32

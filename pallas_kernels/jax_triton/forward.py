@@ -4,7 +4,7 @@ One program per (query tile, batch, query head; the tile is the launch's
 `rows_per_program`, Q's scales read per token) loops over the key blocks its
 queries can see (block skipping under causality or a window; the mask only on
 the blocks the band's edges cross, or on every block with ids). P follows numerics.folded_softmax_step with one
-key block per step and 255 levels (`reference.TRITON_NUMERICS`): V's
+key block per step and 255 levels (`TritonBackend.NUMERICS`): V's
 block scale is folded into P, which is quantized per row of the tile against
 E, its row's largest folded score. Per score that is one add and one
 multiply-add for the exp2 argument (the exact distance to the row's largest

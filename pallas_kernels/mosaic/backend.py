@@ -8,11 +8,11 @@ for the fallback's. The forward runs in Mosaic GPU when `forward.takes`
 accepts the case (no masks but causality, no Q-smoothing,
 ds_precision="int8", whose Q scales are per block, D in {64, 128}, 64 x 64
 blocks, whole 128-key steps, Tq == Tk when causal, 16-bit output), quantizing
-P as `ReferenceBackend(p_block=128, unsigned_p=True)` does; the dK/dV and dQ
-kernels when `backward_takes` accepts it (the same, with queries and keys in
-whole CTA tiles of 128), quantizing P^T as `ReferenceBackend(unsigned_p_t=True)`
-does (`reference.HOPPER_NUMERICS`: both). Anything else runs in the fallback,
-call by call. The Mosaic kernels compile for an sm_90 GPU only.
+P per row of each 128-key step to 0..255; the dK/dV and dQ kernels when
+`backward_takes` accepts it (the same, with queries and keys in whole CTA
+tiles of 128), quantizing P^T per key row to 0..255 (`MOSAIC_NUMERICS`: both).
+Anything else runs in the fallback, call by call (`reference_numerics` says
+which numerics a call gets). The Mosaic kernels compile for an sm_90 GPU only.
 """
 
 from __future__ import annotations
@@ -26,8 +26,12 @@ from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
 from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
 from pallas_kernels.mosaic import forward
-from pallas_kernels.types import (Config, Layouts, Masks, PrepassBackend, QuantizedQKV,
-                                  TransposedLayout)
+from pallas_kernels.types import (Config, Layouts, Masks, Numerics, PrepassBackend,
+                                  QuantizedQKV, TransposedLayout)
+
+# How the Mosaic kernels quantize P (the forward, per row of a step's keys)
+# and P^T (dK/dV, per key row), both unsigned.
+MOSAIC_NUMERICS = Numerics(p_block=forward.KV_STEP, unsigned_p=True, unsigned_p_t=True)
 
 
 def backward_takes(masks: Masks, config: Config, q_len: int, kv_len: int, head_dim: int,
@@ -75,14 +79,31 @@ class MosaicBackend:
     return all(backward_takes(masks, config, q_len, kv_len, head_dim, dtype, tuning)
                for tuning in (self.dkdv_tuning, self.dq_tuning))
 
-  def layouts(self, q, k, masks: Masks, config: Config) -> Layouts:
-    """REGISTER_B for each direction whose Mosaic kernels will run (by the
-    rules `forward` and `backward` follow, with q's dtype, the op's output's
-    and V's), TOKENS for the fallback's."""
+  def _runs(self, q, k, masks: Masks, config: Config) -> tuple[bool, bool]:
+    """Whether the Mosaic forward and backward run for these inputs, by the
+    rules `forward` and `backward` follow (with q's dtype, the op's output's
+    and V's)."""
     case = (masks, config, q.shape[1], k.shape[1], q.shape[-1], q.dtype)
+    return self._runs_forward(*case), self._runs_backward(*case)
+
+  def layouts(self, q, k, masks: Masks, config: Config) -> Layouts:
+    """REGISTER_B for each direction whose Mosaic kernels will run, TOKENS
+    for the fallback's."""
     pick = lambda mosaic: TransposedLayout.REGISTER_B if mosaic else TransposedLayout.TOKENS
-    return Layouts(forward=pick(self._runs_forward(*case)),
-                   backward=pick(self._runs_backward(*case)))
+    runs_forward, runs_backward = self._runs(q, k, masks, config)
+    return Layouts(forward=pick(runs_forward), backward=pick(runs_backward))
+
+  def reference_numerics(self, q, k, masks: Masks, config: Config) -> Numerics:
+    """`MOSAIC_NUMERICS` for each direction whose Mosaic kernels will run,
+    the fallback's for the rest."""
+    numerics = self.fallback.reference_numerics(q, k, masks, config)
+    runs_forward, runs_backward = self._runs(q, k, masks, config)
+    if runs_forward:
+      numerics = dataclasses.replace(numerics, p_block=MOSAIC_NUMERICS.p_block,
+                                     unsigned_p=MOSAIC_NUMERICS.unsigned_p)
+    if runs_backward:
+      numerics = dataclasses.replace(numerics, unsigned_p_t=MOSAIC_NUMERICS.unsigned_p_t)
+    return numerics
 
   def quantize(self, q, k, v, k_mean, config: Config, *, for_backward: bool = True,
                layouts: Layouts = Layouts()) -> QuantizedQKV:

@@ -184,8 +184,8 @@ def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
 
   Same contract as `triton.backward_dkdv.backward_dkdv` for the cases
   `mosaic.common.supports` accepts, with whole CTA tiles, but Q8^T and dO8^T
-  REGISTER_B (`types.Layouts`); P^T quantized as
-  `ReferenceBackend(unsigned_p_t=True)` does. With GQA the per-query-head
+  REGISTER_B (`types.Layouts`); P^T quantized as `backend.MOSAIC_NUMERICS`
+  says. With GQA the per-query-head
   partials are kept in fp32 until summed.
   """
   check_supported(qkv, masks, config, "backward_dkdv_mosaic", tuning.compute_wgs * BLOCK)

@@ -30,7 +30,7 @@ accumulates as acc = acc * exp2(E_prev - E) + float(PV). E is floored at the
 running maximum minus 60, so the rescale factor never overflows; tiles that
 far below the maximum contribute below fp32 resolution anyway.
 docs/algorithm.md gives the algorithm and
-`sagebwd_jax.reference.ReferenceBackend(p_block=128, unsigned_p=True)`
+`sagebwd_jax.reference.ReferenceBackend(backend.MOSAIC_NUMERICS)`
 computes the same values in plain JAX.
 
 The two warpgroups take turns on the tensor cores (a schedule barrier): one
@@ -273,7 +273,7 @@ def forward_mosaic(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
   """O (B, Tq, H, D) in `out_dtype` and the base-2 log-sum-exp (B, H, Tq).
 
   For the cases `takes` accepts, V8^T REGISTER_B (`types.Layouts`); P is
-  quantized as `ReferenceBackend(p_block=128, unsigned_p=True)` does.
+  quantized as `backend.MOSAIC_NUMERICS` says.
   """
   batch, heads, q_len, head_dim = qkv.q8.shape
   kv_heads, kv_len = qkv.k8.shape[1], qkv.k8.shape[2]
