@@ -7,6 +7,7 @@ of real processes: test_train_kill.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -20,7 +21,7 @@ from flax import nnx
 from train import data, flops, optim
 from train.__main__ import main
 from train.checkpoint import Checkpoints
-from train.config import (PRESETS, RANGES, Config, check, field_docs, from_args,
+from train.config import (CHOICES, PRESETS, RANGES, Config, check, field_docs, from_args,
                           params_besides_embeddings, preset)
 from train.loop import NonFiniteError, train
 from train.metrics import read
@@ -183,6 +184,22 @@ def test_presets_and_flags():
   assert from_args([])[0] == preset("tiny")
   with pytest.raises(ValueError, match="head_dim"):
     check(preset("tiny", dim=96))
+
+
+def test_model_flags_are_llama_fields_with_its_choices():
+  """Each model flag sets the LlamaConfig field of its name (build_model maps
+  them by name), and the flags' choices are LlamaConfig's Literals."""
+  from typing import get_args
+
+  from pallas_kernels.types import DS_PRECISIONS
+  from sagebwd_jax.flax.attention import AttentionImpl
+  from sagebwd_jax.flax.llama import LlamaConfig, Remat
+  _, groups = field_docs()
+  model = {name for name, group in groups.items() if group.startswith("model")}
+  assert model <= {f.name for f in dataclasses.fields(LlamaConfig)}, model
+  assert CHOICES["attention"] == get_args(AttentionImpl)
+  assert CHOICES["ds_precision"] == DS_PRECISIONS
+  assert CHOICES["remat"] == get_args(Remat)
 
 
 def test_steps_alone_scales_the_presets_schedule(capsys):

@@ -147,6 +147,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                 keep=3),
 }
 
+# The model flags' choices are LlamaConfig's Literals (tests/test_train.py ties
+# them): spelled out, because this module is read by processes that import no
+# jax (the study's parent), and sagebwd_jax imports it.
 CHOICES = {"attention": ("sage", "full", "reference"), "dtype": ("bfloat16", "float32"),
            "ds_precision": ("int8", "bf16"), "remat": ("none", "full", "dots")}
 

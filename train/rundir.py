@@ -150,25 +150,46 @@ def save_config(cfg: Config) -> None:
   write_atomic(config_path(cfg.out), json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
 
 
+def saved_config(run_dir: str) -> dict | None:
+  """The run's config.json as saved (None where there is none); RunError
+  where it cannot be read or holds no JSON object."""
+  path = config_path(run_dir)
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path) as f:
+      saved = json.load(f)
+  except (OSError, ValueError) as e:
+    raise RunError(f"cannot read {path}: {e}") from e
+  if not isinstance(saved, dict):
+    raise RunError(f"{path} is not a JSON object")
+  return saved
+
+
+def changed_fields(cfg: Config, saved: dict, *, unresolved_match: bool = False) -> list[str]:
+  """The fields of `cfg` that `saved` (a config.json) holds with another
+  value, NOT_COMPARED aside; `unresolved_match`: a field `cfg` leaves None
+  (resolved when the run starts, as vocab_size) matches any."""
+  now = dataclasses.asdict(cfg)
+  return [n for n, value in now.items()
+          if n in saved and n not in NOT_COMPARED and saved[n] != value
+          and not (unresolved_match and value is None)]
+
+
 def compare_with_saved(cfg: Config, log: Callable[[str], None]) -> None:
   """On resume: RunError if the flags change the saved model's shapes; a
   warning naming every other field that differs. `cfg.vocab_size` must be
   resolved (as it is saved)."""
   path = config_path(cfg.out)
-  if not os.path.exists(path):
+  try:
+    saved = saved_config(cfg.out)
+  except RunError as e:
+    raise RunError(f"--resume: {e}; restore it, or start over with --overwrite") from e
+  if saved is None:
     log(f"warning: {path} is missing: the flags cannot be compared with the run's")
     return
-  try:
-    with open(path) as f:
-      saved = json.load(f)
-  except (OSError, ValueError) as e:
-    raise RunError(f"--resume: cannot read {path}: {e}; restore it, or start over with "
-                   f"--overwrite") from e
-  if not isinstance(saved, dict):
-    raise RunError(f"--resume: {path} is not a JSON object; restore it, or start over with "
-                   f"--overwrite")
   now = dataclasses.asdict(cfg)
-  changed = [n for n in now if n in saved and n not in NOT_COMPARED and saved[n] != now[n]]
+  changed = changed_fields(cfg, saved)
   describe = lambda names: ", ".join(f"{flag(n)} {saved[n]} -> {now[n]}" for n in names)
   model = [n for n in changed if n in MODEL_FIELDS]
   if model:

@@ -14,6 +14,8 @@ the model.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -23,14 +25,15 @@ from train.config import Config
 
 
 def build_model(cfg: Config, vocab_size: int, mesh=None) -> nnx.Module:
+  """The Llama of the run: each `LlamaConfig` field that `cfg` has a flag of
+  the same name for takes the flag's value (dtype by its name), the rest
+  LlamaConfig's defaults; `vocab_size` resolved, the run's `seq_len` as the
+  longest sequence."""
   from sagebwd_jax.flax import Llama, LlamaConfig
-  mcfg = LlamaConfig(
-      vocab_size=vocab_size, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-      n_kv_heads=cfg.n_kv_heads, ffn_dim=cfg.ffn_dim, max_seq_len=cfg.seq_len,
-      rope_theta=cfg.rope_theta, qk_norm=cfg.qk_norm, tie_embeddings=cfg.tie_embeddings,
-      attention=cfg.attention, smooth_k=cfg.smooth_k, smooth_q=cfg.smooth_q,
-      ds_precision=cfg.ds_precision, scan_layers=cfg.scan_layers, remat=cfg.remat,
-      dtype=getattr(jnp, cfg.dtype), param_dtype=jnp.float32)
+  flags = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(LlamaConfig)
+           if hasattr(cfg, f.name)}
+  mcfg = LlamaConfig(**{**flags, "vocab_size": vocab_size, "max_seq_len": cfg.seq_len,
+                        "dtype": getattr(jnp, cfg.dtype)})
   return Llama(mcfg, rngs=nnx.Rngs(cfg.seed), mesh=mesh)
 
 

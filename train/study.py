@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import sys
 import threading
@@ -53,23 +52,17 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 from train.config import Config, check
-from train.rundir import NOT_COMPARED, RunError, holds_run
+from train.rundir import RunError, changed_fields, holds_run, saved_config
 from train.study_plan import SCALES, Grid, Scale, StudyError, grids, plan, run_status
 
 
 def _check_saved(cfg: Config) -> None:
   """StudyError if the run folder holds a run of other settings."""
-  path = os.path.join(cfg.out, "config.json")
-  if not os.path.exists(path):
-    return
   try:
-    with open(path) as f:
-      saved = json.load(f)
-  except (OSError, ValueError) as e:
-    raise StudyError(f"cannot read {path}: {e}") from e
-  now = dataclasses.asdict(cfg)
-  differ = [k for k, v in now.items()
-            if k in saved and k not in NOT_COMPARED and v is not None and saved[k] != v]
+    saved = saved_config(cfg.out)
+  except RunError as e:
+    raise StudyError(str(e)) from e
+  differ = [] if saved is None else changed_fields(cfg, saved, unresolved_match=True)
   if differ:
     raise StudyError(
         f"{cfg.out} holds a run with other settings ({', '.join(differ)}): this study's "

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.types import DsPrecision
 from sagebwd_jax.arguments import MAX_HEAD_DIM
 from sagebwd_jax.flax.attention import IMPLEMENTATIONS, Attention, AttentionImpl, KVCache, RMSNorm
 
@@ -66,7 +67,7 @@ class LlamaConfig:
   attention: AttentionImpl = "sage"
   smooth_k: bool = True
   smooth_q: bool = False
-  ds_precision: str = "int8"
+  ds_precision: DsPrecision = "int8"
   dtype: Any = jnp.bfloat16
   param_dtype: Any = jnp.float32
   scan_layers: bool = False
