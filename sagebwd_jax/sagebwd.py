@@ -69,7 +69,7 @@ def _stage(fn):
 
   The pure-JAX reference has no kernels to lower: it stays inline, where XLA
   fuses it with the code around it as before (a jit boundary moves its fp32
-  results by float noise, about 1e-5, against eager execution).
+  results by float noise against eager execution).
   """
   signature = inspect.signature(fn)
   options = ("config", "backend", "smooth_k", "for_backward", "out_dtype")

@@ -33,8 +33,8 @@ TRITON = TritonBackend.tuned(causal=False, interpret=not ON_GPU)
 REFERENCE = ReferenceBackend(TRITON)  # with the numerics TRITON declares
 # Kernel against reference on the same int8 tensors, fp32 results: contracted
 # multiply-adds (and, compiled, the GPU's approximate exp2) move a few P and dS
-# roundings (interpreted: O 3e-5 off, gradients equal); a wrong tile, scale or
-# mask is off by far more than this.
+# roundings (docs/performance.md: by how much); a wrong tile, scale or mask is
+# off by far more than this.
 TOLERANCE = 2e-3
 
 
@@ -108,8 +108,8 @@ def test_forward_at_large_logits_matches_reference(sigma):
   qkv = REFERENCE.quantize(q, k, v, key_mean(k, None), config)
   o, lse = TRITON.forward(qkv, Masks(), config, jnp.float32)
   o_ref, lse_ref = REFERENCE.forward(qkv, Masks(), config, jnp.float32)
-  # O: the GPU's approximate exp2 may flip a few roundings of P (interpreted:
-  # 7e-5 at sigma 30); a row whose largest P is not 255 moves lse by its log.
+  # O: the GPU's approximate exp2 may flip a few roundings of P; a row whose
+  # largest P is not 255 moves lse by its log.
   assert float(metrics.relative_l2(o, o_ref)) <= 1e-3
   assert float(metrics.relative_l2(lse, lse_ref)) <= 1e-6
 
@@ -127,7 +127,7 @@ def test_backward_matches_reference_fp32(causal, smooth_q, ids, heads, seq):
   o, lse = REFERENCE.forward(qkv, masks, config, jnp.float32)
   ours = TRITON.backward(qkv, v, o, lse, do, masks, config)
   # The kernels multiply fp32 dO.V^T in fp32; on a GPU, XLA's default would
-  # be TF32, whose rounding alone moves dK by 2e-3 here.
+  # be TF32, whose rounding alone moves dK by about the tolerance here.
   with jax.default_matmul_precision("highest"):
     ref = REFERENCE.backward(qkv, v, o, lse, do, masks, config)
   for name, a, b in zip(("dQ", "dK", "dV"), ours, ref):
@@ -241,9 +241,8 @@ def test_forward_alone_writes_no_transposed_layouts():
 def test_forward_keeps_three_programs_per_sm(tmp_path, causal):
   """The forward at its default launch (4 warps, 64 x 64 tiles) fits three
   programs per SM in registers: one 128-thread warpgroup per program hides
-  its latencies only with others beside it. A row-scale reshape once took it
-  to 207 registers (two programs) and its forward from 383 to 311 TOPS on the
-  H200; the causal diagonal's steps after the loop took it to 240."""
+  its latencies only with others beside it (docs/performance.md: what two
+  programs cost)."""
   try:
     sass.tool("cuobjdump")
   except SystemExit as e:

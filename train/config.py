@@ -131,7 +131,7 @@ class Config:
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # CPU demo: byte-level Llama on the stdlib sources, ~1 minute on 2 cores.
+    # CPU demo: byte-level Llama on the stdlib sources, a minute-scale run on a CPU.
     "tiny": dict(),
     # One GPU, an hour-scale run: 131K tokens per step.
     "small": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048,
