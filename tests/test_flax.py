@@ -13,6 +13,7 @@ from flax import nnx
 
 from sagebwd_jax.flax import (Attention, Llama, LlamaConfig, attention_fn, count_params,
                               make_attention_fn)
+from sagebwd_jax.flax.attention import RMSNorm
 from sagebwd_jax.flax.llama import unscanned
 from sagebwd_jax.metrics import cosine_similarity, relative_l2
 
@@ -251,6 +252,22 @@ def _attention_pair(**kwargs):
   full = nnx.clone(ours)
   full.implementation = "full"
   return ours, full
+
+
+def test_rms_norm_rounds_once():
+  """RMSNorm in bf16 compute is x / rms(x) * gain of fp64 on the bf16 inputs,
+  rounded once to bf16: statistics and gain in fp32 (flax's `nnx.RMSNorm`
+  rounds the gain to bf16 first, twice the error)."""
+  x = (jax.random.normal(jax.random.key(0), (3, 1024))
+       * jnp.geomspace(1e-2, 1e2, 1024)[None, :]).astype(jnp.bfloat16)
+  norm = RMSNorm(1024, eps=1e-6, dtype=jnp.bfloat16)
+  norm.weight[...] = jax.random.uniform(jax.random.key(1), (1024,), minval=0.5, maxval=2.0)
+  got = norm(x)
+  assert got.dtype == jnp.bfloat16
+  x64 = np.asarray(x, np.float64)
+  want = x64 / np.sqrt(np.mean(x64**2, axis=-1, keepdims=True) + 1e-6) * np.asarray(norm.weight)
+  # A bf16 rounding (half an ulp: at most 2**-8 relative) plus fp32's few ulps.
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2**-8 + 1e-6, atol=0)
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])

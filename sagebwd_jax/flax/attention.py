@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -13,14 +13,15 @@ from sagebwd_jax.arguments import MAX_HEAD_DIM, ds_precision as check_ds_precisi
 from sagebwd_jax.sharding import check_split, shard_attention
 
 AttentionImpl = Literal["sage", "full", "reference"]
-IMPLEMENTATIONS = ("sage", "full", "reference")
+IMPLEMENTATIONS: tuple[AttentionImpl, ...] = get_args(AttentionImpl)
 
 
 class RMSNorm(nnx.Module):
   """RMS normalization over the last axis with a learned gain.
 
-  Statistics are taken in fp32 whatever the compute dtype: bf16 sums of
-  squares lose too many bits at model widths.
+  Statistics and the gain are fp32 whatever the compute dtype: bf16 sums of
+  squares lose too many bits at model widths. (Not flax's `nnx.RMSNorm`, which
+  rounds the gain to the compute dtype first: a second bf16 rounding.)
   """
 
   def __init__(self, dim: int, *, eps: float = 1e-6, dtype: Any = jnp.float32,
@@ -42,7 +43,8 @@ def apply_rope(x: jax.Array, theta: float, offset: int | jax.Array = 0) -> jax.A
 
   Rotates the first half of the head dim against the second half (the
   Llama / GPT-NeoX layout); angles are computed in fp32 because bf16
-  positions above 256 are not exact.
+  positions above 256 are not exact. (Not flax's `nnx.RoPE`, which rotates
+  (..., T, D) arrays: these are (B, T, H, D), a transpose each way.)
   """
   seq_len, head_dim = x.shape[1], x.shape[-1]
   inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
