@@ -212,7 +212,8 @@ def _triton(args) -> None:
   for launch in triton_launches(jax.grad(loss, argnums=(0, 1, 2)), shape, shape, shape):
     if "quantize" in launch.name or "prepass" in launch.name:
       continue  # no loop over score tiles
-    tile = launch.constants["BQ"] * launch.constants.get("BK", launch.constants["BQ"])
+    c = launch.constants  # each loop's score tile: a query side by a key side
+    tile = c.get("TILE_Q", c.get("BLOCK_Q")) * c.get("TILE_KV", c.get("BLOCK_KV"))
     for warps, stages in ((4, 1), (4, 2), (4, 3), (8, 1), (8, 2), (8, 3)):
       with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "kernel.cubin")

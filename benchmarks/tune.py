@@ -35,7 +35,7 @@ def _sweeps():
   # warps split the columns, ~1.7x the instructions); the conversion choice
   # trades instructions for the unit that also runs exp2 (tiles.py).
   settings = {f"w{w} s{s} rows {rows} convert {c}":
-              LaunchConfig(num_warps=w, num_stages=s, block_rows=rows, convert=c)
+              LaunchConfig(num_warps=w, num_stages=s, tile_rows=rows, convert=c)
               for (w, rows), s, c in itertools.product(((4, 64), (8, 128)), (1, 2, 3),
                                                        (True, False))}
   def variants(kernel: str):

@@ -147,7 +147,7 @@ def test_other_launches_match_reference(causal, window, smooth_q, ids, seq, conv
   from zero by default start biased instead (the same exact values). A
   window's edges off the 64-token grid cross three blocks of a 128-row tile
   (tiles.edge_blocks)."""
-  launch = LaunchConfig(interpret=not ON_GPU, num_warps=8, block_rows=128, convert=convert)
+  launch = LaunchConfig(interpret=not ON_GPU, num_warps=8, tile_rows=128, convert=convert)
   backend = TritonBackend(launch, launch, launch)
   q, k, v, do = gaussian_qkv(jax.random.key(10), 2, seq, seq, 4, 2, 64, dtype=jnp.float32)
   config = kernel_config(causal=causal, smooth_q=smooth_q, window=window)
@@ -163,12 +163,12 @@ def test_other_launches_match_reference(causal, window, smooth_q, ids, seq, conv
     assert float(metrics.relative_l2(a, b)) <= TOLERANCE, name
 
 
-def test_rows_per_program_take_block_rows_only_where_they_tile_and_are_free():
-  launch = LaunchConfig(block_rows=128)
-  assert launch.rows_per_program(256, 64) == 128
-  assert launch.rows_per_program(192, 64) == 64  # 128 does not tile 192
-  assert launch.rows_per_program(256, 64, free=False) == 64  # Q-smoothing's blocks
-  assert LaunchConfig().rows_per_program(256, 32) == 32
+def test_tile_rows_only_where_they_tile_and_are_free():
+  launch = LaunchConfig(tile_rows=128)
+  assert launch.tile_rows_for(256, 64) == 128
+  assert launch.tile_rows_for(192, 64) == 64  # 128 does not tile 192
+  assert launch.tile_rows_for(256, 64, free=False) == 64  # Q-smoothing's blocks
+  assert LaunchConfig().tile_rows_for(256, 32) == 32
 
 
 def test_shifted_accumulator_start_carries_128_times_the_column_sums():
@@ -179,7 +179,7 @@ def test_shifted_accumulator_start_carries_128_times_the_column_sums():
 
 
 @pytest.mark.parametrize("field,value", [("num_warps", 6), ("num_stages", 0),
-                                         ("block_rows", 96), ("block_rows", 512)])
+                                         ("tile_rows", 96), ("tile_rows", 512)])
 def test_launch_config_names_a_bad_field(field, value):
   with pytest.raises(ValueError, match=field):
     LaunchConfig(**{field: value})

@@ -35,7 +35,7 @@ class TritonBackend:
 
   forward_launch: LaunchConfig = LaunchConfig(num_stages=3)
   dq_launch: LaunchConfig = LaunchConfig()
-  dkdv_launch: LaunchConfig = LaunchConfig(num_warps=8, num_stages=3, block_rows=128)
+  dkdv_launch: LaunchConfig = LaunchConfig(num_warps=8, num_stages=3, tile_rows=128)
 
   NUMERICS: ClassVar[Numerics] = Numerics(unsigned_p=True, unsigned_p_t=True)
 

@@ -9,7 +9,7 @@ division), and dS^T is formed from those unrounded 0..255 values, its row
 scale absorbing P^T's. The group's sum (GQA) stays in the program's fp32
 accumulators.
 
-The key tile (`BK`, the launch's `rows_per_program`) need not be K's
+The key tile (`TILE_KV`, the launch's `tile_rows_for`) need not be K's
 quantization block: K's scales are read per key, so 128 keys at 8 warps put
 two 64-key warpgroups on each query block's loads with the results of 64-key
 programs."""
@@ -33,12 +33,12 @@ LN_2 = tl.constexpr(nm.LN_2)
 
 @device_function
 def _dv_half(dv, p8_t, row_scale, do8_t_ptr, dv_start_ptr, i, rows, dims, TQ: tl.constexpr,
-             BK: tl.constexpr, D: tl.constexpr):
+             TILE_KV: tl.constexpr, D: tl.constexpr):
   """dV's columns `dims` += P^T.dO8 (unsigned P^T, tiles.py), scaled per row."""
   do8_t = tl.load(do8_t_ptr + dims[:, None] * TQ + rows[None, :])
   dv_start = tl.load(dv_start_ptr + i * D + dims)
-  prod = tl.dot(p8_t, tl.trans(do8_t), acc=tl.broadcast_to(dv_start[None, :], (BK, dims.shape[0])),
-                out_dtype=tl.int32)
+  start = tl.broadcast_to(dv_start[None, :], (TILE_KV, dims.shape[0]))
+  prod = tl.dot(p8_t, tl.trans(do8_t), acc=start, out_dtype=tl.int32)
   return dv + tiles.exact_float(prod) * row_scale
 
 
@@ -63,11 +63,11 @@ def _dk_half(dk, ds_t, ds8_t, scale, p_scale, q8_t_ptr, q_mean_ptr, q16_ptr, i, 
 def _q_step(dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, q8_t_ptr,
             q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr,
             dv_start_ptr, q16_ptr, q_ids_ptr, i, TQ: tl.constexpr, H: tl.constexpr,
-            D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, LEFT: tl.constexpr,
+            D: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_KV: tl.constexpr, LEFT: tl.constexpr,
             RIGHT: tl.constexpr, IDS: tl.constexpr, SMOOTH_Q: tl.constexpr,
             Q_PER_TOKEN: tl.constexpr,
             DS16: tl.constexpr, CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-  rows = i * BQ + tl.arange(0, BQ)
+  rows = i * BLOCK_Q + tl.arange(0, BLOCK_Q)
   dims = tl.arange(0, D)
   lo = tl.arange(0, D // 2)
   hi = D // 2 + lo
@@ -75,7 +75,7 @@ def _q_step(dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, 
   if Q_PER_TOKEN:  # a scale per column
     q_scale = tl.load(q_scale_ptr + rows)[None, :]
   else:
-    q_scale = tl.load(q_scale_ptr + i * BQ)
+    q_scale = tl.load(q_scale_ptr + i * BLOCK_Q)
   q_mean = tl.load(q_mean_ptr + i * D + dims) if SMOOTH_Q else 0.0
   bias = tiles.q_smoothing_bias(k8, k_scale, q_mean)[:, None] if SMOOTH_Q else 0.0
   x, c = tiles.score_tile(k8, q8, k_scale[:, None], q_scale, bias, SMOOTH_Q, CONVERT)
@@ -96,9 +96,9 @@ def _q_step(dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, 
 
   # dV and dK in column halves: an int32 product of half the width is live
   # at a time, registers that otherwise spill (docs/performance.md).
-  dv_scale = p_scale[:, None] * tl.load(do_scale_ptr + i * BQ)
-  dv_lo = _dv_half(dv_lo, p8_t, dv_scale, do8_t_ptr, dv_start_ptr, i, rows, lo, TQ, BK, D)
-  dv_hi = _dv_half(dv_hi, p8_t, dv_scale, do8_t_ptr, dv_start_ptr, i, rows, hi, TQ, BK, D)
+  dv_scale = p_scale[:, None] * tl.load(do_scale_ptr + i * BLOCK_Q)
+  dv_lo = _dv_half(dv_lo, p8_t, dv_scale, do8_t_ptr, dv_start_ptr, i, rows, lo, TQ, TILE_KV, D)
+  dv_hi = _dv_half(dv_hi, p8_t, dv_scale, do8_t_ptr, dv_start_ptr, i, rows, hi, TQ, TILE_KV, D)
   ds8_t, dk_scale = ds_t, 0.0
   if not DS16:
     ds8_t, ds_scale = tiles.quantize_rows(ds_t, tl.max(tl.abs(ds_t), axis=1))
@@ -114,8 +114,8 @@ def _q_step(dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, 
 def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_scale_ptr,
                  q_mean_ptr, lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr, dv_start_ptr,
                  q16_ptr, q_ids_ptr, dk_ptr, dv_ptr, H: tl.constexpr, HKV: tl.constexpr,
-                 TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr,
-                 BK: tl.constexpr, SCALE: tl.constexpr, LEFT: tl.constexpr,
+                 TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
+                 TILE_KV: tl.constexpr, SCALE: tl.constexpr, LEFT: tl.constexpr,
                  RIGHT: tl.constexpr, IDS: tl.constexpr, SMOOTH_Q: tl.constexpr,
                  Q_PER_TOKEN: tl.constexpr,
                  DS16: tl.constexpr, CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -123,7 +123,7 @@ def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_sca
   b = tl.program_id(1).to(tl.int64)
   kvh = tl.program_id(2)
   kv_head = b * HKV + kvh
-  keys = j * BK + tl.arange(0, BK)
+  keys = j * TILE_KV + tl.arange(0, TILE_KV)
   dims = tl.arange(0, D)
   tokens = tiles.token_offsets(b, keys, kvh, TK, HKV, D)
   k8 = tl.load(k8_ptr + kv_head * TK * D + keys[:, None] * D + dims[None, :])
@@ -131,16 +131,16 @@ def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_sca
   v = tl.load(v_ptr + tokens)
   kv_ids = tl.load(kv_ids_ptr + b * TK + keys)[:, None] if IDS else 0
   q_ids_ptr += b * TQ
-  nq = TQ // BQ
+  nq = TQ // BLOCK_Q
   full_start = 0
   full_end = nq
   if LEFT is not None or RIGHT is not None:
-    start, full_start, full_end, end = tiles.q_range(j, BQ, BK, nq, LEFT, RIGHT)
+    start, full_start, full_end, end = tiles.q_range(j, BLOCK_Q, TILE_KV, nq, LEFT, RIGHT)
 
-  dk_lo = tl.full((BK, D // 2), 0.0, tl.float32)
-  dk_hi = tl.full((BK, D // 2), 0.0, tl.float32)
-  dv_lo = tl.full((BK, D // 2), 0.0, tl.float32)
-  dv_hi = tl.full((BK, D // 2), 0.0, tl.float32)
+  dk_lo = tl.full((TILE_KV, D // 2), 0.0, tl.float32)
+  dk_hi = tl.full((TILE_KV, D // 2), 0.0, tl.float32)
+  dv_lo = tl.full((TILE_KV, D // 2), 0.0, tl.float32)
+  dv_hi = tl.full((TILE_KV, D // 2), 0.0, tl.float32)
   for g in range(0, H // HKV):
     h = kvh * (H // HKV) + g
     q_head = b * H + h
@@ -159,20 +159,20 @@ def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_sca
       dk_lo, dk_hi, dv_lo, dv_hi = _q_step(
           dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h,
           q_scale_h, q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h, q16_h,
-          q_ids_ptr, i, TQ, H, D, BQ, BK, None, None, IDS, SMOOTH_Q, Q_PER_TOKEN, DS16,
+          q_ids_ptr, i, TQ, H, D, BLOCK_Q, TILE_KV, None, None, IDS, SMOOTH_Q, Q_PER_TOKEN, DS16,
           CONVERT, DOT_PRECISION)
     # The band's masked steps last, straight-line as the forward's
     # (forward.py says why): before the loop they cost it spills. Only the
     # fp32 sums' order differs from the reference's; every int8 tile is its.
     if LEFT is not None or RIGHT is not None:
-      right: tl.constexpr = tiles.edge_blocks(BK, BQ, RIGHT)  # causal: the diagonal
-      for s in tl.static_range(right + tiles.edge_blocks(BK, BQ, LEFT)):
+      right: tl.constexpr = tiles.edge_blocks(TILE_KV, BLOCK_Q, RIGHT)  # causal: the diagonal
+      for s in tl.static_range(right + tiles.edge_blocks(TILE_KV, BLOCK_Q, LEFT)):
         i, inside = tiles.edge_block(s, right, start, full_start, full_end, end)
         if inside:
           dk_lo, dk_hi, dv_lo, dv_hi = _q_step(
               dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h,
               q_scale_h, q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h,
-              q16_h, q_ids_ptr, i, TQ, H, D, BQ, BK, LEFT, RIGHT, IDS, SMOOTH_Q,
+              q16_h, q_ids_ptr, i, TQ, H, D, BLOCK_Q, TILE_KV, LEFT, RIGHT, IDS, SMOOTH_Q,
               Q_PER_TOKEN, DS16, CONVERT, DOT_PRECISION)
   # Q was quantized as Q * scale * log2(e): the int8 product carries log2(e);
   # the 16-bit one is of Q itself.
@@ -190,7 +190,7 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
                   ) -> tuple[jax.Array, jax.Array]:
   """dK, dV (B, Tk, Hkv, D) in V's dtype, summed over each kv head's group.
 
-  Each program takes `launch.rows_per_program` keys. `do_start`: the
+  Each program takes `launch.tile_rows_for(Tk, block_kv)` keys. `do_start`: the
   pre-pass's P^T.dO accumulator start (`types.Prepass`), else formed here.
   """
 
@@ -203,7 +203,7 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
             tiles.accumulator_start(do_start, do8_t, config.block_q), placeholder(q16, v.dtype),
             placeholder(q_ids, jnp.int32)]
     shape = jax.ShapeDtypeStruct(v.shape, v.dtype)
-    keys = launch.rows_per_program(kv_len, config.block_kv)
+    keys = launch.tile_rows_for(kv_len, config.block_kv)
     left, right = causal_blocks.band(config.causal, config.window)
     # Kept: the key tile's K8 and V; per stage, a query step's Q8, Q8^T, dO8^T
     # and dO (and Q with 16-bit dS).
@@ -213,8 +213,8 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
     dk, dv = fitted.call(
         _dkdv_kernel, args, [shape, shape], grid=(kv_len // keys, batch, kv_heads),
         name="sagebwd_triton_backward_dkdv", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
-        D=head_dim, BQ=config.block_q, BK=keys, SCALE=config.scale, LEFT=left, RIGHT=right,
-        IDS=q_ids is not None, SMOOTH_Q=q_mean is not None,
+        D=head_dim, BLOCK_Q=config.block_q, TILE_KV=keys, SCALE=config.scale, LEFT=left,
+        RIGHT=right, IDS=q_ids is not None, SMOOTH_Q=q_mean is not None,
         Q_PER_TOKEN=config.q_per_token, DS16=q16 is not None,
         CONVERT=launch.convert, DOT_PRECISION=dot_precision(v.dtype))
     return dk, dv

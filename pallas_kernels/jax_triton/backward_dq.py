@@ -2,7 +2,7 @@
 blocks its queries see, recomputing P and dS like the forward; dS is the
 first operand of INT8 dS.K and is quantized per query (a row here; with
 ds_precision="bf16" dS.K runs in the inputs' dtype instead). The
-query tile is the launch's `rows_per_program` (Q's scales are read per
+query tile is the launch's `tile_rows_for` (Q's scales are read per
 token)."""
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from pallas_kernels.types import Config, Masks, QuantizedQKV
 @device_function
 def _kv_step(dq, q8, q_scale, q_mean, q_pos, q_ids, lse, delta, do, k8_ptr, k8_t_ptr,
              k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, j, TK: tl.constexpr, HKV: tl.constexpr,
-             D: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, LEFT: tl.constexpr,
+             D: tl.constexpr, TILE_Q: tl.constexpr, BLOCK_KV: tl.constexpr, LEFT: tl.constexpr,
              RIGHT: tl.constexpr, IDS: tl.constexpr, SMOOTH_Q: tl.constexpr,
              DS16: tl.constexpr, CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
   x, c, keys, k_scale = tiles.key_block_scores(q8, q_scale, q_mean, q_pos, q_ids, k8_ptr,
-                                               k_scale_ptr, kv_ids_ptr, j, D, BK, LEFT,
+                                               k_scale_ptr, kv_ids_ptr, j, D, BLOCK_KV, LEFT,
                                                RIGHT, IDS, SMOOTH_Q, CONVERT)
   dims = tl.arange(0, D)
   # exp2(S - lse): rows that saw no key have lse = +inf, so P = 0 there.
@@ -50,23 +50,23 @@ def _kv_step(dq, q8, q_scale, q_mean, q_pos, q_ids, lse, delta, do, k8_ptr, k8_t
 def _dq_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_ids_ptr, k8_ptr,
                k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, dq_ptr, H: tl.constexpr,
                HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr,
-               BQ: tl.constexpr, BK: tl.constexpr, SCALE: tl.constexpr, LEFT: tl.constexpr,
-               RIGHT: tl.constexpr, IDS: tl.constexpr, SMOOTH_Q: tl.constexpr,
+               TILE_Q: tl.constexpr, BLOCK_KV: tl.constexpr, SCALE: tl.constexpr,
+               LEFT: tl.constexpr, RIGHT: tl.constexpr, IDS: tl.constexpr, SMOOTH_Q: tl.constexpr,
                DS16: tl.constexpr, CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
   i = tl.program_id(0)
   if RIGHT is not None:  # the longest rows first, so the last wave is of short ones
-    i = TQ // BQ - 1 - i
+    i = TQ // TILE_Q - 1 - i
   b = tl.program_id(1).to(tl.int64)
   h = tl.program_id(2)
   kvh = h // (H // HKV)
   q_head = b * H + h
   kv_head = b * HKV + kvh
-  rows = i * BQ + tl.arange(0, BQ)
+  rows = i * TILE_Q + tl.arange(0, TILE_Q)
   dims = tl.arange(0, D)
   tokens = tiles.token_offsets(b, rows, h, TQ, H, D)
   q8 = tl.load(q8_ptr + q_head * TQ * D + rows[:, None] * D + dims[None, :])
   q_scale = tl.load(q_scale_ptr + q_head * TQ + rows)[:, None]  # per token
-  q_mean = tl.load(q_mean_ptr + (q_head * (TQ // BQ) + i) * D + dims) if SMOOTH_Q else 0.0
+  q_mean = tl.load(q_mean_ptr + (q_head * (TQ // TILE_Q) + i) * D + dims) if SMOOTH_Q else 0.0
   q_ids = tl.load(q_ids_ptr + b * TQ + rows)[:, None] if IDS else 0
   lse = tl.load(lse_ptr + q_head * TQ + rows)
   delta = tl.load(delta_ptr + q_head * TQ + rows)
@@ -78,25 +78,26 @@ def _dq_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_id
   k16_ptr += b * TK * HKV * D + kvh * D
   kv_ids_ptr += b * TK
 
-  dq = tl.full((BQ, D), 0.0, tl.float32)
+  dq = tl.full((TILE_Q, D), 0.0, tl.float32)
   full_start = 0
-  full_end = TK // BK
+  full_end = TK // BLOCK_KV
   if LEFT is not None or RIGHT is not None:
-    start, full_start, full_end, end = tiles.kv_range(i, BQ, BK, TK // BK, LEFT, RIGHT)
+    start, full_start, full_end, end = tiles.kv_range(i, TILE_Q, BLOCK_KV, TK // BLOCK_KV,
+                                                      LEFT, RIGHT)
   for j in range(full_start, full_end):
     dq = _kv_step(dq, q8, q_scale, q_mean, rows[:, None], q_ids, lse, delta, do, k8_ptr,
-                  k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, j, TK, HKV, D, BQ, BK,
-                  None, None, IDS, SMOOTH_Q, DS16, CONVERT, DOT_PRECISION)
+                  k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, j, TK, HKV, D, TILE_Q,
+                  BLOCK_KV, None, None, IDS, SMOOTH_Q, DS16, CONVERT, DOT_PRECISION)
   if LEFT is not None or RIGHT is not None:
     # The band's masked blocks as straight-line steps (forward.py says why),
     # after the loop: the order dQ's launch was tuned with.
-    right: tl.constexpr = tiles.edge_blocks(BQ, BK, RIGHT)  # causal: the diagonal
-    for s in tl.static_range(right + tiles.edge_blocks(BQ, BK, LEFT)):
+    right: tl.constexpr = tiles.edge_blocks(TILE_Q, BLOCK_KV, RIGHT)  # causal: the diagonal
+    for s in tl.static_range(right + tiles.edge_blocks(TILE_Q, BLOCK_KV, LEFT)):
       j, inside = tiles.edge_block(s, right, full_end, end, start, full_start)
       if inside:
         dq = _kv_step(dq, q8, q_scale, q_mean, rows[:, None], q_ids, lse, delta, do, k8_ptr,
-                      k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, j, TK, HKV, D, BQ,
-                      BK, LEFT, RIGHT, IDS, SMOOTH_Q, DS16, CONVERT, DOT_PRECISION)
+                      k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, j, TK, HKV, D, TILE_Q,
+                      BLOCK_KV, LEFT, RIGHT, IDS, SMOOTH_Q, DS16, CONVERT, DOT_PRECISION)
   # S was formed from Q * scale * log2(e): dQ takes `scale` once (the 16-bit
   # product, of dS and K, too).
   tl.store(dq_ptr + tokens, (dq * SCALE).to(dq_ptr.dtype.element_ty))
@@ -118,7 +119,7 @@ def backward_dq(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, config: Conf
     args = [q8, q_scale, placeholder(q_mean, jnp.float32), lse, delta, do,
             placeholder(q_ids, jnp.int32), k8, k8_t, k_scale, v, placeholder(k16, v.dtype),
             placeholder(kv_ids, jnp.int32)]
-    rows = launch.rows_per_program(q_len, config.block_q, free=q_mean is None)
+    rows = launch.tile_rows_for(q_len, config.block_q, free=q_mean is None)
     left, right = causal_blocks.band(config.causal, config.window)
     # Kept: the query tile's Q8 and dO; per stage, a key block's K8, K8^T and V
     # (and K with 16-bit dS).
@@ -128,8 +129,8 @@ def backward_dq(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, config: Conf
     (dq,) = fitted.call(
         _dq_kernel, args, [jax.ShapeDtypeStruct(do.shape, do.dtype)],
         grid=(q_len // rows, batch, heads), name="sagebwd_triton_backward_dq",
-        H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len, D=head_dim, BQ=rows,
-        BK=config.block_kv, SCALE=config.scale, LEFT=left, RIGHT=right, IDS=q_ids is not None,
+        H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len, D=head_dim, TILE_Q=rows,
+        BLOCK_KV=config.block_kv, SCALE=config.scale, LEFT=left, RIGHT=right, IDS=q_ids is not None,
         SMOOTH_Q=q_mean is not None, DS16=k16 is not None, CONVERT=launch.convert,
         DOT_PRECISION=dot_precision(v.dtype))
     return (dq,)

@@ -18,22 +18,23 @@ from pallas_kernels.types import Prepass, TransposedLayout
 
 @triton.jit
 def _prepass_kernel(o_ptr, do_ptr, delta_ptr, do8_t_ptr, do_scale_ptr, do_start_ptr,
-                    T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr,
+                    T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
                     REGISTER_B: tl.constexpr):
   t = tl.program_id(0)
   b = tl.program_id(1).to(tl.int64)
   h = tl.program_id(2)
   head = b * H + h
-  rows = tiles.block_rows(t, BQ, REGISTER_B)
+  rows = tiles.block_tokens(t, BLOCK_Q, REGISTER_B)
   tokens = tiles.token_offsets(b, rows, h, T, H, D)
   do = tl.load(do_ptr + tokens).to(tl.float32)
   o = tl.load(o_ptr + tokens).to(tl.float32)
   tl.store(delta_ptr + head * T + rows, tl.sum(do * o, axis=1))
   do8, scale = tiles.quantize_tile(do)
-  tiles.store_transposed(do8_t_ptr, do8, rows, head, t, T, D, BQ, REGISTER_B)
-  tl.store(do_scale_ptr + head * T + rows, tl.full((BQ,), scale, tl.float32))
+  tiles.store_transposed(do8_t_ptr, do8, rows, head, t, T, D, BLOCK_Q, REGISTER_B)
+  tl.store(do_scale_ptr + head * T + rows, tl.full((BLOCK_Q,), scale, tl.float32))
   if not REGISTER_B:
-    tl.store(do_start_ptr + (head * (T // BQ) + t) * D + tl.arange(0, D), tiles.block_start(do8))
+    tl.store(do_start_ptr + (head * (T // BLOCK_Q) + t) * D + tl.arange(0, D),
+             tiles.block_start(do8))
 
 
 def backward_prepass(o: jax.Array, do: jax.Array, *, block_q: int, launch: LaunchConfig,
@@ -54,7 +55,7 @@ def backward_prepass(o: jax.Array, do: jax.Array, *, block_q: int, launch: Launc
     delta, do8_t, do_scale, do_start = launch.call(
         _prepass_kernel, [o, do], out_shape, grid=(seq_len // block_q, batch, heads),
         name="sagebwd_triton_backward_prepass", T=seq_len, H=heads, D=head_dim,
-        BQ=block_q, REGISTER_B=register_b)
+        BLOCK_Q=block_q, REGISTER_B=register_b)
     return delta, do8_t, do_scale, None if register_b else do_start
 
   return Prepass(*batch_folded(run)(o, do))

@@ -1,9 +1,10 @@
 """The forward kernel: INT8 Q.K^T, online softmax, unsigned INT8 P, INT8 P.V.
 
-One program per (query tile, batch, query head; the tile is the launch's
-`rows_per_program`, Q's scales read per token) loops over the key blocks its
-queries can see (block skipping under causality or a window; the mask only on
-the blocks the band's edges cross, or on every block with ids). P follows numerics.folded_softmax_step with one
+One program per (query tile `TILE_Q`, batch, query head; the tile is the
+launch's `tile_rows_for`, Q's scales read per token) loops over the key blocks
+(`BLOCK_KV`) its queries can see (block skipping under causality or a window;
+the mask only on the blocks the band's edges cross, or on every block with
+ids). P follows numerics.folded_softmax_step with one
 key block per step and 255 levels (`TritonBackend.NUMERICS`): V's
 block scale is folded into P, which is quantized per row of the tile against
 E, its row's largest folded score. Per score that is one add and one
@@ -37,16 +38,16 @@ NOTHING_SEEN = tl.constexpr(nm.NOTHING_SEEN)
 @device_function
 def _kv_step(acc, m, e, l, q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_ptr, v8_t_ptr,
              v_scale_ptr, pv_init_ptr, kv_ids_ptr, j, TK: tl.constexpr, D: tl.constexpr,
-             BQ: tl.constexpr, BK: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+             TILE_Q: tl.constexpr, BLOCK_KV: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
              IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, CONVERT: tl.constexpr):
   x, c, keys, _ = tiles.key_block_scores(q8, q_scale, q_mean, q_pos, q_ids, k8_ptr,
-                                         k_scale_ptr, kv_ids_ptr, j, D, BK, LEFT, RIGHT, IDS,
+                                         k_scale_ptr, kv_ids_ptr, j, D, BLOCK_KV, LEFT, RIGHT, IDS,
                                          SMOOTH_Q, CONVERT)
   dims = tl.arange(0, D)
 
   # numerics.folded_v_scales: an all-zero V block folds with scale 1 (a NaN
   # scale stays NaN).
-  v_scale = tl.load(v_scale_ptr + j * BK)
+  v_scale = tl.load(v_scale_ptr + j * BLOCK_KV)
   v_scale = tl.where(v_scale == 0, 1.0, v_scale)
   log2_v = tl.log2(v_scale)
   x_top, top = tiles.row_top(x, c, SMOOTH_Q)
@@ -64,7 +65,7 @@ def _kv_step(acc, m, e, l, q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_pt
 
   v8 = tl.load(v8_t_ptr + dims[:, None] * TK + keys[None, :])
   pv_init = tl.load(pv_init_ptr + j * D + dims)
-  pv = tl.dot(p8, tl.trans(v8), acc=tl.broadcast_to(pv_init[None, :], (BQ, D)),
+  pv = tl.dot(p8, tl.trans(v8), acc=tl.broadcast_to(pv_init[None, :], (TILE_Q, D)),
               out_dtype=tl.int32)
   return acc * alpha[:, None] + tiles.exact_float(pv), m_new, e_new, l
 
@@ -73,54 +74,56 @@ def _kv_step(acc, m, e, l, q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_pt
 def _forward_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr,
                     pv_init_ptr, q_ids_ptr, kv_ids_ptr, o_ptr, lse_ptr, H: tl.constexpr,
                     HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr,
-                    BQ: tl.constexpr, BK: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
-                    IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, CONVERT: tl.constexpr):
+                    TILE_Q: tl.constexpr, BLOCK_KV: tl.constexpr, LEFT: tl.constexpr,
+                    RIGHT: tl.constexpr, IDS: tl.constexpr, SMOOTH_Q: tl.constexpr,
+                    CONVERT: tl.constexpr):
   i = tl.program_id(0)
   if RIGHT is not None:  # the longest rows first, so the last wave is of short ones
-    i = TQ // BQ - 1 - i
+    i = TQ // TILE_Q - 1 - i
   b = tl.program_id(1).to(tl.int64)
   h = tl.program_id(2)
   q_head = b * H + h
   kv_head = b * HKV + h // (H // HKV)
-  rows = i * BQ + tl.arange(0, BQ)
+  rows = i * TILE_Q + tl.arange(0, TILE_Q)
   dims = tl.arange(0, D)
   q8 = tl.load(q8_ptr + q_head * TQ * D + rows[:, None] * D + dims[None, :])
   q_scale = tl.load(q_scale_ptr + q_head * TQ + rows)[:, None]  # per token
-  q_mean = tl.load(q_mean_ptr + (q_head * (TQ // BQ) + i) * D + dims) if SMOOTH_Q else 0.0
+  q_mean = tl.load(q_mean_ptr + (q_head * (TQ // TILE_Q) + i) * D + dims) if SMOOTH_Q else 0.0
   q_ids = tl.load(q_ids_ptr + b * TQ + rows)[:, None] if IDS else 0
   k8_ptr += kv_head * TK * D
   k_scale_ptr += kv_head * TK
   v8_t_ptr += kv_head * D * TK
   v_scale_ptr += kv_head * TK
-  pv_init_ptr += kv_head * (TK // BK) * D
+  pv_init_ptr += kv_head * (TK // BLOCK_KV) * D
   kv_ids_ptr += b * TK
 
-  acc = tl.zeros((BQ, D), tl.float32)
-  m = tl.full((BQ,), NOTHING_SEEN, tl.float32)
-  e = tl.full((BQ,), float("-inf"), tl.float32)
-  l = tl.zeros((BQ,), tl.float32)
+  acc = tl.zeros((TILE_Q, D), tl.float32)
+  m = tl.full((TILE_Q,), NOTHING_SEEN, tl.float32)
+  e = tl.full((TILE_Q,), float("-inf"), tl.float32)
+  l = tl.zeros((TILE_Q,), tl.float32)
   full_start = 0
-  full_end = TK // BK
+  full_end = TK // BLOCK_KV
   if LEFT is not None or RIGHT is not None:
-    start, full_start, full_end, end = tiles.kv_range(i, BQ, BK, TK // BK, LEFT, RIGHT)
+    start, full_start, full_end, end = tiles.kv_range(i, TILE_Q, BLOCK_KV, TK // BLOCK_KV,
+                                                      LEFT, RIGHT)
     # The band's masked blocks first, as straight-line steps: after the
     # pipelined loop a second pass of the step held more registers, a
     # program per SM (docs/performance.md). Each step quantizes P against its
     # own block's top (numerics.folded_softmax_step), so the order changes no
     # P tile of the reference's ascending one, but a block's whose top lies
     # E_FLOOR below the row's maximum so far (P < 2**-52 of the row's).
-    right: tl.constexpr = tiles.edge_blocks(BQ, BK, RIGHT)  # causal: the diagonal
-    for s in tl.static_range(right + tiles.edge_blocks(BQ, BK, LEFT)):
+    right: tl.constexpr = tiles.edge_blocks(TILE_Q, BLOCK_KV, RIGHT)  # causal: the diagonal
+    for s in tl.static_range(right + tiles.edge_blocks(TILE_Q, BLOCK_KV, LEFT)):
       j, inside = tiles.edge_block(s, right, full_end, end, start, full_start)
       if inside:
         acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, rows[:, None], q_ids,
                                 k8_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr,
-                                kv_ids_ptr, j, TK, D, BQ, BK, LEFT, RIGHT, IDS, SMOOTH_Q,
+                                kv_ids_ptr, j, TK, D, TILE_Q, BLOCK_KV, LEFT, RIGHT, IDS, SMOOTH_Q,
                                 CONVERT)
   for j in range(full_start, full_end):
     acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, rows[:, None], q_ids, k8_ptr,
                             k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr, kv_ids_ptr, j, TK,
-                            D, BQ, BK, None, None, IDS, SMOOTH_Q, CONVERT)
+                            D, TILE_Q, BLOCK_KV, None, None, IDS, SMOOTH_Q, CONVERT)
 
   # numerics.finalize_folded_rows: rows that saw no key give O = 0, lse = +inf.
   empty = l == 0
@@ -145,14 +148,14 @@ def forward(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
             placeholder(kv_ids, jnp.int32)]
     out_shape = [jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), out_dtype),
                  jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)]
-    rows = launch.rows_per_program(q_len, config.block_q, free=q_mean is None)
+    rows = launch.tile_rows_for(q_len, config.block_q, free=q_mean is None)
     left, right = causal_blocks.band(config.causal, config.window)
     # Kept: the query tile's Q8; per stage, a key block's K8 and V8^T.
     fitted = launch.fitted(fixed_bytes=rows * head_dim, stage_bytes=2 * config.block_kv * head_dim)
     o, lse = fitted.call(
         _forward_kernel, args, out_shape, grid=(q_len // rows, batch, heads),
         name="sagebwd_triton_forward", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
-        D=head_dim, BQ=rows, BK=config.block_kv, LEFT=left, RIGHT=right,
+        D=head_dim, TILE_Q=rows, BLOCK_KV=config.block_kv, LEFT=left, RIGHT=right,
         IDS=q_ids is not None, SMOOTH_Q=q_mean is not None, CONVERT=launch.convert)
     return o, lse
 

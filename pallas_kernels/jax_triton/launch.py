@@ -53,8 +53,8 @@ def shared_memory_limit() -> int:
 class LaunchConfig:
   """How kernels are launched (does not change results). `interpret` runs them
   in Triton's interpreter on the CPU instead of compiling them for the GPU.
-  `block_rows`: output rows per program (queries, or dK/dV's keys) where the
-  kernel's tile may differ from the quantization block (`rows_per_program`);
+  `tile_rows`: output rows per program (queries, or dK/dV's keys) where the
+  kernel's tile may differ from the quantization block (`tile_rows_for`);
   None keeps the config's block. `convert`: products that can start from
   zero reach fp32 by a conversion instruction, else from a biased start by
   a subtraction (tiles.py says which costs what)."""
@@ -62,7 +62,7 @@ class LaunchConfig:
   interpret: bool = False
   num_warps: int = 4
   num_stages: int = 2
-  block_rows: int | None = None
+  tile_rows: int | None = None
   convert: bool = True
 
   def __post_init__(self):
@@ -70,16 +70,16 @@ class LaunchConfig:
       raise ValueError(f"num_warps must be a power of two up to 16; got {self.num_warps}")
     if self.num_stages < 1:
       raise ValueError(f"num_stages must be at least 1; got {self.num_stages}")
-    if self.block_rows is not None and (self.block_rows < 16 or self.block_rows > 256
-                                        or self.block_rows & (self.block_rows - 1)):
-      raise ValueError(f"block_rows must be a power of two in 16..256 or None; got "
-                       f"{self.block_rows}")
+    if self.tile_rows is not None and (self.tile_rows < 16 or self.tile_rows > 256
+                                        or self.tile_rows & (self.tile_rows - 1)):
+      raise ValueError(f"tile_rows must be a power of two in 16..256 or None; got "
+                       f"{self.tile_rows}")
 
-  def rows_per_program(self, length: int, block: int, *, free: bool = True) -> int:
-    """`block_rows` where it tiles `length` and the kernel's tile is `free` of
+  def tile_rows_for(self, length: int, block: int, *, free: bool = True) -> int:
+    """`tile_rows` where it tiles `length` and the kernel's tile is `free` of
     the quantization block, else `block`. Results do not depend on it: the
     kernels read scales per token."""
-    rows = self.block_rows or block
+    rows = self.tile_rows or block
     return rows if free and length % rows == 0 else block
 
   def fitted(self, *, fixed_bytes: int, stage_bytes: int) -> "LaunchConfig":

@@ -38,7 +38,7 @@ def _quantize_q(q_ptr, q8_ptr, q8_t_ptr, q_scale_ptr, q_mean_ptr, i, T: tl.const
                 MULTIPLIER: tl.constexpr, SMOOTH: tl.constexpr, PER_ROW: tl.constexpr,
                 TRANSPOSED: tl.constexpr, REGISTER_B: tl.constexpr):
   t, head, b, h = _block(i, T, H, BLOCK)
-  rows = tiles.block_rows(t, BLOCK, REGISTER_B)
+  rows = tiles.block_tokens(t, BLOCK, REGISTER_B)
   dims = tl.arange(0, D)
   x = tl.load(q_ptr + tiles.token_offsets(b, rows, h, T, H, D)).to(tl.float32)
   if SMOOTH:
@@ -67,7 +67,7 @@ def _quantize_kv(k_ptr, v_ptr, k_mean_ptr, k8_ptr, k8_t_ptr, k_scale_ptr, v8_t_p
                  V_REGISTER_B: tl.constexpr):
   t, head, b, h = _block(i, T, H, BLOCK)
   dims = tl.arange(0, D)
-  rows = tiles.block_rows(t, BLOCK, K_REGISTER_B)
+  rows = tiles.block_tokens(t, BLOCK, K_REGISTER_B)
   x = tl.load(k_ptr + tiles.token_offsets(b, rows, h, T, H, D)).to(tl.float32)
   if HAS_MEAN:
     x = x - tl.load(k_mean_ptr + head * D + dims)[None, :]
@@ -77,7 +77,7 @@ def _quantize_kv(k_ptr, v_ptr, k_mean_ptr, k8_ptr, k8_t_ptr, k_scale_ptr, v8_t_p
     tiles.store_transposed(k8_t_ptr, x8, rows, head, t, T, D, BLOCK, K_REGISTER_B)
   tl.store(k_scale_ptr + head * T + rows, tl.full((BLOCK,), scale, tl.float32))
 
-  rows = tiles.block_rows(t, BLOCK, V_REGISTER_B)
+  rows = tiles.block_tokens(t, BLOCK, V_REGISTER_B)
   y = tl.load(v_ptr + tiles.token_offsets(b, rows, h, T, H, D)).to(tl.float32)
   y8, scale = tiles.quantize_tile(y)
   tiles.store_transposed(v8_t_ptr, y8, rows, head, t, T, D, BLOCK, V_REGISTER_B)
@@ -90,20 +90,20 @@ def _quantize_kv(k_ptr, v_ptr, k_mean_ptr, k8_ptr, k8_t_ptr, k_scale_ptr, v8_t_p
 def _quantize_kernel(q_ptr, k_ptr, v_ptr, k_mean_ptr, q8_ptr, q8_t_ptr, q_scale_ptr,
                      q_mean_ptr, k8_ptr, k8_t_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr,
                      v_start_ptr, B: tl.constexpr, H: tl.constexpr, HKV: tl.constexpr,
-                     TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr, BQ: tl.constexpr,
-                     BK: tl.constexpr, MULTIPLIER: tl.constexpr, SMOOTH_Q: tl.constexpr,
+                     TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
+                     BLOCK_KV: tl.constexpr, MULTIPLIER: tl.constexpr, SMOOTH_Q: tl.constexpr,
                      PER_ROW: tl.constexpr, HAS_MEAN: tl.constexpr, Q_TRANSPOSED: tl.constexpr,
                      K_TRANSPOSED: tl.constexpr, BACKWARD_REGISTER_B: tl.constexpr,
                      FORWARD_REGISTER_B: tl.constexpr):
   # One program per block: Q's blocks first, then K's and V's, a block of each.
   i = tl.program_id(0)
-  q_blocks: tl.constexpr = B * H * (TQ // BQ)
+  q_blocks: tl.constexpr = B * H * (TQ // BLOCK_Q)
   if i < q_blocks:
-    _quantize_q(q_ptr, q8_ptr, q8_t_ptr, q_scale_ptr, q_mean_ptr, i, TQ, H, D, BQ,
+    _quantize_q(q_ptr, q8_ptr, q8_t_ptr, q_scale_ptr, q_mean_ptr, i, TQ, H, D, BLOCK_Q,
                 MULTIPLIER, SMOOTH_Q, PER_ROW, Q_TRANSPOSED, BACKWARD_REGISTER_B)
   else:
     _quantize_kv(k_ptr, v_ptr, k_mean_ptr, k8_ptr, k8_t_ptr, k_scale_ptr, v8_t_ptr,
-                 v_scale_ptr, v_start_ptr, i - q_blocks, TK, HKV, D, BK, HAS_MEAN,
+                 v_scale_ptr, v_start_ptr, i - q_blocks, TK, HKV, D, BLOCK_KV, HAS_MEAN,
                  K_TRANSPOSED, BACKWARD_REGISTER_B, FORWARD_REGISTER_B)
 
 
@@ -162,7 +162,7 @@ def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig, for_back
     outs = launch.call(
         _quantize_kernel, [q, k, v, placeholder(k_mean, f32)], out_shape, grid=(blocks,),
         name="sagebwd_triton_quantize", B=batch, H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
-        D=head_dim, BQ=config.block_q, BK=config.block_kv,
+        D=head_dim, BLOCK_Q=config.block_q, BLOCK_KV=config.block_kv,
         MULTIPLIER=config.scale * nm.LOG2_E, SMOOTH_Q=config.smooth_q,
         PER_ROW=config.q_per_token, HAS_MEAN=k_mean is not None, Q_TRANSPOSED=q_transposed,
         K_TRANSPOSED=for_backward, BACKWARD_REGISTER_B=backward_b,

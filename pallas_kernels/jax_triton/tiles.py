@@ -151,15 +151,15 @@ def score_tile(a8, b8, a_scale, b_scale, b_bias, SMOOTH_Q: tl.constexpr,
 
 @device_function
 def key_block_scores(q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_ptr, kv_ids_ptr, j,
-                     D: tl.constexpr, BK: tl.constexpr, LEFT: tl.constexpr,
+                     D: tl.constexpr, BLOCK_KV: tl.constexpr, LEFT: tl.constexpr,
                      RIGHT: tl.constexpr, IDS: tl.constexpr, SMOOTH_Q: tl.constexpr,
                      CONVERT: tl.constexpr):
   """`score_tile` of a query block (rows) against key block j (columns),
   `masked`; returns (x, c, keys, k_scale). The forward and dQ loop over key
   blocks with it."""
-  keys = j * BK + tl.arange(0, BK)
+  keys = j * BLOCK_KV + tl.arange(0, BLOCK_KV)
   k8 = tl.load(k8_ptr + keys[:, None] * D + tl.arange(0, D)[None, :])
-  k_scale = tl.load(k_scale_ptr + j * BK)
+  k_scale = tl.load(k_scale_ptr + j * BLOCK_KV)
   bias = q_smoothing_bias(k8, k_scale, q_mean)[None, :] if SMOOTH_Q else 0.0
   x, c = score_tile(q8, k8, q_scale, k_scale, bias, SMOOTH_Q, CONVERT)
   kv_ids = tl.load(kv_ids_ptr + keys)[None, :] if IDS else 0
@@ -212,7 +212,7 @@ def token_offsets(b, rows, h, T: tl.constexpr, H: tl.constexpr, D: tl.constexpr)
 
 
 @device_function
-def block_rows(t, BLOCK: tl.constexpr, REGISTER_B: tl.constexpr):
+def block_tokens(t, BLOCK: tl.constexpr, REGISTER_B: tl.constexpr):
   """The tokens of block t, in order or, for a REGISTER_B layout
   (types.TransposedLayout), in its order: position 4c + 2h + e of each 16
   holds token 8h + 2c + e (layouts.permute_keys). A quantization kernel loads
@@ -228,7 +228,7 @@ def block_rows(t, BLOCK: tl.constexpr, REGISTER_B: tl.constexpr):
 def store_transposed(x8_t_ptr, x8, rows, head, t, T: tl.constexpr, D: tl.constexpr,
                      BLOCK: tl.constexpr, REGISTER_B: tl.constexpr):
   """Stores block t of int8 rows `x8` (BLOCK, D), row i token rows[i]
-  (`block_rows`), of head `head` into a transposed array in its layout:
+  (`block_tokens`), of head `head` into a transposed array in its layout:
   (heads, D, T), or REGISTER_B (heads, T // BLOCK, D, BLOCK), one contiguous tile."""
   dims = tl.arange(0, D)
   if REGISTER_B:
@@ -255,8 +255,8 @@ def masked(x, q_pos, kv_pos, q_ids, kv_ids, LEFT: tl.constexpr, RIGHT: tl.conste
 
 
 @device_function
-def kv_range(i, BQ: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, LEFT: tl.constexpr,
-             RIGHT: tl.constexpr):
+def kv_range(i, TILE_Q: tl.constexpr, BLOCK_KV: tl.constexpr, NK: tl.constexpr,
+             LEFT: tl.constexpr, RIGHT: tl.constexpr):
   """causal_blocks.kv_range (at least one side bounded): key blocks [start,
   full_start) and [full_end, end) masked, [full_start, full_end) whole.
   Triton's integer division truncates toward 0, as lax.div there."""
@@ -265,18 +265,18 @@ def kv_range(i, BQ: tl.constexpr, BK: tl.constexpr, NK: tl.constexpr, LEFT: tl.c
   full_end = NK
   end = NK
   if RIGHT is not None:
-    full_end = tl.minimum((i * BQ + RIGHT) // BK, NK)
-    end = tl.minimum(((i + 1) * BQ + RIGHT + BK - 1) // BK, NK)
+    full_end = tl.minimum((i * TILE_Q + RIGHT) // BLOCK_KV, NK)
+    end = tl.minimum(((i + 1) * TILE_Q + RIGHT + BLOCK_KV - 1) // BLOCK_KV, NK)
   if LEFT is not None:
-    start = _clip((i * BQ - LEFT) // BK, 0, end)
-    full_start = _clip(((i + 1) * BQ - LEFT + BK - 2) // BK, start, end)
+    start = _clip((i * TILE_Q - LEFT) // BLOCK_KV, 0, end)
+    full_start = _clip(((i + 1) * TILE_Q - LEFT + BLOCK_KV - 2) // BLOCK_KV, start, end)
     full_end = _clip(full_end, full_start, end)
   return start, full_start, full_end, end
 
 
 @device_function
-def q_range(j, BQ: tl.constexpr, BK: tl.constexpr, NQ: tl.constexpr, LEFT: tl.constexpr,
-            RIGHT: tl.constexpr):
+def q_range(j, BLOCK_Q: tl.constexpr, TILE_KV: tl.constexpr, NQ: tl.constexpr,
+            LEFT: tl.constexpr, RIGHT: tl.constexpr):
   """causal_blocks.q_range (at least one side bounded): query blocks [start,
   full_start) and [full_end, end) masked, [full_start, full_end) whole."""
   start = 0
@@ -284,12 +284,12 @@ def q_range(j, BQ: tl.constexpr, BK: tl.constexpr, NQ: tl.constexpr, LEFT: tl.co
   full_end = NQ
   end = NQ
   if RIGHT is not None:
-    start = _clip((j * BK - RIGHT) // BQ, 0, NQ)
-    full_start = _clip(((j + 1) * BK + BQ - 2 - RIGHT) // BQ, 0, NQ)
+    start = _clip((j * TILE_KV - RIGHT) // BLOCK_Q, 0, NQ)
+    full_start = _clip(((j + 1) * TILE_KV + BLOCK_Q - 2 - RIGHT) // BLOCK_Q, 0, NQ)
   if LEFT is not None:
-    end = _clip(((j + 1) * BK + LEFT + BQ - 1) // BQ, start, NQ)
+    end = _clip(((j + 1) * TILE_KV + LEFT + BLOCK_Q - 1) // BLOCK_Q, start, NQ)
     full_start = _clip(full_start, start, end)
-    full_end = _clip((j * BK + LEFT) // BQ, full_start, end)
+    full_end = _clip((j * TILE_KV + LEFT) // BLOCK_Q, full_start, end)
   return start, full_start, full_end, end
 
 

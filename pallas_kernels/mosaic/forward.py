@@ -116,9 +116,9 @@ def _finalize(acc, e, l):
   return acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0]), lse
 
 
-def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, causal: bool,
+def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v_scale, inv_v_scale, *, causal: bool,
                   out_dtype, tuning: ForwardTuning):
-  """q8 (B, H, Tq, D); k8 (B, Hkv, Tk / 64, 64, D); vt8 REGISTER_B (B, Hkv,
+  """q8 (B, H, Tq, D); k8 (B, Hkv, Tk / 64, 64, D); v8_t REGISTER_B (B, Hkv,
   Tk / 64, D, 64); Q's and K's scales per token, V's folded ones per block.
   Where Tq is not whole CTA tiles, the last CTA's last warpgroup computes the
   last query block again (the same values, stored twice) rather than pad Q."""
@@ -265,7 +265,7 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
       kernel, tuning=tuning, scratch=scratch, barriers=barriers, out_type=out_type,
       grid=(heads, num_q_tiles, batch), grid_names=("heads", "q_seq", "batch"),
       name="sagebwd_forward_mosaic",
-  )(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale)
+  )(q8, q_scale, k8, k_scale, v8_t, log2_v_scale, inv_v_scale)
 
 
 def forward_mosaic(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
