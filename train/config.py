@@ -18,7 +18,7 @@ import math
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 
 @dataclass
@@ -57,19 +57,19 @@ class Config:
   # Share the token embedding with the output layer.
   tie_embeddings: bool = False
   # sage: SageBwd INT8 (Mosaic on H100/H200, Triton on other GPUs, pure JAX on CPU); full: jax.nn; reference: pure-JAX SageBwd.
-  attention: str = "sage"
+  attention: Literal["sage", "full", "reference"] = "sage"
   # Subtract K's per-channel mean before quantizing (sage, reference).
   smooth_k: bool = True
   # Per-block Q-smoothing (sage, reference).
   smooth_q: bool = False
   # Precision of the backward's dS.K and dS^T.Q: int8 (SageBwd's) or bf16 (16-bit; sage, reference).
-  ds_precision: str = "int8"
+  ds_precision: Literal["int8", "bf16"] = "int8"
   # Compute dtype; parameters and optimizer state stay float32.
-  dtype: str = "bfloat16"
+  dtype: Literal["bfloat16", "float32"] = "bfloat16"
   # Stack the blocks' parameters and run them under jax.lax.scan: the step compiles one block, whatever --n-layers (checkpoints are the same either way).
   scan_layers: bool = False
   # What each block keeps for the backward: none (everything), full (its input: the block runs again), dots (its weight products).
-  remat: str = "none"
+  remat: Literal["none", "full", "dots"] = "none"
 
   # --- data ---
   # Text files, folders (every text file inside) or one nanoGPT .bin of uint16 tokens; default: this Python's stdlib sources.
@@ -147,11 +147,13 @@ PRESETS: dict[str, dict[str, Any]] = {
                 keep=3),
 }
 
-# The model flags' choices are LlamaConfig's Literals (tests/test_train.py ties
-# them): spelled out, because this module is read by processes that import no
-# jax (the study's parent), and sagebwd_jax imports it.
-CHOICES = {"attention": ("sage", "full", "reference"), "dtype": ("bfloat16", "float32"),
-           "ds_precision": ("int8", "bf16"), "remat": ("none", "full", "dots")}
+# The values each Literal field takes. The model flags' Literals are
+# LlamaConfig's (tests/test_train.py ties them), spelled out because this
+# module is read by processes that import no jax (the study's parent), and
+# sagebwd_jax imports it.
+CHOICES: dict[str, tuple[str, ...]] = {
+    name: get_args(kind) for name, kind in get_type_hints(Config).items()
+    if get_origin(kind) is Literal}
 
 
 @dataclass(frozen=True)
