@@ -1,9 +1,13 @@
 """The arithmetic rules every SageBwd implementation shares.
 
-The Mosaic GPU kernels and the pure-JAX reference call these same functions
-on tiles of the same shape, and the Triton kernels follow them in Triton's
-language (jax_triton/tiles.py), so the int8 values they form agree bit for
-bit (one rounding rule, docs/algorithm.md). The kernels round and convert
+The pure-JAX reference calls these functions on tiles of the kernels' shape;
+the Mosaic GPU kernels call them where their operands allow (quantization,
+P^T's rows, V's folded scales) and restate the rest in their own operand
+forms (the forward's softmax step: `folded_softmax_step`), and the Triton
+kernels restate them in Triton's language (jax_triton/tiles.py, which names
+the rule each helper follows). So the int8 values they form agree bit for bit
+(one rounding rule, docs/algorithm.md); the tests hold each restatement to the
+reference (tests/test_mosaic.py, tests/test_triton_kernels.py). The kernels round and convert
 with fp32 bit tricks (the magic constants below: exact, and cheaper on the
 GPU); the reference does not, because XLA:GPU fusions were measured to
 miscompile them (wrong int8 under jit on an H200, right op by op).
