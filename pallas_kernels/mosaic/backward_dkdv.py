@@ -69,6 +69,8 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
     q_bars, q8_t_bars, do_bars, do8_t_bars, lse_bars, delta_bars = ring_bars
     cta_start = q_range(t * wgs)[0]
     end = jnp.int32(num_q_blocks)
+    block = pipeline.staggered(t, num_q_blocks) if tuning.stagger and not causal else (
+        lambda i: i)
     ring = pipeline.Ring(tuning.max_concurrent_steps)
     schedule = pipeline.Schedule(sched, tuning)
 
@@ -84,7 +86,8 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
 
       def q_step(i, carry, *, masked: bool):
         dk, dv = carry
-        slot, rows = ring.slot(i), pl.ds(i * BLOCK, BLOCK)
+        slot, i = ring.slot(i), block(i)
+        rows = pl.ds(i * BLOCK, BLOCK)
         q_scale = qs_ref[b, h, i * BLOCK]
         do_scale = dos_ref[b, h, i * BLOCK]
         plgpu.barrier_wait(q_bars.at[slot])
@@ -138,14 +141,16 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
 
     def producer():
       def load(i, slot):
+        i = block(i)
         rows = pl.ds(i * BLOCK, BLOCK)
         plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_ring.at[slot], q_bars.at[slot])
         plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_ring.at[slot], do_bars.at[slot])
         plgpu.copy_gmem_to_smem(do8_t_ref.at[b, h, i], do8_t_ring.at[slot], do8_t_bars.at[slot])
         plgpu.copy_gmem_to_smem(q8_t_ref.at[b, h, i], q8_t_ring.at[slot], q8_t_bars.at[slot])
-        plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_ring.at[slot], lse_bars.at[slot])
-        plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_ring.at[slot],
-                                delta_bars.at[slot])
+        if tuning.rows_by_tma:
+          plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_ring.at[slot], lse_bars.at[slot])
+          plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_ring.at[slot],
+                                  delta_bars.at[slot])
 
       pipeline.stream(ring, first=cta_start, end=end, load=load, consumed=(consumed,))
 

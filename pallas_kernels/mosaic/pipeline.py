@@ -125,6 +125,14 @@ class Ring:
     return lax.rem(i, jnp.array(self.slots, i.dtype))
 
 
+def staggered(cta, blocks: int) -> Callable:
+  """The block of each step when CTA `cta` starts its loop at block `cta`
+  (mod `blocks`) and wraps around: without masking the CTAs of one head would
+  otherwise load the same tile at the same time."""
+  first = lax.rem(cta, jnp.array(blocks, cta.dtype))
+  return lambda i: lax.rem(i + first, jnp.array(blocks, i.dtype))
+
+
 def stream(ring: Ring, *, first, end, load: Callable, consumed: Sequence):
   """The producer's loop: `load(i, slot)` tiles i in [first, end), each once
   the compute warpgroups released the slot's previous tile on every barrier
