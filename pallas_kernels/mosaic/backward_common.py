@@ -42,7 +42,6 @@ class BackwardTuning(pipeline.Tuning):
   (docs/performance.md)."""
 
   rows_by_tma: bool = True  # EXPERIMENT: dK/dV's lse and Delta streamed through the ring
-  stagger: bool = True  # EXPERIMENT: without masking, each CTA starts at its own block
 
 
 def magic(shape=TILE):

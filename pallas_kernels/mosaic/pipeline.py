@@ -40,6 +40,7 @@ class Tuning:
   compute_wgs: int = 2
   max_concurrent_steps: int = 2
   schedule_barrier: bool = True
+  stagger: bool = True  # EXPERIMENT: without masking, each CTA starts at its own block
 
   def __post_init__(self):
     # One or two 64-row blocks fit a 128-token step or CTA tile, so with
@@ -129,8 +130,8 @@ def staggered(cta, blocks: int) -> Callable:
   """The block of each step when CTA `cta` starts its loop at block `cta`
   (mod `blocks`) and wraps around: without masking the CTAs of one head would
   otherwise load the same tile at the same time."""
-  first = lax.rem(cta, jnp.array(blocks, cta.dtype))
-  return lambda i: lax.rem(i + first, jnp.array(blocks, i.dtype))
+  first = lax.rem(cta, jnp.int32(blocks))
+  return lambda i: lax.rem(jnp.asarray(i, jnp.int32) + first, jnp.int32(blocks))
 
 
 def stream(ring: Ring, *, first, end, load: Callable, consumed: Sequence):
