@@ -1,8 +1,8 @@
 """The dK/dV backward kernel for Hopper (Mosaic GPU, `plgpu.kernel`).
 
 Each CTA owns `compute_wgs` blocks of 64 keys, one per compute warpgroup, and
-a producer warpgroup streams the query side (Q8, Q8^T, dO, dO8^T of one
-64-query block a step) by TMA through a ring. Per step a warpgroup computes,
+a producer warpgroup streams the query side (Q8, Q8^T, dO, dO8^T, and the
+rows' lse and Delta, of one 64-query block a step) by TMA through a ring. Per step a warpgroup computes,
 on transposed tiles (rows are its keys, columns the step's queries):
 
   S^T = K8.Q8^T (int8, biased accumulator);
@@ -69,8 +69,6 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
     q_bars, q8_t_bars, do_bars, do8_t_bars, lse_bars, delta_bars = ring_bars
     cta_start = q_range(t * wgs)[0]
     end = jnp.int32(num_q_blocks)
-    block = pipeline.staggered(t, num_q_blocks) if tuning.stagger and not causal else (
-        lambda i: i)
     ring = pipeline.Ring(tuning.max_concurrent_steps)
     schedule = pipeline.Schedule(sched, tuning)
 
@@ -86,8 +84,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
 
       def q_step(i, carry, *, masked: bool):
         dk, dv = carry
-        slot, i = ring.slot(i), block(i)
-        rows = pl.ds(i * BLOCK, BLOCK)
+        slot = ring.slot(i)
         q_scale = qs_ref[b, h, i * BLOCK]
         do_scale = dos_ref[b, h, i * BLOCK]
         plgpu.barrier_wait(q_bars.at[slot])
@@ -95,18 +92,12 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
         f = bc.as_float(s)
         if masked:
           f = bc.causal_mask(f, row_start=j * BLOCK, col_start=i * BLOCK, rows_are_keys=True)
-        if tuning.rows_by_tma:
-          plgpu.barrier_wait(lse_bars.at[slot])
-          lse = bc.col_vector(lse_ring.at[slot])
-        else:
-          lse = bc.col_vector(lse_ref.at[b, h, rows])
+        plgpu.barrier_wait(lse_bars.at[slot])
+        lse = bc.col_vector(lse_ring.at[slot])
         pq, top = nm.unsigned_rows(bc.exponent(f, q_scale * k_scale, lse, along=1))
         # dP^T only now: with S^T, pq and dK, dV it would not fit the registers.
-        if tuning.rows_by_tma:
-          plgpu.barrier_wait(delta_bars.at[slot])
-          delta = bc.col_vector(delta_ring.at[slot])
-        else:
-          delta = bc.col_vector(delta_ref.at[b, h, rows])
+        plgpu.barrier_wait(delta_bars.at[slot])
+        delta = bc.col_vector(delta_ring.at[slot])
         minus_delta = -lax.broadcast_in_dim(delta, bc.TILE, [1])
         plgpu.barrier_wait(do_bars.at[slot])
         (dp,) = bc.products([(v_smem, do_ring.at[slot])], [minus_delta])
@@ -141,16 +132,14 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
 
     def producer():
       def load(i, slot):
-        i = block(i)
         rows = pl.ds(i * BLOCK, BLOCK)
         plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_ring.at[slot], q_bars.at[slot])
         plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_ring.at[slot], do_bars.at[slot])
         plgpu.copy_gmem_to_smem(do8_t_ref.at[b, h, i], do8_t_ring.at[slot], do8_t_bars.at[slot])
         plgpu.copy_gmem_to_smem(q8_t_ref.at[b, h, i], q8_t_ring.at[slot], q8_t_bars.at[slot])
-        if tuning.rows_by_tma:
-          plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_ring.at[slot], lse_bars.at[slot])
-          plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_ring.at[slot],
-                                  delta_bars.at[slot])
+        plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_ring.at[slot], lse_bars.at[slot])
+        plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_ring.at[slot],
+                                delta_bars.at[slot])
 
       pipeline.stream(ring, first=cta_start, end=end, load=load, consumed=(consumed,))
 

@@ -65,8 +65,6 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, causal: bool,
     q_smem2, do_smem2, k_ring, k8_t_ring, v_ring, dq_smem2 = smem
     k_bars, k8_t_bars, v_bars = ring_bars
     cta_end = kv_range(t * wgs + wgs - 1)[1]
-    block = pipeline.staggered(t, num_kv_blocks) if tuning.stagger and not causal else (
-        lambda j: j)
     ring = pipeline.Ring(tuning.max_concurrent_steps)
     schedule = pipeline.Schedule(sched, tuning)
 
@@ -83,7 +81,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, causal: bool,
       plgpu.barrier_wait(do_bars.at[wg])
 
       def kv_step(j, dq, *, masked: bool):
-        slot, j = ring.slot(j), block(j)
+        slot = ring.slot(j)
         k_scale = ks_ref[b, kvh, j * BLOCK]
         plgpu.barrier_wait(k_bars.at[slot])
         plgpu.barrier_wait(v_bars.at[slot])
@@ -114,7 +112,6 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, causal: bool,
 
     def producer():
       def load(j, slot):
-        j = block(j)
         kv = pl.ds(j * BLOCK, BLOCK)
         plgpu.copy_gmem_to_smem(k_ref.at[b, kvh, kv], k_ring.at[slot], k_bars.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[b, kv, kvh], v_ring.at[slot], v_bars.at[slot])

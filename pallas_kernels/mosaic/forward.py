@@ -148,8 +148,6 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
     # Key steps the CTA's query blocks see (the same for each of its warpgroups).
     cta_steps = lax.div(t * wgs * BLOCK, jnp.array(KV_STEP, t.dtype)) + 1 if causal else num_steps
     schedule = pipeline.Schedule(sched, tuning)
-    block = pipeline.staggered(t, num_steps) if tuning.stagger and not causal else (
-        lambda j: j)
 
     def compute():
       q_block = t * wgs + wg
@@ -165,7 +163,7 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
         """Per half: (c_h, log2 v_scale_h, 1 / v_scale_h)."""
         out = []
         for half in range(halves):
-          blk = block(j) * halves + half
+          blk = j * halves + half
           c = positive_scale(q_scale * ks_ref[b, kvh, blk * BLOCK])
           out.append((c, lsv_ref[b, kvh, blk], isv_ref[b, kvh, blk]))
         return tuple(out)
@@ -238,7 +236,7 @@ def _forward_call(q8, q_scale, k8, k_scale, vt8, log2_v_scale, inv_v_scale, *, c
 
     def producer():
       def load(j, slot):
-        blocks = pl.ds(block(j) * halves, halves)
+        blocks = pl.ds(j * halves, halves)
         plgpu.copy_gmem_to_smem(k_ref.at[b, kvh, blocks], k_smem.at[slot], k_bars.at[slot])
         plgpu.copy_gmem_to_smem(vt_ref.at[b, kvh, blocks], vt_smem.at[slot], v_bars.at[slot])
 

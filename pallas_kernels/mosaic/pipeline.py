@@ -3,8 +3,8 @@
 A CTA holds `Tuning.compute_wgs` compute warpgroups and one producer
 warpgroup (`kernel`, `split`), which share the register file by setmaxnreg
 (`Registers`). The producer streams the tiles of the side a kernel loops
-over (keys and values in the forward and dQ, queries and cotangents in
-dK/dV) by TMA into a ring of `Ring.slots` shared-memory slots (`stream`):
+over (keys and values in the forward and dQ; queries, cotangents and their
+rows' lse and Delta in dK/dV) by TMA into a ring of `Ring.slots` shared-memory slots (`stream`):
 a slot's load barrier says its tile arrived; every compute warpgroup
 arrives on the slot's `consumed` barrier once done with it (`release` for
 tiles a warpgroup skips), which lets the producer load the tile `slots`
@@ -40,7 +40,6 @@ class Tuning:
   compute_wgs: int = 2
   max_concurrent_steps: int = 2
   schedule_barrier: bool = True
-  stagger: bool = True  # EXPERIMENT: without masking, each CTA starts at its own block
 
   def __post_init__(self):
     # One or two 64-row blocks fit a 128-token step or CTA tile, so with
@@ -124,14 +123,6 @@ class Ring:
 
   def slot(self, i):
     return lax.rem(i, jnp.array(self.slots, i.dtype))
-
-
-def staggered(cta, blocks: int) -> Callable:
-  """The block of each step when CTA `cta` starts its loop at block `cta`
-  (mod `blocks`) and wraps around: without masking the CTAs of one head would
-  otherwise load the same tile at the same time."""
-  first = lax.rem(cta, jnp.int32(blocks))
-  return lambda i: lax.rem(jnp.asarray(i, jnp.int32) + first, jnp.int32(blocks))
 
 
 def stream(ring: Ring, *, first, end, load: Callable, consumed: Sequence):
