@@ -34,6 +34,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+import benchmarks
 from sagebwd_jax import dot_product_attention
 
 ALARM = "Constant folding an instruction is taking"
@@ -212,8 +213,7 @@ def report_chain(calls: list[int], cuda: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.compile_time",
-                                   description=__doc__.split("\n\n")[0])
+  parser = benchmarks.parser(__doc__, "benchmarks.compile_time")
   parser.add_argument("--part", choices=("op", "chain", "all"), default="all",
                       help="(a) op: the op against jax.nn; (b) chain: n chained calls")
   parser.add_argument("--calls", default="1,2,4,12", help="chain: the values of n")

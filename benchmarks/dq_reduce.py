@@ -16,7 +16,6 @@ BF16's whole backward at the same shape for scale. Needs a Hopper GPU.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 
@@ -26,6 +25,7 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
+import benchmarks
 from benchmarks.attention import time_call, write_csv
 
 ROWS = 64  # query rows of one dQ partial tile
@@ -64,9 +64,7 @@ def reduce_kernel(heads: int, seq: int, head_dim: int, keys_per_cta: int, dtype,
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                   formatter_class=argparse.RawDescriptionHelpFormatter,
-                                   epilog=__doc__.split("\n\n", 2)[2])
+  parser = benchmarks.parser(__doc__, "benchmarks.dq_reduce")
   parser.add_argument("--batch", type=int, default=4)
   parser.add_argument("--seq", type=int, default=4096)
   parser.add_argument("--heads", type=int, default=16)
@@ -74,6 +72,7 @@ def main():
   parser.add_argument("--out", default=os.environ.get("OUT"),
                       help="folder for dq_reduce.csv (default $OUT; none: no file)")
   args = parser.parse_args()
+  benchmarks.require_gpu("benchmarks.dq_reduce")
   if not any(getattr(dev, "compute_capability", None) == "9.0" for dev in jax.devices()):
     parser.error(f"needs a Hopper GPU (sm_90: TMA reduce-add); this machine has "
                  f"{jax.devices()}")

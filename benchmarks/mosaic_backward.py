@@ -37,7 +37,6 @@ VARIANTS = {
     "mosaic_no_sched": BackwardTuning(schedule_barrier=False),
     "mosaic_3st": BackwardTuning(max_concurrent_steps=3),
     "mosaic_1wg": BackwardTuning(compute_wgs=1, schedule_barrier=False),
-    "rows_from_gmem": BackwardTuning(rows_by_tma=False),
 }
 
 

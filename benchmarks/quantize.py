@@ -26,12 +26,12 @@ Issue 31's bar: every pass at >= 0.70 of the copy. Writes quantize.csv to
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import jax
 import jax.numpy as jnp
 
+import benchmarks
 from benchmarks.attention import time_call, write_csv
 from benchmarks.breakdown import profile
 from pallas_kernels.jax_triton.backend import TritonBackend
@@ -97,12 +97,13 @@ def row(shape: str, name: str, read: int, written: int, seconds: float, copy: fl
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = benchmarks.parser(__doc__, "benchmarks.quantize")
   parser.add_argument("--shapes", default="4x4096x16x128,16x1024x16x128",
                       help="B x T x H x D, comma-separated")
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--out", default=os.environ.get("OUT"))
   args = parser.parse_args()
+  benchmarks.require_gpu("benchmarks.quantize")
   if jax.default_backend() != "gpu":
     raise SystemExit("benchmarks.quantize times GPU kernels: run it on a GPU")
 

@@ -3,10 +3,10 @@
     python -m benchmarks.train_step [--preset small --seq-len 8192 --batch-size 2 --steps 20]
 
 Runs `python -m train` once per `--attention` (sage, full) with the same
-flags, in temporary run folders, and prints each one's median step time (the
-first step, which compiles, excluded), the speed ratio, and the largest
-difference between the two runs' training losses over the steps. Extra
-flags after `--` go to `train` unchanged.
+flags, in temporary run folders and without checkpoints, and prints each
+one's median step time (the first step, which compiles, excluded), the speed
+ratio, and the largest difference between the two runs' training losses over
+the steps. Extra flags after `--` go to `train` unchanged.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ def run(attention: str, args: argparse.Namespace, extra: list[str], root: str) -
   cmd = [sys.executable, "-m", "train", "--preset", args.preset, "--seq-len", str(args.seq_len),
          "--batch-size", str(args.batch_size), "--grad-accum", "1", "--steps", str(args.steps),
          "--warmup", str(min(args.steps, 10)), "--eval-every", str(args.steps),
+         "--ckpt-every", "0",
          "--attention", attention, "--out", out, *extra]
   subprocess.run(cmd, check=True)
   with open(os.path.join(out, "metrics.jsonl")) as f:

@@ -198,7 +198,8 @@ def test_help_shows_the_whole_docstring_and_every_choice(script, monkeypatch, ca
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the refusal is for machines "
                     "without a GPU")
 @pytest.mark.parametrize("script,flags", [("attention", ["--quick"]), ("breakdown", []),
-                                          ("tune", []), ("train_step", [])])
+                                          ("tune", []), ("train_step", []),
+                                          ("dq_reduce", []), ("quantize", [])])
 def test_gpu_benchmarks_refuse_without_a_gpu(script, flags, monkeypatch):
   module = importlib.import_module(f"benchmarks.{script}")
   monkeypatch.setattr(sys, "argv", [script, *flags])

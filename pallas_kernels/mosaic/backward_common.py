@@ -41,8 +41,6 @@ class BackwardTuning(pipeline.Tuning):
   schedule barrier. `python -m benchmarks.mosaic_backward` times them
   (docs/performance.md)."""
 
-  rows_by_tma: bool = True  # EXPERIMENT: dK/dV's lse and Delta streamed through the ring
-
 
 def magic(shape=TILE):
   """An int32 WGMMA-layout tile of 0x4B400000, the accumulators' start."""

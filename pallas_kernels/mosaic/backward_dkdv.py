@@ -1,8 +1,8 @@
 """The dK/dV backward kernel for Hopper (Mosaic GPU, `plgpu.kernel`).
 
 Each CTA owns `compute_wgs` blocks of 64 keys, one per compute warpgroup, and
-a producer warpgroup streams the query side (Q8, Q8^T, dO, dO8^T of one
-64-query block a step) by TMA through a ring. Per step a warpgroup computes,
+a producer warpgroup streams the query side (Q8, Q8^T, dO, dO8^T, and the
+rows' lse and Delta, of one 64-query block a step) by TMA through a ring. Per step a warpgroup computes,
 on transposed tiles (rows are its keys, columns the step's queries):
 
   S^T = K8.Q8^T (int8, biased accumulator);
@@ -84,7 +84,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
 
       def q_step(i, carry, *, masked: bool):
         dk, dv = carry
-        slot, rows = ring.slot(i), pl.ds(i * BLOCK, BLOCK)
+        slot = ring.slot(i)
         q_scale = qs_ref[b, h, i * BLOCK]
         do_scale = dos_ref[b, h, i * BLOCK]
         plgpu.barrier_wait(q_bars.at[slot])
@@ -92,18 +92,12 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
         f = bc.as_float(s)
         if masked:
           f = bc.causal_mask(f, row_start=j * BLOCK, col_start=i * BLOCK, rows_are_keys=True)
-        if tuning.rows_by_tma:
-          plgpu.barrier_wait(lse_bars.at[slot])
-          lse = bc.col_vector(lse_ring.at[slot])
-        else:
-          lse = bc.col_vector(lse_ref.at[b, h, rows])
+        plgpu.barrier_wait(lse_bars.at[slot])
+        lse = bc.col_vector(lse_ring.at[slot])
         pq, top = nm.unsigned_rows(bc.exponent(f, q_scale * k_scale, lse, along=1))
         # dP^T only now: with S^T, pq and dK, dV it would not fit the registers.
-        if tuning.rows_by_tma:
-          plgpu.barrier_wait(delta_bars.at[slot])
-          delta = bc.col_vector(delta_ring.at[slot])
-        else:
-          delta = bc.col_vector(delta_ref.at[b, h, rows])
+        plgpu.barrier_wait(delta_bars.at[slot])
+        delta = bc.col_vector(delta_ring.at[slot])
         minus_delta = -lax.broadcast_in_dim(delta, bc.TILE, [1])
         plgpu.barrier_wait(do_bars.at[slot])
         (dp,) = bc.products([(v_smem, do_ring.at[slot])], [minus_delta])

@@ -3,8 +3,8 @@
 A CTA holds `Tuning.compute_wgs` compute warpgroups and one producer
 warpgroup (`kernel`, `split`), which share the register file by setmaxnreg
 (`Registers`). The producer streams the tiles of the side a kernel loops
-over (keys and values in the forward and dQ, queries and cotangents in
-dK/dV) by TMA into a ring of `Ring.slots` shared-memory slots (`stream`):
+over (keys and values in the forward and dQ; queries, cotangents and their
+rows' lse and Delta in dK/dV) by TMA into a ring of `Ring.slots` shared-memory slots (`stream`):
 a slot's load barrier says its tile arrived; every compute warpgroup
 arrives on the slot's `consumed` barrier once done with it (`release` for
 tiles a warpgroup skips), which lets the producer load the tile `slots`
