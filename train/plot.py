@@ -19,7 +19,6 @@ thick one for the largest over the layers, one colour per run.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 
@@ -30,6 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from train.metrics import TELEMETRY_VALUES, MetricsError, kind, read  # noqa: E402
+from train.rundir import RunError, saved_config  # noqa: E402
 
 TELEMETRY_TITLES = {"o_rel_l2": "O rel. L2", "dq_rel_l2": "dQ rel. L2",
                     "dk_rel_l2": "dK rel. L2", "dv_rel_l2": "dV rel. L2",
@@ -53,16 +53,12 @@ def load_run(run: str) -> tuple[str, list[dict], dict]:
   rows = read(path)
   if not rows:
     raise MetricsError(f"{path} has no rows: the run has not logged a step yet")
-  config = {}
-  config_path = os.path.join(os.path.dirname(path), "config.json")
-  if os.path.isfile(config_path):
-    try:
-      with open(config_path) as f:
-        config = json.load(f)
-    except (OSError, ValueError) as e:
-      raise ValueError(f"cannot read {config_path}: {e}") from e
+  try:
+    config = saved_config(os.path.dirname(path)) or {}
+  except RunError as e:
+    raise ValueError(str(e)) from e
   name = os.path.basename(os.path.abspath(os.path.dirname(path)))
-  return name, rows, config if isinstance(config, dict) else {}
+  return name, rows, config
 
 
 def _vocab(config: dict) -> int | None:

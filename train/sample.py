@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import codecs
 import dataclasses
-import json
 import math
 import os
 import sys
 from collections.abc import Iterator
 
-from train.rundir import RunError, config_path
+from train.rundir import RunError, config_path, saved_config
 
 
 def load_config(run: str):
@@ -31,10 +30,11 @@ def load_config(run: str):
   from train.config import Config
   path = config_path(run)
   try:
-    with open(path) as f:
-      saved = json.load(f)
-  except (OSError, ValueError) as e:
-    raise RunError(f"{run!r} is not a run folder: cannot read {path} ({e})") from e
+    saved = saved_config(run)
+  except RunError as e:
+    raise RunError(f"{run!r} is not a run folder: {e}") from e
+  if saved is None:
+    raise RunError(f"{run!r} is not a run folder: it has no {path}")
   known = {f.name for f in dataclasses.fields(Config)}
   cfg = Config(**{k: v for k, v in saved.items() if k in known})
   if not cfg.vocab_size:
