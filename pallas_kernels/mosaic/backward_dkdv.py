@@ -2,8 +2,9 @@
 
 Each CTA owns `compute_wgs` blocks of 64 keys, one per compute warpgroup, and
 a producer warpgroup streams the query side (Q8, Q8^T, dO, dO8^T, and the
-rows' lse and Delta, of one 64-query block a step) by TMA through a ring. Per step a warpgroup computes,
-on transposed tiles (rows are its keys, columns the step's queries):
+rows' lse and Delta, of one 64-query block a step) by TMA through a ring.
+Per step a warpgroup computes, on transposed tiles (rows are its keys,
+columns the step's queries):
 
   S^T = K8.Q8^T (int8, biased accumulator);
   pq = 255 * exp2(a - rowmax(a)), a the exponent of P^T (`backward_common`),
@@ -179,8 +180,7 @@ def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
   Same contract as `triton.backward_dkdv.backward_dkdv` for the cases
   `mosaic.common.supports` accepts, with whole CTA tiles, but Q8^T and dO8^T
   REGISTER_B (`types.Layouts`); P^T quantized as `backend.MOSAIC_NUMERICS`
-  says. With GQA the per-query-head
-  partials are kept in fp32 until summed.
+  says. With GQA the per-query-head partials are kept in fp32 until summed.
   """
   check_supported(qkv, masks, config, "backward_dkdv_mosaic", tuning.compute_wgs * BLOCK)
   for name, x8_t in (("q8_t", qkv.q8_t), ("do8_t", do8_t)):
