@@ -236,7 +236,7 @@ def _sage(name: str | Backend, query, key, value, case: _Case, return_residual: 
   config = case.config
   backend = _backend(name, config.causal) if isinstance(name, str) else name
   block_q, block_kv = config.block_q, config.block_kv
-  if (not isinstance(backend, ReferenceBackend) and _platform() in _GPU_PLATFORMS
+  if (_runs_kernels(backend) and _platform() in _GPU_PLATFORMS
       and min(block_q, block_kv) < arguments.MIN_DEFAULT_BLOCK):
     raise NotImplementedError(
         f"block_q={block_q}, block_kv={block_kv}: the compiled kernels give a wrong dQ with "
@@ -300,6 +300,13 @@ def _is_backend(x) -> bool:
       for method in ("layouts", "reference_numerics", "quantize", "forward", "backward"))
 
 
+def _runs_kernels(name: str | Backend) -> bool:
+  """Whether an implementation (a name or a backend object) runs GPU kernels."""
+  if isinstance(name, str):
+    return name in KERNEL_IMPLEMENTATIONS
+  return not isinstance(name, ReferenceBackend)
+
+
 def _implementations(implementation) -> tuple[str | Backend, ...]:
   """`implementation` as the names (or backend objects) to try, in order."""
   if implementation is None:
@@ -322,8 +329,7 @@ def _check_no_auto_sharding(names: tuple[str | Backend, ...], *arrays: jax.Array
   `shard_map`. Refuses, with what to do, the cases visible at trace time:
   an explicit mesh in context, or concrete arrays spread over devices."""
   first = names[0]
-  if (first not in KERNEL_IMPLEMENTATIONS if isinstance(first, str)
-      else isinstance(first, ReferenceBackend)):
+  if not _runs_kernels(first):
     return
   mesh = jax.sharding.get_abstract_mesh()
   automatic = [name for name, kind in zip(mesh.axis_names, mesh.axis_types)
@@ -393,4 +399,3 @@ def _device() -> jax.Device:
 
 def _hopper() -> bool:
   return getattr(_device(), "compute_capability", None) == "9.0"
-

@@ -27,4 +27,3 @@ class TestTritonInterpret(AttentionTestBase):
       "tq,tk": [(100, 75), (17, 200)],
       "dtype": [jax.numpy.float16, jax.numpy.bfloat16],
   }
-

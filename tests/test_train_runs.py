@@ -292,8 +292,8 @@ def test_checkpoints_are_the_same_with_scan_layers(tmp_path):
   restored = ckpts.restore(scanned, 1)
   stacked = restored["params"]["blocks"]
   for layer in range(2):
-    for mine, saved in zip(jax.tree.leaves(stacked), jax.tree.leaves(plain["params"]["blocks"][layer]),
-                           strict=True):
+    saved_layer = jax.tree.leaves(plain["params"]["blocks"][layer])
+    for mine, saved in zip(jax.tree.leaves(stacked), saved_layer, strict=True):
       np.testing.assert_array_equal(mine[layer], saved)
   ckpts.save(2, restored)
   assert _tree_equal(ckpts.restore(plain, 2), plain)
