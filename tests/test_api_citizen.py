@@ -246,3 +246,15 @@ def test_op_wrapper_runs_under_strict_rank_promotion():
     dot_product_attention(q, k, v, return_residual=True, **kw)
   for a, b in zip(strict, _run(q, k, v, do, **kw)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_constant_inputs_are_not_folded_at_compile_time():
+  # A loss that closes over K and V (or a fixed dO) must compile to the same
+  # program as one that takes them: XLA folding the quantization of constants
+  # took seconds per reduction at compile time (sagebwd.opaque).
+  q, k, v = (jax.random.normal(jax.random.key(i), (1, 128, 2, 64), jnp.bfloat16)
+             for i in range(3))
+  loss = lambda q, k, v: dot_product_attention(q, k, v).astype(jnp.float32).sum()
+  reductions = lambda f, *args: (
+      jax.jit(f).lower(*args).compile().as_text().count("reduce-window"))
+  assert reductions(lambda q: loss(q, k, v), q) == reductions(loss, q, k, v) > 0

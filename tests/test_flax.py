@@ -14,7 +14,7 @@ from flax import nnx
 from sagebwd_jax.flax import (Attention, Llama, LlamaConfig, attention_fn, count_params,
                               make_attention_fn)
 from sagebwd_jax.flax.attention import RMSNorm
-from sagebwd_jax.flax.llama import unscanned
+from sagebwd_jax.flax.llama import is_stacked, unscanned
 from sagebwd_jax.metrics import cosine_similarity, relative_l2
 
 B, T, HEADS, HEAD_DIM = 2, 64, 2, 64
@@ -418,3 +418,11 @@ def test_readme_snippets_run():
     y = namespace["y"]
     assert y.shape == (2, 128, 256) and y.dtype == jnp.bfloat16
     assert bool(jnp.all(jnp.isfinite(y)))
+
+
+def test_is_stacked_tells_the_scanned_blocks_variables():
+  assert is_stacked(("blocks", "attention", "wq", "kernel"))
+  assert is_stacked(("opt_state", 0, "mu", "blocks", "norm", "scale"))
+  assert not is_stacked(("blocks", 3, "attention", "wq", "kernel"))
+  assert not is_stacked(("embed", "embedding"))
+  assert not is_stacked(("blocks",))
