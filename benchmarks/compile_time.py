@@ -156,9 +156,9 @@ def _as_on_an_h200() -> None:
   """The op picks its kernels as on an H200, whose Triton kernels jax_triton
   compiles for sm_90, on a machine without one (lowering only)."""
   import jax_triton.triton_lib as triton_lib
-  from sagebwd_jax import api
-  api._platform = lambda: "cuda"
-  api._hopper = lambda: True
+  from sagebwd_jax import implementations
+  implementations.platform = lambda: "cuda"
+  implementations.hopper = lambda: True
   triton_lib.triton_kernel_call_lib.get_compute_capability = lambda device: 90
 
 

@@ -1,7 +1,8 @@
 """`dot_product_attention`: SageBwd behind the signature of jax.nn's.
 
 This module pads sequences to whole blocks and head dims to a kernel's, builds
-the masks and picks the implementation; `arguments.py` checks the arguments,
+the masks and tries the implementations in order; `arguments.py` checks the
+arguments, `implementations.py` says which implementations run here,
 `sagebwd.py` holds the algorithm and `residual.py` the optional log-sum-exp.
 """
 
@@ -9,25 +10,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import numerics as nm
-from pallas_kernels.mosaic.backend import MosaicBackend
 from pallas_kernels.types import Backend, Config, DsPrecision, Masks
-from sagebwd_jax import arguments, residual
-from sagebwd_jax.reference import ReferenceBackend
+from sagebwd_jax import arguments, implementations, residual
+from sagebwd_jax.implementations import Implementation
 from sagebwd_jax.sagebwd import sagebwd_attention
 
-Implementation = Literal["triton", "mosaic", "reference", "cudnn", "xla"]
-SAGE_IMPLEMENTATIONS = ("triton", "mosaic", "reference")
-KERNEL_IMPLEMENTATIONS = ("triton", "mosaic")
-FULL_PRECISION_IMPLEMENTATIONS = ("cudnn", "xla")
 SegmentIds = jax.Array | tuple[jax.Array, jax.Array]
-_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 def dot_product_attention(
@@ -152,8 +147,8 @@ def dot_product_attention(
     query, key, value = query[None], key[None], value[None]
   batch, q_len, num_heads, _ = query.shape
   kv_len = key.shape[1]
-  names = _implementations(implementation)
-  _check_no_auto_sharding(names, query, key, value)
+  names = implementations.resolve(implementation)
+  implementations.check_no_auto_sharding(names, query, key, value)
   q_lengths = arguments.lengths("query_seq_lengths", query_seq_lengths, batch, q_len)
   kv_lengths = arguments.lengths("key_value_seq_lengths", key_value_seq_lengths, batch,
                                  kv_len)
@@ -218,25 +213,21 @@ def _first_that_takes(names: tuple[str | Backend, ...], query, key, value, case:
   reasons = []
   for name in names:
     try:
-      if name in FULL_PRECISION_IMPLEMENTATIONS:
+      if name in implementations.FULL_PRECISION:
         return _full_precision(name, query, key, value, case, return_residual)
       return _sage(name, query, key, value, case, return_residual)
     except NotImplementedError as e:
-      reasons.append(f"{_label(name)!r}: {e}")
+      reasons.append(f"{implementations.label(name)!r}: {e}")
   raise NotImplementedError("no implementation takes this case; " + "; ".join(reasons))
-
-
-def _label(name: str | Backend) -> str:
-  return name if isinstance(name, str) else type(name).__name__
 
 
 def _sage(name: str | Backend, query, key, value, case: _Case, return_residual: bool):
   batch, q_len, _, head_dim = query.shape
   kv_len = key.shape[1]
   config = case.config
-  backend = _backend(name, config.causal) if isinstance(name, str) else name
+  backend = implementations.backend(name, config.causal) if isinstance(name, str) else name
   block_q, block_kv = config.block_q, config.block_kv
-  if (_runs_kernels(backend) and _platform() in _GPU_PLATFORMS
+  if (implementations.runs_kernels(backend) and implementations.on_gpu()
       and min(block_q, block_kv) < arguments.MIN_DEFAULT_BLOCK):
     raise NotImplementedError(
         f"block_q={block_q}, block_kv={block_kv}: the compiled kernels give a wrong dQ with "
@@ -275,9 +266,9 @@ def _sage(name: str | Backend, query, key, value, case: _Case, return_residual: 
 def _full_precision(name: str, query, key, value, case: _Case, return_residual: bool):
   """jax.nn.dot_product_attention as a last resort: full precision, not SageBwd."""
   if name == "cudnn":
-    if _platform() not in _GPU_PLATFORMS:
+    if not implementations.on_gpu():
       raise NotImplementedError(f"cuDNN attention needs a GPU; computations go to "
-                                f"{_platform()}")
+                                f"{implementations.platform()}")
     if query.dtype not in (jnp.bfloat16, jnp.float16):
       raise NotImplementedError(f"cuDNN attention takes bf16 or fp16, not {query.dtype}")
     if case.q_seg is not None:
@@ -291,111 +282,3 @@ def _full_precision(name: str, query, key, value, case: _Case, return_residual: 
       local_window_size=case.config.window, implementation=name,
       return_residual=return_residual)
   return result if return_residual else (result, None)
-
-
-def _is_backend(x) -> bool:
-  """Whether `x` is a backend object (`types.Backend`: its stages' methods)."""
-  return not isinstance(x, (str, type)) and all(
-      callable(getattr(x, method, None))
-      for method in ("layouts", "reference_numerics", "quantize", "forward", "backward"))
-
-
-def _runs_kernels(name: str | Backend) -> bool:
-  """Whether an implementation (a name or a backend object) runs GPU kernels."""
-  if isinstance(name, str):
-    return name in KERNEL_IMPLEMENTATIONS
-  return not isinstance(name, ReferenceBackend)
-
-
-def _implementations(implementation) -> tuple[str | Backend, ...]:
-  """`implementation` as the names (or backend objects) to try, in order."""
-  if implementation is None:
-    if _platform() not in _GPU_PLATFORMS:
-      return ("reference",)
-    return ("mosaic", "triton") if _hopper() else ("triton",)
-  names = ((implementation,) if isinstance(implementation, str) or _is_backend(implementation)
-           else tuple(implementation) if isinstance(implementation, Sequence) else None)
-  known = SAGE_IMPLEMENTATIONS + FULL_PRECISION_IMPLEMENTATIONS
-  if not names or any(not _is_backend(name) and name not in known for name in names):
-    # The same kernels were once lowered through Pallas' (deprecated) Triton backend.
-    hint = "; 'pallas' is now 'triton'" if names and "pallas" in names else ""
-    raise ValueError(f"implementation must be one of {known}, a backend object, a "
-                     f"non-empty sequence of these, or None; got {implementation!r}{hint}")
-  return names
-
-
-def _check_no_auto_sharding(names: tuple[str | Backend, ...], *arrays: jax.Array) -> None:
-  """The kernels run only where every mesh axis is manual: inside
-  `shard_map`. Refuses, with what to do, the cases visible at trace time:
-  an explicit mesh in context, or concrete arrays spread over devices."""
-  first = names[0]
-  if not _runs_kernels(first):
-    return
-  mesh = jax.sharding.get_abstract_mesh()
-  automatic = [name for name, kind in zip(mesh.axis_names, mesh.axis_types)
-               if kind != jax.sharding.AxisType.Manual and mesh.shape[name] > 1]
-  spread = any(isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-               and len(x.sharding.device_set) > 1 for x in arrays)
-  if automatic or spread:
-    kind = ({"triton": "Triton", "mosaic": "Mosaic GPU"}[first] if isinstance(first, str)
-            else _label(first))
-    where = (f"mesh axes {tuple(automatic)} are not manual" if automatic
-             else "the inputs are spread over several devices")
-    raise ValueError(
-        f"implementation={_label(first)!r} runs {kind} kernels, which cannot be partitioned "
-        f"automatically, and {where}. Run the op under jax.shard_map: "
-        "sagebwd_jax.sharding.sharded_attention(mesh, q, k, v, ...) or "
-        "shard_attention(dot_product_attention, mesh) does it for you.")
-
-
-def _platform() -> str:
-  """Where computations go now: honours `jax.default_device(...)` contexts."""
-  device = jax.config.jax_default_device
-  if device is None:
-    return jax.default_backend()
-  return device if isinstance(device, str) else device.platform
-
-
-def _backend(implementation: str, causal: bool) -> Backend:
-  """The SageBwd backend of one name; NotImplementedError where it cannot run
-  here."""
-  on_gpu = _platform() in _GPU_PLATFORMS
-  if implementation == "reference":
-    return ReferenceBackend()
-  if implementation == "triton":
-    return _triton_backend(on_gpu, causal)
-  if implementation == "mosaic":
-    if not (on_gpu and _hopper()):
-      device = _device()
-      where = (f"{device.device_kind} has compute capability "
-               f"{getattr(device, 'compute_capability', None)}" if on_gpu
-               else f"computations go to {_platform()}")
-      raise NotImplementedError(
-          f"implementation='mosaic' needs an NVIDIA Hopper GPU (compute capability 9.0); "
-          f"{where}. Use implementation='triton' (Triton's interpreter without a GPU).")
-    return MosaicBackend.tuned(_triton_backend(on_gpu, causal))
-  raise ValueError(f"implementation must be one of {SAGE_IMPLEMENTATIONS} or None; "
-                   f"got {implementation!r}")
-
-
-def _triton_backend(on_gpu: bool, causal: bool) -> Backend:
-  """The Triton kernels, compiled through jax_triton on a GPU, interpreted by
-  Triton without one; NotImplementedError where the packages are missing
-  (the Hopper backend's quantization pass and fallback are these too)."""
-  try:
-    from pallas_kernels.jax_triton.backend import TritonBackend
-    if on_gpu:
-      import jax_triton  # noqa: F401  (only whether it imports)
-  except ImportError as e:
-    needs = "triton and jax-triton (pip install 'sagebwd-jax[gpu]')" if on_gpu else "triton"
-    raise NotImplementedError(f"the Triton kernels need the packages {needs}: {e}") from e
-  return TritonBackend.tuned(causal=causal, interpret=not on_gpu)
-
-
-def _device() -> jax.Device:
-  device = jax.config.jax_default_device
-  return device if isinstance(device, jax.Device) else jax.devices()[0]
-
-
-def _hopper() -> bool:
-  return getattr(_device(), "compute_capability", None) == "9.0"

@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from pallas_kernels.types import Config, Layouts, TransposedLayout  # noqa: E402
-from sagebwd_jax import api, dot_product_attention, full_precision_attention, metrics  # noqa: E402
+from sagebwd_jax import dot_product_attention, full_precision_attention, implementations, metrics  # noqa: E402
 from sagebwd_jax.reference import ReferenceBackend  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", os.environ["JAX_NUMPY_RANK_PROMOTION"])
@@ -292,7 +292,7 @@ def check_against_reference(case: str, implementation: str, kernels=None):
   `implementation`) declares for each call (`Backend.reference_numerics`)."""
   ours = run_case(case, implementation)
   if kernels is None:
-    kernels = api._backend(implementation, KERNEL_CASES[case].get("is_causal", False))
+    kernels = implementations.backend(implementation, KERNEL_CASES[case].get("is_causal", False))
   with jax.default_device(CPU):  # the exact oracle is the CPU reference
     ref = run_case(case, ReferenceBackend(kernels))
   for name, a, b in zip(("O", "dQ", "dK", "dV"), ours, ref):

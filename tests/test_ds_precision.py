@@ -22,7 +22,7 @@ from pallas_kernels import numerics as nm
 from pallas_kernels.mosaic import forward as mosaic_forward
 from pallas_kernels.mosaic.backend import backward_takes
 from pallas_kernels.types import Masks
-from sagebwd_jax import api, dot_product_attention
+from sagebwd_jax import dot_product_attention, implementations
 from sagebwd_jax.reference import ReferenceBackend
 
 
@@ -87,7 +87,7 @@ def test_default_gpu_backend_matches_reference():
   this case to the Triton kernels) against the CPU reference with their P."""
   q, k, v, do = gaussian_qkv(jax.random.key(6), 2, 256, 256, 4, 2, 128)
   ours = sage(q, k, v, do, is_causal=True, ds_precision="bf16")
-  kernels = api._backend(api._implementations(None)[0], causal=True)
+  kernels = implementations.backend(implementations.resolve(None)[0], causal=True)
   with jax.default_device(CPU):
     ref = sage(q, k, v, do, is_causal=True, implementation=ReferenceBackend(kernels),
                ds_precision="bf16")

@@ -32,7 +32,7 @@ from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic import forward as mosaic_forward
 from pallas_kernels.layouts import REGISTER_B, TOKENS, arrange, to_layout
 from pallas_kernels.types import Layouts, Masks, QuantizedQKV
-from sagebwd_jax import api, dot_product_attention
+from sagebwd_jax import dot_product_attention, implementations
 from sagebwd_jax.reference import ReferenceBackend
 
 INTERPRET = LaunchConfig(interpret=True)
@@ -83,8 +83,8 @@ def test_op_wiring(case, make_backend, monkeypatch):
 
   monkeypatch.setattr(MosaicBackend, "layouts", recorded)
   backend = make_backend(causal=KERNEL_CASES[case].get("is_causal", False), interpret=True)
-  original = api._backend
-  monkeypatch.setattr(api, "_backend", lambda implementation, causal: (
+  original = implementations.backend
+  monkeypatch.setattr(implementations, "backend", lambda implementation, causal: (
       backend if implementation == "mosaic" else original(implementation, causal)))
   # The twins quantize P as the Triton kernels do: the fallback's numerics.
   check_against_reference(case, "mosaic", kernels=backend.fallback)
@@ -156,23 +156,23 @@ def test_tuned_launches():
 
 
 def test_default_implementation_without_gpu_is_reference():
-  assert api._implementations(None) == ("reference",)
-  assert isinstance(api._backend("reference", causal=False), ReferenceBackend)
+  assert implementations.resolve(None) == ("reference",)
+  assert isinstance(implementations.backend("reference", causal=False), ReferenceBackend)
 
 
 def test_default_implementation_on_gpus(monkeypatch):
-  monkeypatch.setattr(api, "_platform", lambda: "gpu")
-  monkeypatch.setattr(api, "_hopper", lambda: False)
-  assert api._implementations(None) == ("triton",)
-  monkeypatch.setattr(api, "_hopper", lambda: True)
-  assert api._implementations(None) == ("mosaic", "triton")
+  monkeypatch.setattr(implementations, "platform", lambda: "gpu")
+  monkeypatch.setattr(implementations, "hopper", lambda: False)
+  assert implementations.resolve(None) == ("triton",)
+  monkeypatch.setattr(implementations, "hopper", lambda: True)
+  assert implementations.resolve(None) == ("mosaic", "triton")
 
 
 @pytest.mark.gpu
 def test_gpu_default_is_mosaic_on_hopper():
   hopper = jax.devices()[0].compute_capability == "9.0"
-  backend = api._backend(api._implementations(None)[0], causal=True)
+  backend = implementations.backend(implementations.resolve(None)[0], causal=True)
   assert isinstance(backend, MosaicBackend) == hopper
   if not hopper:
     with pytest.raises(NotImplementedError, match="Hopper"):
-      api._backend("mosaic", causal=True)
+      implementations.backend("mosaic", causal=True)

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sagebwd_jax.api import DsPrecision, Implementation, dot_product_attention
+from sagebwd_jax.api import DsPrecision, dot_product_attention
+from sagebwd_jax.implementations import Implementation
 
 AttentionFn = Callable[..., jax.Array]
 
