@@ -204,21 +204,21 @@ class Backend(Protocol):
     """O (B, Tq, H, D) and the base-2 log-sum-exp `lse` (B, H, Tq)."""
     ...
 
-  def backward(self, qkv: QuantizedQKV, v: jax.Array, o: jax.Array,
-               lse: jax.Array, do: jax.Array, masks: Masks,
+  def prepass(self, o: jax.Array, do: jax.Array, config: Config,
+              layout: TransposedLayout = TransposedLayout.TOKENS) -> Prepass:
+    """The backward's pre-pass: Delta = rowsum(dO * O) and psi(dO) per
+    `block_q` rows, dO8 stored transposed in `layout` (the layout of the
+    call's `QuantizedQKV.k8_t`: `Layouts.backward`), with its per-token
+    scales. A backend may borrow another's (the Mosaic backend, its
+    fallback's)."""
+    ...
+
+  def backward(self, qkv: QuantizedQKV, v: jax.Array, lse: jax.Array, do: jax.Array,
+               prepass: Prepass, masks: Masks,
                config: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """dQ, dK, dV, (B, T, H, D), from the saved residuals and dO.
+    """dQ, dK, dV, (B, T, H, D), from the saved residuals, dO and the pre-pass
+    (whose Delta the caller may have replaced: `sagebwd_jax.delta`).
 
     Any float dtype: the op casts them to the inputs' dtype.
     """
-    ...
-
-
-class PrepassBackend(Backend, Protocol):
-  """A backend whose backward pre-pass other backends can borrow."""
-
-  def prepass(self, o: jax.Array, do: jax.Array, config: Config,
-              layout: TransposedLayout = TransposedLayout.TOKENS) -> Prepass:
-    """Delta and psi(dO) per `block_q` rows, dO8 stored transposed in
-    `layout`, with its per-token scales."""
     ...

@@ -80,7 +80,8 @@ def is_backend(x) -> bool:
   """Whether `x` is a backend object (`types.Backend`: its stages' methods)."""
   return not isinstance(x, (str, type)) and all(
       callable(getattr(x, method, None))
-      for method in ("layouts", "reference_numerics", "quantize", "forward", "backward"))
+      for method in ("layouts", "reference_numerics", "quantize", "forward", "prepass",
+                     "backward"))
 
 
 def runs_kernels(name: str | Backend) -> bool:

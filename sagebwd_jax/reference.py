@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import numerics as nm
-from pallas_kernels.layouts import arrange
-from pallas_kernels.types import Backend, Config, Layouts, Masks, Numerics, QuantizedQKV
+from pallas_kernels.layouts import arrange, to_layout
+from pallas_kernels.types import (Backend, Config, Layouts, Masks, Numerics, Prepass,
+                                  QuantizedQKV, TransposedLayout)
 
 _f32 = jnp.float32
 
@@ -143,7 +144,7 @@ class ReferenceBackend:
                        f"that divides the padded key length {kv_len}")
     blocks_per_step = p_block // config.block_kv
     levels = nm.UINT8_MAX if numerics.unsigned_p else nm.INT8_MAX
-    tiles = _Tiles(qkv, masks, config)
+    tiles = ScoreTiles(qkv, masks, config)
     shape = (batch, num_kv_heads, num_heads // num_kv_heads, q_len // config.block_q,
              config.block_q)
     # (B, Hkv, 1, 1, 1, blocks): each block's factor broadcasts to its tiles' rows.
@@ -169,27 +170,29 @@ class ReferenceBackend:
     o = o.reshape(batch, num_heads, q_len, head_dim)
     return jnp.swapaxes(o, 1, 2).astype(out_dtype), lse.reshape(batch, num_heads, q_len)
 
-  def backward(self, qkv: QuantizedQKV, v, o, lse, do, masks: Masks, config: Config):
+  def prepass(self, o, do, config: Config,
+              layout: TransposedLayout = TransposedLayout.TOKENS) -> Prepass:
+    delta = jnp.sum(_heads(do).astype(_f32) * _heads(o).astype(_f32), axis=-1)
+    do8, do_scale = _quantize_blocks(_blocks(_heads(do).astype(_f32), config.block_q))
+    do8_t = _transposed(_unblock(do8))
+    return Prepass(delta=delta, do8_t=to_layout(do8_t, layout),
+                   do_scale=_per_token(do_scale, config.block_q))
+
+  def backward(self, qkv: QuantizedQKV, v, lse, do, prepass: Prepass, masks: Masks,
+               config: Config):
     unsigned_p_t = self._numerics_of(qkv, masks, config, v.dtype).unsigned_p_t
     qkv = arrange(qkv, Layouts())
     batch, num_heads, q_len, head_dim = qkv.q8.shape
     num_kv_heads = qkv.k8.shape[1]
-    tiles = _Tiles(qkv, masks, config)
-    grouped = lambda x: _group(_blocks(x, config.block_q), num_kv_heads)
-
-    # Pre-pass: Delta = rowsum(dO * O) and psi(dO) per block_q rows.
-    delta = jnp.sum(_heads(do).astype(_f32) * _heads(o).astype(_f32), axis=-1)
-    delta = grouped(delta[..., None])[..., 0]
-    do8, do_scale = _quantize_blocks(grouped(_heads(do).astype(_f32)))
-    if config.banded:
-      # A NaN in dO makes jax.nn's dV NaN for every key (0 x NaN); the kernels
-      # pair a dO block with the keys it sees only, so its head carries it.
-      do_scale = nm.spread_nan(do_scale.reshape(batch, num_heads, -1)).reshape(do_scale.shape)
-    do_blocks = grouped(_heads(do))
-    lse = grouped(lse[..., None])[..., 0]
+    tiles = ScoreTiles(qkv, masks, config)
+    rows = tiles.rows
+    delta, lse = rows(prepass.delta[..., None])[..., 0], rows(lse[..., None])[..., 0]
+    do8 = rows(_transposed(to_layout(prepass.do8_t, TransposedLayout.TOKENS)))
+    do_scale = rows(prepass.do_scale[..., None])[..., 0, 0]
+    do_blocks = rows(_heads(do))
     v_heads = _heads(v)
     if config.ds_precision == "bf16":
-      q16, k16_heads = grouped(_heads(qkv.q16)), _heads(qkv.k16)
+      q16, k16_heads = rows(_heads(qkv.q16)), _heads(qkv.k16)
 
     def kv_step(dq, j):
       s = tiles.scores(j)
@@ -252,7 +255,7 @@ class ReferenceBackend:
     return dq, dk, dv
 
 
-class _Tiles:
+class ScoreTiles:
   """Score tiles S[i, j] for all query blocks i and one key block j.
 
   Arrays are laid out (B, Hkv, group, query block, row, ...), so one key block
@@ -260,18 +263,22 @@ class _Tiles:
   """
 
   def __init__(self, qkv: QuantizedQKV, masks: Masks, config: Config):
-    num_kv_heads = qkv.k8.shape[1]
+    self.num_kv_heads = qkv.k8.shape[1]
     self.config, self.qkv, self.masks = config, qkv, masks
-    group = lambda x: _group(x, num_kv_heads)
-    self.q8 = group(_blocks(qkv.q8, config.block_q))
-    self.q_scale = group(_blocks(qkv.q_scale[..., None], config.block_q)[..., 0])
-    self.q_mean = None if qkv.q_mean is None else group(qkv.q_mean)
+    self.q8 = self.rows(qkv.q8)
+    self.q_scale = self.rows(qkv.q_scale[..., None])[..., 0]
+    self.q_mean = None if qkv.q_mean is None else _group(qkv.q_mean, self.num_kv_heads)
     self.num_kv_blocks = qkv.k8.shape[2] // config.block_kv
     num_q_blocks = qkv.q8.shape[2] // config.block_q
     # (1, 1, 1, nq, bq, 1): the tiles' rank, so masks broadcast without rank
     # promotion (jax_numpy_rank_promotion="raise" passes).
     self.q_pos = (jnp.arange(num_q_blocks)[:, None] * config.block_q
                   + jnp.arange(config.block_q)[None, :])[None, None, None, :, :, None]
+
+  def rows(self, x: jax.Array) -> jax.Array:
+    """Query-side (B, H, Tq, D) -> (B, Hkv, G, query block, row, D): the
+    tiles' rows."""
+    return _group(_blocks(x, self.config.block_q), self.num_kv_heads)
 
   def kv_block(self, x: jax.Array, j, *, axis: int) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(x, j * self.config.block_kv, self.config.block_kv,

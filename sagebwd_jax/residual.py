@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import numerics as nm
 from pallas_kernels.types import Backend, Config, Masks
-from sagebwd_jax.sagebwd import attend, key_mean, opaque, quantize
+from sagebwd_jax.sagebwd import attend, key_mean, opaque, prepass, quantize
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -54,8 +54,9 @@ def _backward(config, backend, smooth_k, residuals, cotangent):
   p_k, lse_2 = attend(qkv, masks, config, backend, query.dtype)
   dq = g * p_k.astype(jnp.float32)
   (do,) = opaque((g * query.astype(jnp.float32)).astype(query.dtype))
-  dk = backend.backward(qkv, jnp.zeros_like(key), jnp.zeros_like(query), lse_2, do, masks,
-                        config)[2]
+  zeros = jnp.zeros_like(query)
+  dk = backend.backward(qkv, jnp.zeros_like(key), lse_2, do,
+                        prepass(qkv, zeros, do, config, backend), masks, config)[2]
   return dq.astype(query.dtype), dk.astype(key.dtype), jnp.zeros_like(value), None
 
 

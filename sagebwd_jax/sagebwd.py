@@ -1,8 +1,9 @@
 """SageBwd as one `jax.custom_vjp`: docs/algorithm.md, stage by stage.
 
 forward:  K-smoothing -> quantize Q, K, V -> INT8 attention -> residuals
-backward: Delta and psi(dO) -> recomputed P -> INT8 dV, dQ, dK (dP in bf16;
-          dQ, dK too with ds_precision="bf16")
+backward: Delta and psi(dO) (Delta recomputed where logits saturate) ->
+          recomputed P -> INT8 dV, dQ, dK (dP in bf16; dQ, dK too with
+          ds_precision="bf16")
 
 Which code runs each stage is the `backend` (Triton or Mosaic GPU kernels, or
 the pure-JAX reference); this file only wires the stages together. Sequences
@@ -18,7 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import numerics as nm
-from pallas_kernels.types import Backend, Config, Masks, QuantizedQKV
+from pallas_kernels.layouts import layout_of
+from pallas_kernels.types import Backend, Config, Masks, Prepass, QuantizedQKV
+from sagebwd_jax import delta
 from sagebwd_jax.reference import ReferenceBackend
 
 
@@ -123,12 +126,28 @@ def _forward(q, k, v, masks, config, backend, smooth_k, for_backward=True):
   return o, (qkv, v, o, lse, masks)
 
 
+def prepass(qkv: QuantizedQKV, o, do, config: Config, backend: Backend) -> Prepass:
+  """The backward's pre-pass: Delta = rowsum(dO * O) and psi(dO), dO8^T in the
+  layout of the call's K8^T (`Layouts.backward`).
+
+  With causality or a window, a NaN in dO makes the scale of its whole head
+  NaN: jax.nn's dV is then NaN for every key (0 x NaN), while the kernels
+  pair a dO block only with the keys it sees.
+  """
+  prepass = backend.prepass(o, do, config, layout_of(qkv.k8_t))
+  if config.banded:
+    prepass = prepass._replace(do_scale=nm.spread_nan(prepass.do_scale))
+  return prepass
+
+
 @_stage
 def _backward(config, backend, smooth_k, residuals, do):
   del smooth_k  # rows of dS sum to zero: the smoothing mean has no gradient term
   qkv, v, o, lse, masks = residuals
   (do,) = opaque(do)
-  dq, dk, dv = backend.backward(qkv, v, o, lse, do, masks, config)
+  pre = prepass(qkv, o, do, config, backend)
+  pre = pre._replace(delta=delta.where_saturated(pre.delta, qkv, v, lse, do, masks, config))
+  dq, dk, dv = backend.backward(qkv, v, lse, do, pre, masks, config)
   dq, dk, dv = _head_group_nan(qkv, lse, do, dq, dk, dv)
   # q, k and v share one dtype (the op checks it), which o carries too.
   return dq.astype(o.dtype), dk.astype(o.dtype), dv.astype(o.dtype), None

@@ -35,6 +35,7 @@ import pytest  # noqa: E402
 from pallas_kernels.types import Config, Layouts, TransposedLayout  # noqa: E402
 from sagebwd_jax import dot_product_attention, full_precision_attention, implementations, metrics  # noqa: E402
 from sagebwd_jax.reference import ReferenceBackend  # noqa: E402
+from sagebwd_jax.sagebwd import prepass  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", os.environ["JAX_NUMPY_RANK_PROMOTION"])
 
@@ -165,6 +166,12 @@ def kernel_config(**overrides) -> Config:
   """A kernel Config: scale 1/8, not causal, no Q-smoothing, 64 x 64 blocks."""
   return Config(**{**dict(scale=0.125, causal=False, smooth_q=False, block_q=64,
                           block_kv=64), **overrides})
+
+
+def backward_stage(backend, qkv, v, o, lse, do, masks, config):
+  """One backend's pre-pass and backward, as the op wires them
+  (`sagebwd.prepass`; without the op's saturated-rows Delta): dQ, dK, dV."""
+  return backend.backward(qkv, v, lse, do, prepass(qkv, o, do, config, backend), masks, config)
 
 
 def check_quantization_pass(backend, reference, head_dim: int, smooth_q: bool,

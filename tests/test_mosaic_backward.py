@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import (CPU, MOSAIC_LAYOUTS, assert_lowers_to_mosaic_gpu, gaussian_qkv,
-                      mosaic_config, rel_l2)
+from conftest import (CPU, MOSAIC_LAYOUTS, assert_lowers_to_mosaic_gpu, backward_stage,
+                      gaussian_qkv, mosaic_config, rel_l2)
 from pallas_kernels.jax_triton.backward_prepass import backward_prepass
 from pallas_kernels.jax_triton.launch import LaunchConfig
 from pallas_kernels.mosaic.backward_common import BackwardTuning
@@ -109,7 +109,7 @@ def _gpu_case(batch, seq, heads, kv_heads, head_dim, causal, *, seed=0, sigma=2.
                                                launch=LaunchConfig(), layout=REGISTER_B)
   with jax.default_device(CPU):
     cpu = jax.device_put((qkv, v, o, lse, do), CPU)
-    want = jax.jit(lambda *a: HOPPER.backward(*a, Masks(), config))(*cpu)
+    want = jax.jit(lambda *a: backward_stage(HOPPER, *a, Masks(), config))(*cpu)
   return (qkv, v, lse, delta, do, do8_t, do_scale), config, want
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import gaussian_qkv, oracle, oracle64, rel_l2
+from conftest import backward_stage, gaussian_qkv, oracle, oracle64, rel_l2
 from pallas_kernels import numerics as nm
 from pallas_kernels.types import Config, Masks, Numerics
 from sagebwd_jax import full_precision_attention
@@ -132,7 +132,7 @@ def test_unsigned_p_t_backward_against_fp64(causal):
   def grads(backend):
     qkv = backend.quantize(q, k, v, None, config)
     o, lse = backend.forward(qkv, Masks(), config, jnp.float32)
-    return backend.backward(qkv, v, o, lse, do, Masks(), config)
+    return backward_stage(backend, qkv, v, o, lse, do, Masks(), config)
 
   unsigned = grads(ReferenceBackend(Numerics(unsigned_p_t=True)))
   signed = grads(ReferenceBackend())

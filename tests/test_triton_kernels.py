@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("triton", reason="the Triton kernels need the package triton")
 
-from conftest import check_quantization_pass, gaussian_qkv, kernel_config  # noqa: E402
+from conftest import backward_stage, check_quantization_pass, gaussian_qkv, kernel_config  # noqa: E402
 from benchmarks import sass  # noqa: E402
 from pallas_kernels.jax_triton.backend import TritonBackend  # noqa: E402
 from pallas_kernels.jax_triton.backward_prepass import backward_prepass  # noqa: E402
@@ -125,11 +125,11 @@ def test_backward_matches_reference_fp32(causal, smooth_q, ids, heads, seq):
   masks = _masks(seq, seq) if ids else Masks()
   qkv = REFERENCE.quantize(q, k, v, key_mean(k, None), config)
   o, lse = REFERENCE.forward(qkv, masks, config, jnp.float32)
-  ours = TRITON.backward(qkv, v, o, lse, do, masks, config)
+  ours = backward_stage(TRITON, qkv, v, o, lse, do, masks, config)
   # The kernels multiply fp32 dO.V^T in fp32; on a GPU, XLA's default would
   # be TF32, whose rounding alone moves dK by about the tolerance here.
   with jax.default_matmul_precision("highest"):
-    ref = REFERENCE.backward(qkv, v, o, lse, do, masks, config)
+    ref = backward_stage(REFERENCE, qkv, v, o, lse, do, masks, config)
   for name, a, b in zip(("dQ", "dK", "dV"), ours, ref):
     assert a.shape == b.shape, name
     assert float(metrics.relative_l2(a, b)) <= TOLERANCE, name
@@ -154,10 +154,10 @@ def test_other_launches_match_reference(causal, window, smooth_q, ids, seq, conv
   masks = _masks(seq, seq) if ids else Masks()
   qkv = REFERENCE.quantize(q, k, v, key_mean(k, None), config)
   o, lse = backend.forward(qkv, masks, config, jnp.float32)
-  ours = backend.backward(qkv, v, o, lse, do, masks, config)
+  ours = backward_stage(backend, qkv, v, o, lse, do, masks, config)
   with jax.default_matmul_precision("highest"):  # not TF32 on a GPU (above)
     o_ref, lse_ref = REFERENCE.forward(qkv, masks, config, jnp.float32)
-    ref = REFERENCE.backward(qkv, v, o, lse, do, masks, config)
+    ref = backward_stage(REFERENCE, qkv, v, o, lse, do, masks, config)
   assert float(metrics.relative_l2(o, o_ref)) <= TOLERANCE
   for name, a, b in zip(("dQ", "dK", "dV"), ours, ref):
     assert float(metrics.relative_l2(a, b)) <= TOLERANCE, name
@@ -274,6 +274,16 @@ def test_every_launch_fits_hopper_shared_memory(block_q, block_kv, dtype, ds_pre
       block_kv=block_kv, ds_precision=ds_precision).astype(jnp.float32).sum()
   for launch in sass.triton_launches(jax.grad(loss, argnums=(0, 1, 2)), shape, shape, shape):
     assert launch.shared_memory(90) <= HOPPER_SHARED_MEMORY, launch.name  # launch.py's
+
+
+def test_shared_memory_is_the_compiled_kernels():
+  """`TritonLaunch.shared_memory` stops at LLVM IR; the cubin asks the same."""
+  shape = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+  launches = sass.triton_launches(
+      lambda q, k, v: dot_product_attention(q, k, v, implementation="triton"), shape, shape,
+      shape)
+  forward = next(launch for launch in launches if launch.name == "sagebwd_triton_forward")
+  assert forward.shared_memory(90) == forward.compiled(90).metadata.shared > 0
 
 
 def test_fitted_keeps_the_stages_that_fit(monkeypatch):

@@ -11,7 +11,6 @@ from pallas_kernels.jax_triton.backward_prepass import backward_prepass
 from pallas_kernels.jax_triton.forward import forward
 from pallas_kernels.jax_triton.launch import LaunchConfig
 from pallas_kernels.jax_triton.quantize import quantize_qkv
-from pallas_kernels import numerics as nm
 from pallas_kernels.layouts import check_layout
 from pallas_kernels.types import (Config, Layouts, Masks, Numerics, Prepass, QuantizedQKV,
                                   TransposedLayout)
@@ -76,19 +75,17 @@ class TritonBackend:
 
   def prepass(self, o, do, config: Config,
               layout: TransposedLayout = TransposedLayout.TOKENS) -> Prepass:
-    """Delta = rowsum(dO * O) and psi(dO) per block_q rows, stored transposed
-    in `layout`."""
-    prepass = backward_prepass(o, do, block_q=config.block_q, launch=self.dq_launch,
-                               layout=layout)
-    if config.banded:  # a NaN dO block reaches keys it never meets (reference.py says why)
-      prepass = prepass._replace(do_scale=nm.spread_nan(prepass.do_scale))
-    return prepass
+    """One kernel (`backward_prepass`); the Mosaic backend borrows it."""
+    return backward_prepass(o, do, block_q=config.block_q, launch=self.dq_launch,
+                            layout=layout)
 
-  def backward(self, qkv: QuantizedQKV, v, o, lse, do, masks: Masks, config: Config):
+  def backward(self, qkv: QuantizedQKV, v, lse, do, prepass: Prepass, masks: Masks,
+               config: Config):
     _check_blocks(config)
     for name in ("q8_t", "k8_t"):
       check_layout(name, getattr(qkv, name), TransposedLayout.TOKENS)
-    delta, do8_t, do_scale, do_start = self.prepass(o, do, config)
+    check_layout("do8_t", prepass.do8_t, TransposedLayout.TOKENS)
+    delta, do8_t, do_scale, do_start = prepass
     dk, dv = backward_dkdv(qkv, v, lse, delta, do, do8_t, do_scale, masks, config,
                            self.dkdv_launch, do_start)
     dq = backward_dq(qkv, v, lse, delta, do, masks, config, self.dq_launch)

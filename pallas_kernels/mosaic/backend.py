@@ -26,7 +26,8 @@ from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
 from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
 from pallas_kernels.mosaic import forward
-from pallas_kernels.types import (Config, Layouts, Masks, Numerics, PrepassBackend,
+from pallas_kernels.layouts import check_layout
+from pallas_kernels.types import (Backend, Config, Layouts, Masks, Numerics, Prepass,
                                   QuantizedQKV, TransposedLayout)
 
 # How the Mosaic kernels quantize P (the forward, per row of a step's keys)
@@ -56,13 +57,13 @@ class MosaicBackend:
   backend). `forward_mosaic=None` keeps the fallback's forward.
   """
 
-  fallback: PrepassBackend
+  fallback: Backend
   forward_mosaic: forward.ForwardTuning | None = forward.ForwardTuning()
   dkdv_tuning: BackwardTuning = BackwardTuning()
   dq_tuning: BackwardTuning = BackwardTuning()
 
   @classmethod
-  def tuned(cls, fallback: PrepassBackend) -> "MosaicBackend":
+  def tuned(cls, fallback: Backend) -> "MosaicBackend":
     """The launches `python -m benchmarks.attention` and
     `python -m benchmarks.mosaic_backward` measured fastest on an H200
     (docs/performance.md)."""
@@ -116,12 +117,17 @@ class MosaicBackend:
       return self.fallback.forward(qkv, masks, config, out_dtype)
     return forward.forward_mosaic(qkv, masks, config, out_dtype, self.forward_mosaic)
 
-  def backward(self, qkv: QuantizedQKV, v, o, lse, do, masks: Masks, config: Config):
+  def prepass(self, o, do, config: Config,
+              layout: TransposedLayout = TransposedLayout.TOKENS) -> Prepass:
+    return self.fallback.prepass(o, do, config, layout)
+
+  def backward(self, qkv: QuantizedQKV, v, lse, do, prepass: Prepass, masks: Masks,
+               config: Config):
     q_len, head_dim = qkv.q8.shape[2:]
     if not self._runs_backward(masks, config, q_len, qkv.k8.shape[2], head_dim, v.dtype):
-      return self.fallback.backward(qkv, v, o, lse, do, masks, config)
-    delta, do8_t, do_scale, _ = self.fallback.prepass(o, do, config,
-                                                      TransposedLayout.REGISTER_B)
+      return self.fallback.backward(qkv, v, lse, do, prepass, masks, config)
+    check_layout("do8_t", prepass.do8_t, TransposedLayout.REGISTER_B)
+    delta, do8_t, do_scale, _ = prepass
     dk, dv = backward_dkdv_mosaic(qkv, v, lse, delta, do, do8_t, do_scale, masks, config,
                                   self.dkdv_tuning)
     dq = backward_dq_mosaic(qkv, v, lse, delta, do, masks, config, self.dq_tuning)
