@@ -134,10 +134,10 @@ def prepass(qkv: QuantizedQKV, o, do, config: Config, backend: Backend) -> Prepa
   NaN: jax.nn's dV is then NaN for every key (0 x NaN), while the kernels
   pair a dO block only with the keys it sees.
   """
-  prepass = backend.prepass(o, do, config, layout_of(qkv.k8_t))
+  pre = backend.prepass(o, do, config, layout_of(qkv.k8_t))
   if config.banded:
-    prepass = prepass._replace(do_scale=nm.spread_nan(prepass.do_scale))
-  return prepass
+    pre = pre._replace(do_scale=nm.spread_nan(pre.do_scale))
+  return pre
 
 
 @_stage
