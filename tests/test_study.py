@@ -347,3 +347,55 @@ def test_cli_help_list_and_errors(tmp_path, capsys):
     study.main(["--scale", "cpu", "--start-within", "0"])
   assert "--start-within must be a positive number of minutes, got 0.0" in (
       capsys.readouterr().err)
+
+
+def test_finished_runs_lose_their_checkpoints_and_start_within_stops_new_runs(tmp_path,
+                                                                              monkeypatch):
+  """A scale that checkpoints (so a stopped run resumes mid-way) keeps no
+  checkpoint of a finished run; past --start-within no run starts."""
+  scale = dataclasses.replace(CPU, checkpoints=3)
+  assert run_config(scale, Cell(), 0, "o", []).ckpt_every == 1  # 3 steps, 3 checkpoints
+  clock = iter([0.0] + [0.0] * 2 + [600.0] * 10)  # the study's start, then two runs in time
+  monkeypatch.setattr(study.time, "monotonic", lambda: next(clock))
+  trained = []
+
+  def train(cfg, cache, share):
+    os.makedirs(f"{cfg.out}/checkpoints/3")
+    with open(f"{cfg.out}/metrics.jsonl", "w") as f:
+      f.write(json.dumps({"step": cfg.steps, "tokens": 1, "val_loss": 1.0}) + "\n")
+    trained.append(cfg.out)
+    return {"val_loss": 1.0}
+
+  monkeypatch.setattr(study_child, "train", train)
+  monkeypatch.setattr(study_report, "plot_grid", lambda *a: [])
+  logged = []
+  study.run([TINY], scale, 2, str(tmp_path), _json_data(), log=logged.append, start_within=5)
+  assert len(trained) == 2 and not any(
+      os.path.exists(f"{out}/checkpoints") for out in trained)
+  assert logged[-1] == ("2 run(s) not started: --start-within 5 minutes had passed; the same "
+                        "command runs them")
+  assert trained == [run_config(scale, TINY.cells[0], s, str(tmp_path), []).out for s in (0, 1)]
+  left = run_config(scale, TINY.cells[1], 0, str(tmp_path), []).out
+  os.makedirs(f"{left}/checkpoints/3")  # finished, stopped before its clean-up
+  with open(f"{left}/metrics.jsonl", "w") as f:
+    f.write(json.dumps({"step": 3, "tokens": 1, "val_loss": 1.0}) + "\n")
+  study.run([TINY], scale, 2, str(tmp_path), _json_data(), log=lambda *a: None)
+  assert not os.path.exists(f"{left}/checkpoints")
+  assert trained[2:] == [run_config(scale, TINY.cells[1], 1, str(tmp_path), []).out]
+
+
+def test_the_ds_grid_reports_its_telemetry_layer_by_layer(tmp_path):
+  grid = grids(CPU)["ds"]
+  for i, cell in enumerate(grid.cells):
+    cfg = run_config(CPU, cell, 0, str(tmp_path), [])
+    os.makedirs(cfg.out)
+    errors = {k: [0.01 * (i + 1), 0.02 * (i + 1)] for k in ("ds_rel_l2", "dq_rel_l2")}
+    with open(f"{cfg.out}/metrics.jsonl", "w") as f:
+      f.write(json.dumps({"step": 3, "tokens": 1, "max_logit": [5.0, 6.0], **errors}) + "\n")
+      f.write(json.dumps({"step": 3, "tokens": 1, "val_loss": 1.5}) + "\n")
+  study_report.write_tables([grid], CPU, 1, str(tmp_path), [])
+  summary = (tmp_path / "summary.md").read_text()
+  assert "| cell, error | layer 0 | layer 1 |" in summary
+  assert "| sage-tps128-dsbf16 dq_rel_l2 | 0.0200 | 0.0400 |" in summary
+  assert "| dq_rel_l2: sage-tps128-dsbf16 - 0.5 x sage-tps128 | < 0 | +0.0300 | +0.0300 | - |" \
+      " one seed: no interval |" in summary
