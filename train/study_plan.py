@@ -53,7 +53,7 @@ SCALES = {
     "h200": Scale(dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=1408,
                        seq_len=1024, batch_size=8, lr=3e-3, eval_batches=8),
                   grad_accums=(1, 2, 4), steps_at_largest=200, high_lr=1e-2),
-    # The second round (issue 35): head dim 128 (4 heads of the same width),
+    # The second round: head dim 128 (4 heads of the same width),
     # 16K to 131K tokens per step (micro-batches of 16 x 1024, 1 to 8 per
     # step), 13.1M tokens per run (800 down to 100 steps), six seeds to
     # resolve gaps the first round's two could not; runs long enough to span
