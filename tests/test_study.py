@@ -1,7 +1,9 @@
-"""`python -m train.study` (issue 19): the grids it names, its tables and
-plots from a tiny grid of two 3-step runs, each in a process of its own,
-resuming without rerunning a finished run, the compile cache reaching the
-runs, and the gap-versus-seed-spread verdict."""
+"""`python -m train.study` (issues 19 and 35): the grids it names and its
+scales (the second round's: head dim 128, 131K tokens per step, six seeds,
+one token budget), its tables and plots from a tiny grid of two 3-step runs,
+each in a process of its own, resuming without rerunning a finished run, the
+compile cache reaching the runs, finished runs' checkpoints deleted, and each
+gap's 95% interval over seeds, paired by seed, and its verdict."""
 
 from __future__ import annotations
 
@@ -20,13 +22,14 @@ import pytest
 from train import study, study_child, study_report
 from train.config import check, params_besides_embeddings
 from train.metrics import kind, read
-from train.study_plan import SCALES, Cell, Grid, StudyError, grids, plan, run_config, run_status
-from train.study_report import Result, compare
+from train.study_plan import (NEAR, SCALES, Cell, Gap, Grid, StudyError, grids, plan,
+                              run_config, run_status)
+from train.study_report import Result, compare, judge, paired_interval, t_quantile
 
 CPU = SCALES["cpu"]
 # Two cells of one seed at the larger CPU setting: two 3-step runs.
 TINY = Grid("tiny", "a test", (Cell(attention="full"), Cell(attention="full", qk_norm=False)),
-            ((1, 0),))
+            (Gap(1, 0, "above"),))
 
 
 def test_named_grids_and_h200_scale():
@@ -38,8 +41,8 @@ def test_named_grids_and_h200_scale():
   named = grids(h200)
   assert list(named) == ["tokens", "qknorm", "smoothing", "ds"]
   for grid in named.values():
-    for a, b in grid.comparisons:
-      assert grid.cells[a] != grid.cells[b]
+    for gap in grid.comparisons:
+      assert grid.cells[gap.cell] != grid.cells[gap.baseline]
   # Same token budget at every setting; shared cells run once, two seeds each.
   assert {c.steps * c.tokens_per_step for c in (run_config(h200, Cell(setting=s), 0, "o", [])
                                                   for s in range(3))} == {200 * 32768}
@@ -89,7 +92,7 @@ def test_tiny_grid_tables_plots_and_resume(tmp_path, monkeypatch):
     (gap,) = csv.DictReader(f)
   names = [c.name(CPU) for c in TINY.cells]
   assert float(gap["mean_gap"]) == pytest.approx(finals[names[1]] - finals[names[0]])
-  assert gap["verdict"] == "one seed: no spread"
+  assert gap["verdict"] == "one seed: no interval"
   assert (tmp_path / "study" / "tiny-curves.png").read_bytes()[:4] == b"\x89PNG"
 
   # Resuming: finished runs are not run again; an unfinished one is, resumed
@@ -245,27 +248,84 @@ def _results(losses, status="done"):
           for s, x in enumerate(losses)]
 
 
-@pytest.mark.parametrize("cell,baseline,mean,spread,verdict", [
-    ([2.10, 2.12], [2.00, 2.01], 0.105, 0.02, "exceeds the seed spread"),
-    ([2.00, 2.10], [2.01, 2.07], 0.01, 0.10, "within the seed spread"),
-    ([2.00], [1.90], 0.10, None, "one seed: no spread"),
-    # The H200 study's 8K-token cells (sage, full): paired gaps +.0131, +.0163.
-    ([1.3119, 1.2539], [1.2988, 1.2376], 0.0147, 0.0612,
-     "within the seed spread; one sign in every seed, beyond the gaps' range"),
+@pytest.mark.parametrize("p,dof,t", [(0.975, 1, 12.7062), (0.975, 2, 4.3027),
+                                     (0.975, 5, 2.5706), (0.975, 10, 2.2281),
+                                     (0.975, 30, 2.0423), (0.95, 5, 2.0150), (0.995, 7, 3.4995)])
+def test_t_quantile_against_the_table(p, dof, t):
+  assert t_quantile(p, dof) == pytest.approx(t, abs=5e-5)
+
+
+def test_paired_interval_by_hand():
+  """Six seeds: gaps .01 .03 .02 .05 .00 .03, mean .023333, standard
+  deviation .0175119, standard error .0071492, times t(0.975, 5) = 2.5706."""
+  cell = [2.01, 2.13, 1.92, 2.05, 2.00, 1.93]
+  baseline = [2.00, 2.10, 1.90, 2.00, 2.00, 1.90]
+  c = compare(_results(cell), _results(baseline), Gap(0, 1, "above"))
+  assert c["gaps"] == pytest.approx([0.01, 0.03, 0.02, 0.05, 0.00, 0.03])
+  assert c["mean"] == pytest.approx(0.0233333, abs=1e-6)
+  assert c["interval"] == pytest.approx((0.0049557, 0.0417109), abs=1e-6)
+  assert c["verdict"] == "supports"
+  # Paired: the cells' own spread over seeds (0.21) does not widen the interval.
+  assert c["interval"][1] - c["interval"][0] < 0.04
+  assert paired_interval([0.1, 0.3]) == pytest.approx((0.2 - 1.27062, 0.2 + 1.27062), abs=1e-5)
+  assert paired_interval([0.1]) is None
+  # A weighted gap: the cell's error against half the baseline's.
+  errors = compare(_results([0.010, 0.012]), _results([0.030, 0.028]), Gap(0, 1, "below",
+                                                                           weight=0.5))
+  assert errors["gaps"] == pytest.approx([-0.005, -0.002])
+
+
+@pytest.mark.parametrize("interval,expect,verdict", [
+    ((0.001, 0.05), "above", "supports"),
+    ((0.0, 0.05), "above", "cannot tell"),  # open at 0
+    ((-0.05, 0.0), "above", "contradicts"),
+    ((-0.05, 0.001), "above", "cannot tell"),
+    ((-0.05, -0.001), "below", "supports"),
+    ((0.0, 0.05), "below", "contradicts"),
+    ((-NEAR, NEAR), "near", "supports"),  # closed at +-NEAR
+    ((-NEAR - 1e-9, 0.0), "near", "cannot tell"),
+    ((NEAR, 0.1), "near", "cannot tell"),
+    ((NEAR + 1e-9, 0.1), "near", "contradicts"),
+    ((-0.1, -NEAR - 1e-9), "near", "contradicts"),
 ])
-def test_gap_against_seed_spread(cell, baseline, mean, spread, verdict):
-  c = compare(_results(cell), _results(baseline))
-  assert c["mean"] == pytest.approx(mean) and c["verdict"] == verdict
-  assert c["spread"] == (None if spread is None else pytest.approx(spread))
-  gaps = [a - b for a, b in zip(cell, baseline)]
-  assert c["gap_range"] == (pytest.approx(max(gaps) - min(gaps)) if len(gaps) > 1 else None)
+def test_verdict_rule_at_its_edges(interval, expect, verdict):
+  assert judge(interval, expect) == verdict
 
 
 def test_divergence_and_unfinished_runs_in_the_verdict():
+  gap = Gap(0, 1, "near")
   diverged = [Result("r", 0, "diverged", diverged_at=7), Result("r", 1, "done", val_loss=2.0)]
-  assert compare(diverged, _results([2.0, 2.1]))["verdict"] == "cell diverged (1/2 seeds)"
+  assert compare(diverged, _results([2.0, 2.1]), gap)["verdict"] == "cell diverged (1/2 seeds)"
   partial = [Result("r", 0, "partial"), Result("r", 1, "done", val_loss=2.0)]
-  assert compare(_results([2.0, 2.1]), partial)["verdict"] == "unfinished"
+  assert compare(_results([2.0, 2.1]), partial, gap)["verdict"] == "unfinished"
+  three = _results([2.00, 2.01, 2.02]) + [Result("r", 3, "partial")]
+  assert compare(three, _results([2.00, 2.00, 2.01, 2.0]), gap)["verdict"] == (
+      "unfinished (3/4 seeds), so far: cannot tell")
+  assert compare(_results([2.0]), _results([1.9]), gap)["verdict"] == "one seed: no interval"
+
+
+def test_second_round_scale_lists_d128_131k_six_seeds_one_budget(tmp_path, capsys):
+  """Issue 35's bars on `--list`: head dim 128, >= 131K tokens per step,
+  six seeds per cell by default, the same tokens in every run."""
+  study.main(["tokens", "smoothing", "ds", "--scale", "h200-d128", "--list",
+              "--out", str(tmp_path)])
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0].startswith("scale h200-d128: dim 512, 8 layers, 4 heads of 128, context 1024;"
+                             " tokens per step 16,384, 32,768, 65,536, 131,072 ")
+  assert lines[0].endswith("; 6 seeds per cell")
+  runs = lines[1:-1]
+  assert lines[-1] == "66 runs of 11 cells, 865.1M tokens; 66 runs, 865.1M tokens left"
+  assert {line.split(" = ")[1].split(",")[0] for line in runs} == {"13.1M"}
+  for cell in ("sage-tps131072", "full-tps131072", "sage-tps131072-dsbf16",
+               "sage-tps131072-nosmoothk", "sage-tps16384"):
+    assert sum(line.split(":")[0].rsplit("-s", 1)[0] == cell for line in runs) == 6
+  scale = SCALES["h200-d128"]
+  for gap in grids(scale)["ds"].comparisons:  # (ii) at the largest setting, with telemetry
+    for i in (gap.cell, gap.baseline):
+      cfg = run_config(scale, grids(scale)["ds"].cells[i], 0, "o", [])
+      assert cfg.tokens_per_step == 131072 and cfg.telemetry_every > 0
+      assert cfg.dim // cfg.n_heads == 128
+      check(cfg)
 
 
 def test_cli_help_list_and_errors(tmp_path, capsys):
@@ -277,8 +337,65 @@ def test_cli_help_list_and_errors(tmp_path, capsys):
     assert f"- {grid}:" in text and finding in text
   study.main(["--scale", "cpu", "--list", "--out", str(tmp_path)])
   lines = capsys.readouterr().out.splitlines()
-  assert lines[-1] == "22 runs of 11 cells, 0.0M tokens"
-  assert lines[0] == "sage-tps64-s0: 6 steps x 64 tokens, lr 0.003, telemetry every -: absent"
+  assert lines[-1] == "22 runs of 11 cells, 0.0M tokens; 22 runs, 0.0M tokens left"
+  assert lines[1] == ("sage-tps64-s0: 6 steps x 64 tokens = 0.0M, lr 0.003, telemetry every -, "
+                      "checkpoint every -: absent")
   with pytest.raises(SystemExit):
     study.main(["speed", "--scale", "cpu"])
   assert "unknown grid(s) speed" in capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    study.main(["--scale", "cpu", "--start-within", "0"])
+  assert "--start-within must be a positive number of minutes, got 0.0" in (
+      capsys.readouterr().err)
+
+
+def test_finished_runs_lose_their_checkpoints_and_start_within_stops_new_runs(tmp_path,
+                                                                              monkeypatch):
+  """A scale that checkpoints (so a stopped run resumes mid-way) keeps no
+  checkpoint of a finished run; past --start-within no run starts."""
+  scale = dataclasses.replace(CPU, checkpoints=3)
+  assert run_config(scale, Cell(), 0, "o", []).ckpt_every == 1  # 3 steps, 3 checkpoints
+  clock = iter([0.0] + [0.0] * 2 + [600.0] * 10)  # the study's start, then two runs in time
+  monkeypatch.setattr(study.time, "monotonic", lambda: next(clock))
+  trained = []
+
+  def train(cfg, cache, share):
+    os.makedirs(f"{cfg.out}/checkpoints/3")
+    with open(f"{cfg.out}/metrics.jsonl", "w") as f:
+      f.write(json.dumps({"step": cfg.steps, "tokens": 1, "val_loss": 1.0}) + "\n")
+    trained.append(cfg.out)
+    return {"val_loss": 1.0}
+
+  monkeypatch.setattr(study_child, "train", train)
+  monkeypatch.setattr(study_report, "plot_grid", lambda *a: [])
+  logged = []
+  study.run([TINY], scale, 2, str(tmp_path), _json_data(), log=logged.append, start_within=5)
+  assert len(trained) == 2 and not any(
+      os.path.exists(f"{out}/checkpoints") for out in trained)
+  assert logged[-1] == ("2 run(s) not started: --start-within 5 minutes had passed; the same "
+                        "command runs them")
+  assert trained == [run_config(scale, TINY.cells[0], s, str(tmp_path), []).out for s in (0, 1)]
+  left = run_config(scale, TINY.cells[1], 0, str(tmp_path), []).out
+  os.makedirs(f"{left}/checkpoints/3")  # finished, stopped before its clean-up
+  with open(f"{left}/metrics.jsonl", "w") as f:
+    f.write(json.dumps({"step": 3, "tokens": 1, "val_loss": 1.0}) + "\n")
+  study.run([TINY], scale, 2, str(tmp_path), _json_data(), log=lambda *a: None)
+  assert not os.path.exists(f"{left}/checkpoints")
+  assert trained[2:] == [run_config(scale, TINY.cells[1], 1, str(tmp_path), []).out]
+
+
+def test_the_ds_grid_reports_its_telemetry_layer_by_layer(tmp_path):
+  grid = grids(CPU)["ds"]
+  for i, cell in enumerate(grid.cells):
+    cfg = run_config(CPU, cell, 0, str(tmp_path), [])
+    os.makedirs(cfg.out)
+    errors = {k: [0.01 * (i + 1), 0.02 * (i + 1)] for k in ("ds_rel_l2", "dq_rel_l2")}
+    with open(f"{cfg.out}/metrics.jsonl", "w") as f:
+      f.write(json.dumps({"step": 3, "tokens": 1, "max_logit": [5.0, 6.0], **errors}) + "\n")
+      f.write(json.dumps({"step": 3, "tokens": 1, "val_loss": 1.5}) + "\n")
+  study_report.write_tables([grid], CPU, 1, str(tmp_path), [])
+  summary = (tmp_path / "summary.md").read_text()
+  assert "| cell, error | layer 0 | layer 1 |" in summary
+  assert "| sage-tps128-dsbf16 dq_rel_l2 | 0.0200 | 0.0400 |" in summary
+  assert "| dq_rel_l2: sage-tps128-dsbf16 - 0.5 x sage-tps128 | < 0 | +0.0300 | +0.0300 | - |" \
+      " one seed: no interval |" in summary

@@ -1,10 +1,13 @@
 """`python -m train.study`: short pre-training runs that test the SageBwd
-paper's four findings on pre-training, each against the seed spread.
+paper's four findings on pre-training, each gap with a 95% interval over
+seeds, paired by seed.
 
     python -m train.study                          # the four grids at H200 scale
     python -m train.study tokens ds --seeds 3      # two of them, three seeds
     python -m train.study --scale cpu --list       # the plan, without running
     python -m train.study --jobs 4                 # four runs at a time on one GPU
+    python -m train.study tokens smoothing ds --scale h200-d128 --jobs 4
+                                                   # the second round: D=128, 6 seeds
 
 Grids (a cell is one setting, run once per seed; a cell that several grids
 share runs once):
@@ -26,18 +29,20 @@ share runs once):
 Every run is an ordinary run folder, <out>/<cell>-s<seed> (`python -m
 train.plot` draws it), trained by `train.loop.train` in a fresh process of
 its own (train/study_child.py says why: mostly the compile cache), without
-checkpoints. Runs at the largest setting record telemetry four times
-(`--telemetry-every`). A run that finished or diverged is never run again, so
-the same command resumes a stopped study; an unfinished one starts over.
+checkpoints, or, at a scale that saves some (h200-d128), with its
+checkpoints deleted once it finished. Runs at the largest setting record
+telemetry four times (`--telemetry-every`). A run that finished or diverged
+is never run again, so the same command resumes a stopped study; an
+unfinished one resumes from its last checkpoint, or starts over without one.
 After each run <out>/summary.md, summary.csv and gaps.csv are rewritten
 (train/study_report.py), for the chosen grids and every other grid with runs
 in <out>, so a study run grid by grid keeps one summary; once a grid is
 complete, its plots: <grid>-curves.png (validation loss per cell and seed)
 and gap-vs-tokens.png (SageBwd minus full against tokens per step, with the
-seed spread). A run that fails is logged
-and the others go on. A gap "exceeds the seed spread" when
-its mean over seeds is larger than the largest range of either cell's final
-validation loss over the seeds.
+95% intervals). A run that fails is logged and the others go on. Each gap
+of a grid has a place its finding puts it (above 0, below 0, or near 0);
+the summary says "supports" when the gap's whole 95% interval lies there,
+"contradicts" when none of it does, "cannot tell" otherwise.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import argparse
 import dataclasses
 import functools
 import os
+import shutil
 import sys
 import threading
 import time
@@ -53,7 +59,8 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 from train.config import Config, check
 from train.rundir import RunError, changed_fields, holds_run, saved_config
-from train.study_plan import SCALES, Grid, Scale, StudyError, grids, plan, run_status
+from train.study_plan import (SCALES, Cell, Grid, Scale, StudyError, grids, plan, run_config,
+                              run_status)
 
 
 def _check_saved(cfg: Config) -> None:
@@ -71,12 +78,14 @@ def _check_saved(cfg: Config) -> None:
 
 def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
         log=functools.partial(print, flush=True), compile_cache: str | None = None,
-        jobs: int = 1) -> list[str]:
+        jobs: int = 1, start_within: float | None = None) -> list[str]:
   """Runs what is missing of the chosen grids, `jobs` at a time, each run in a
   fresh process with jax's persistent compilation cache in `compile_cache`
   (None: none), rewriting the summary after each run; returns the paths of
-  the summary files and plots. A run that fails is logged and the others go
-  on; StudyError at the end names it. This process imports no jax."""
+  the summary files and plots. No run starts once `start_within` minutes have
+  passed (None: no limit), so that a time-limited session ends on finished
+  runs. A run that fails is logged and the others go on; StudyError at the
+  end names it. This process imports no jax."""
   from train import data as train_data, study_child, study_report
 
   if jobs < 1:
@@ -86,6 +95,9 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
     check(cfg)
     _check_saved(cfg)
   todo = [cfg for _, cfg in runs if run_status(cfg) not in ("done", "diverged")]
+  for _, cfg in runs:  # a study stopped between a run's end and its clean-up
+    if cfg not in todo:
+      _drop_checkpoints(cfg)
   if jobs > 1:  # every first seed before any second, which then finds its compiles cached
     todo.sort(key=lambda cfg: cfg.seed)
   tokens = sum(cfg.tokens_per_step * cfg.steps for cfg in todo)
@@ -97,23 +109,29 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
     train_data.load(todo[0].data, todo[0].val_fraction, todo[0].seq_len)
   reported = _reported(chosen, scale, seeds, out, data)
   plots: dict[str, list[str]] = {}  # each grid's, drawn once it is complete
-  failed, lock = [], threading.Lock()
+  failed, skipped, lock = [], [], threading.Lock()
+  start = time.monotonic()
 
   def say(message: str) -> None:  # whole lines, whichever run's thread speaks
     with lock:
       log(message)
 
-  def train(i: int, cfg: Config) -> tuple[str, float]:
+  def train(i: int, cfg: Config) -> tuple[str, float] | None:
+    if start_within is not None and time.monotonic() - start > 60 * start_within:
+      skipped.append(cfg)
+      return None
     t0 = time.perf_counter()
     resume = bool(holds_run(cfg.out))
     say(f"[{i}/{len(todo)}] {os.path.basename(cfg.out)}: {cfg.steps} steps of "
-        f"{cfg.tokens_per_step:,} tokens" + (" (starting over: unfinished)" if resume else ""))
+        f"{cfg.tokens_per_step:,} tokens" + (" (unfinished: resuming)" if resume else ""))
     try:
       result = study_child.train(dataclasses.replace(cfg, resume=resume), compile_cache,
                                  share=jobs > 1)
       outcome = f"val_loss {result['val_loss']:.4f}"
+      _drop_checkpoints(cfg)
     except study_child.Diverged as e:
       outcome = f"diverged: {e}"
+      _drop_checkpoints(cfg)
     except study_child.Failed as e:  # one failed run, out of memory say, stops no other
       failed.append(os.path.basename(cfg.out))
       outcome = f"FAILED: {e}"
@@ -125,6 +143,8 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
       done, _ = wait(pending, return_when=FIRST_COMPLETED)
       for future in done:
         i, cfg = pending.pop(future)
+        if future.result() is None:
+          continue
         outcome, seconds = future.result()
         say(f"[{i}/{len(todo)}] {os.path.basename(cfg.out)}: {outcome} ({seconds:.0f}s)")
       study_report.write_tables(reported, scale, seeds, out, data)
@@ -136,10 +156,19 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
     if grid.name not in plots:
       plots[grid.name] = study_report.plot_grid(grid, scale, seeds, out, data)
     paths += plots[grid.name]
+  if skipped:
+    log(f"{len(skipped)} run(s) not started: --start-within {start_within:g} minutes had "
+        f"passed; the same command runs them")
   if failed:
     raise StudyError(f"{len(failed)} run(s) failed: {', '.join(failed)} (the log above says "
                      f"why); the rest is in {out}, and the same command retries them")
   return paths
+
+
+def _drop_checkpoints(cfg: Config) -> None:
+  """A finished run's checkpoints go: a study keeps metrics, not weights."""
+  for name in ("checkpoints", "checkpoints-skipped"):
+    shutil.rmtree(os.path.join(cfg.out, name), ignore_errors=True)
 
 
 def _reported(chosen: list[Grid], scale: Scale, seeds: int, out: str,
@@ -164,12 +193,15 @@ def parser() -> argparse.ArgumentParser:
                  help="tokens, qknorm, smoothing, ds (default: all four, in that order)")
   p.add_argument("--scale", choices=list(SCALES), default="h200",
                  help="model, context and tokens per step: h200 (~25.7M parameters, "
-                      "context 1024, 8K/16K/32K tokens per step, 6.6M tokens per run) or "
+                      "8 heads of 64, context 1024, 8K/16K/32K tokens per step, 6.6M tokens "
+                      "per run, 2 seeds), h200-d128 (the same width in 4 heads of 128, "
+                      "16K/32K/65K/131K tokens per step, 13.1M tokens per run, 6 seeds) or "
                       "cpu (a 1-layer toy, seconds per run); default h200")
-  p.add_argument("--seeds", type=int, default=2, help="seeds per cell (default 2)")
+  p.add_argument("--seeds", type=int, default=None,
+                 help="seeds per cell (default: the scale's, h200 2, h200-d128 6, cpu 2)")
   p.add_argument("--steps", type=int, default=None,
                  help="steps at the largest tokens per step (the other settings run as many "
-                      "tokens); default: the scale's, h200 200, cpu 3")
+                      "tokens); default: the scale's, h200 200, h200-d128 100, cpu 3")
   p.add_argument("--out", default=None, help="the study folder (default runs/study-<scale>)")
   p.add_argument("--data", nargs="+", default=[], metavar="PATH",
                  help="as train's --data (default: this Python's stdlib sources)")
@@ -178,6 +210,10 @@ def parser() -> argparse.ArgumentParser:
                       "(default 1); a small model leaves an H200 mostly idle, so 3-4 finish "
                       "the grids sooner")
   p.add_argument("--list", action="store_true", help="print the runs and their state; run none")
+  p.add_argument("--start-within", type=float, default=None, metavar="MINUTES",
+                 help="start no run after this many minutes (runs under way finish), so "
+                      "that a session with a time limit ends on finished runs (default: "
+                      "no limit)")
   p.add_argument("--compile-cache", default=None, metavar="DIR",
                  help="where compiled steps are kept, so that a cell's second seed and a "
                       "resumed study do not compile again (default <out>/jax-cache; 'none': "
@@ -193,8 +229,11 @@ def main(argv: list[str] | None = None) -> None:
   unknown = [g for g in args.grids if g not in named]
   if unknown:
     p.error(f"unknown grid(s) {', '.join(unknown)}: choose from {', '.join(named)}")
-  if args.seeds < 1:
-    p.error(f"--seeds must be >= 1, got {args.seeds}")
+  seeds = scale.seeds if args.seeds is None else args.seeds
+  if seeds < 1:
+    p.error(f"--seeds must be >= 1, got {seeds}")
+  if args.start_within is not None and not args.start_within > 0:
+    p.error(f"--start-within must be a positive number of minutes, got {args.start_within}")
   if args.steps is not None:
     if args.steps < 1:
       p.error(f"--steps must be >= 1, got {args.steps}")
@@ -202,18 +241,29 @@ def main(argv: list[str] | None = None) -> None:
   chosen = [named[g] for g in (args.grids or named)]
   out = args.out or os.path.join("runs", f"study-{args.scale}")
   if args.list:
-    runs = plan(chosen, scale, args.seeds, out, args.data)
-    for _, cfg in runs:
-      print(f"{os.path.basename(cfg.out)}: {cfg.steps} steps x {cfg.tokens_per_step:,} "
-            f"tokens, lr {cfg.lr:g}, telemetry every {cfg.telemetry_every or '-'}: "
-            f"{run_status(cfg)}")
+    runs = plan(chosen, scale, seeds, out, args.data)
+    cfg = run_config(scale, Cell(), 0, out, args.data)
+    print(f"scale {args.scale}: dim {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads of "
+          f"{cfg.dim // cfg.n_heads}, context {cfg.seq_len}; tokens per step "
+          f"{', '.join(f'{scale.tokens_per_step(s):,}' for s in range(len(scale.grad_accums)))}"
+          f" ({scale.steps(0)} down to {scale.steps(-1)} steps); {seeds} seeds per cell")
+    status = {c.out: run_status(c) for _, c in runs}
+    for _, c in runs:
+      print(f"{os.path.basename(c.out)}: {c.steps} steps x {c.tokens_per_step:,} "
+            f"tokens = {c.steps * c.tokens_per_step / 1e6:.1f}M, lr {c.lr:g}, telemetry every "
+            f"{c.telemetry_every or '-'}, checkpoint every {c.ckpt_every or '-'}: "
+            f"{status[c.out]}")
+    left = [c for _, c in runs if status[c.out] not in ("done", "diverged")]
     print(f"{len(runs)} runs of {len({cell for cell, _ in runs})} cells, "
-          f"{sum(c.steps * c.tokens_per_step for _, c in runs) / 1e6:.1f}M tokens")
+          f"{sum(c.steps * c.tokens_per_step for _, c in runs) / 1e6:.1f}M tokens; "
+          f"{len(left)} runs, {sum(c.steps * c.tokens_per_step for c in left) / 1e6:.1f}M "
+          f"tokens left")
     return
   cache = args.compile_cache or os.path.join(out, "jax-cache")
   try:
-    paths = run(chosen, scale, args.seeds, out, args.data,
-                compile_cache=None if cache == "none" else cache, jobs=args.jobs)
+    paths = run(chosen, scale, seeds, out, args.data,
+                compile_cache=None if cache == "none" else cache, jobs=args.jobs,
+                start_within=args.start_within)
   except (StudyError, RunError, ValueError) as e:
     raise SystemExit(f"error: {e}")
   print("\n".join(paths), file=sys.stderr)

@@ -3,11 +3,19 @@ metrics.jsonl files, rewritten whole each time.
 
 - summary.md: per grid, a table of cells (final validation loss by seed,
   mean and range; at the largest setting the last telemetry: max attention
-  logit, dQ and dK relative L2, largest over layers, mean over seeds) and
-  one of comparisons (cell minus baseline, seed by seed, against the seed
-  spread).
-- summary.csv: one row per grid, cell and seed; gaps.csv: one per comparison.
+  logit, dQ and dK relative L2, largest over layers, mean over seeds), for
+  the ds grid the same telemetry layer by layer, and a table of gaps: seed
+  by seed, their mean and its 95% interval, and the verdict on the finding.
+- summary.csv: one row per grid, cell and seed; gaps.csv: one per gap.
 - <grid>-curves.png and, with the tokens grid, gap-vs-tokens.png.
+
+A seed gives both cells of a gap the same initialisation and batches, so the
+gaps are paired: their interval comes from the per-seed differences (Student
+t, n - 1 degrees of freedom), far narrower than the spread of either cell's
+losses over seeds, which moves with what both cells share. One rule turns an
+interval into a verdict (`judge`): "supports" when all of it lies where the
+finding puts the gap, "contradicts" when none of it does, "cannot tell"
+otherwise.
 """
 
 from __future__ import annotations
@@ -19,9 +27,10 @@ import statistics
 from dataclasses import dataclass, field
 
 from train.metrics import kind, read
-from train.study_plan import Grid, Scale, run_config, run_status
+from train.study_plan import EXPECT, NEAR, Gap, Grid, Scale, run_config, run_status
 
 TELEMETRY = ("max_logit", "o_rel_l2", "dq_rel_l2", "dk_rel_l2", "dv_rel_l2", "ds_rel_l2")
+PER_LAYER = ("ds_rel_l2", "dq_rel_l2", "dk_rel_l2")  # the errors claim (ii) is about
 
 
 @dataclass
@@ -35,6 +44,7 @@ class Result:
   diverged_at: int | None = None
   curve: list[tuple[int, float]] = field(default_factory=list)  # (tokens, val_loss)
   telemetry: dict[str, float] = field(default_factory=dict)  # last row, max over layers
+  layers: dict[str, list[float]] = field(default_factory=dict)  # last row, PER_LAYER
   tokens_per_s: float | None = None  # median over the steps
 
 
@@ -56,47 +66,115 @@ def result(cfg, seed: int) -> Result:
   telemetry = [row for row in rows if kind(row) == "telemetry"]
   if telemetry:
     r.telemetry = {k: max(telemetry[-1][k]) for k in TELEMETRY if k in telemetry[-1]}
+    r.layers = {k: telemetry[-1][k] for k in PER_LAYER if k in telemetry[-1]}
   speeds = [row["tokens_per_s"] for row in train if "tokens_per_s" in row]
   r.tokens_per_s = statistics.median(speeds) if speeds else None
   return r
 
 
-def compare(cell: list[Result], baseline: list[Result]) -> dict:
-  """Gap of `cell` over `baseline` seed by seed, against the seed spread
-  (the larger range of the two cells' final losses over the seeds). A seed
-  gives both cells the same initialisation and batches, so the gaps are
-  paired: `gap_range` (their own range) says how consistent they are, which
-  the seed spread, moved by what both cells share, does not."""
-  diverged = [name for name, rs in (("cell", cell), ("baseline", baseline))
-              if any(r.status == "diverged" for r in rs)]
-  pairs = [(a.val_loss, b.val_loss) for a, b in zip(cell, baseline)
-           if a.val_loss is not None and b.val_loss is not None]
-  gaps = [a - b for a, b in pairs]
-  spread = max((max(x) - min(x) for x in zip(*pairs)), default=0.0) if len(pairs) > 1 else None
+def t_quantile(p: float, dof: int) -> float:
+  """Student t's p-quantile (1/2 < p < 1) at `dof` >= 1 degrees of freedom:
+  bisection on P(|T| <= t), which is closed-form at whole dof (Abramowitz
+  and Stegun 26.7.3-4) in theta = atan(t / sqrt(dof))."""
+  if not 0.5 < p < 1 or dof < 1:
+    raise ValueError(f"t_quantile needs 1/2 < p < 1 and dof >= 1, got p={p}, dof={dof}")
+  lo, hi = 0.0, math.pi / 2
+  for _ in range(100):
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if _t_central(mid, dof) < 2 * p - 1 else (lo, mid)
+  return math.sqrt(dof) * math.tan((lo + hi) / 2)
+
+
+def _t_central(theta: float, dof: int) -> float:
+  """P(|T| <= sqrt(dof) tan(theta)) for T Student t at `dof`."""
+  c2, term, total = math.cos(theta) ** 2, 1.0, 1.0
+  if dof % 2 == 0:
+    for k in range(1, dof // 2):
+      term *= (2 * k - 1) / (2 * k) * c2
+      total += term
+    return math.sin(theta) * total
+  if dof == 1:
+    return 2 * theta / math.pi
+  for k in range(1, (dof - 1) // 2):
+    term *= 2 * k / (2 * k + 1) * c2
+    total += term
+  return 2 / math.pi * (theta + math.sin(theta) * math.cos(theta) * total)
+
+
+def paired_interval(gaps: list[float]) -> tuple[float, float] | None:
+  """The 95% interval of the mean of per-seed gaps (mean +- t_{0.975, n-1}
+  times their standard error); None under two seeds."""
+  if len(gaps) < 2:
+    return None
+  half = t_quantile(0.975, len(gaps) - 1) * statistics.stdev(gaps) / math.sqrt(len(gaps))
+  mean = statistics.fmean(gaps)
+  return mean - half, mean + half
+
+
+def judge(interval: tuple[float, float], expect: str) -> str:
+  """The verdict rule: "supports" when the whole interval lies where the
+  finding puts the gap (EXPECT: above 0, below 0, or within +-NEAR, that one
+  closed), "contradicts" when none of it does, "cannot tell" otherwise."""
+  lo, hi = interval
+  inside, outside = {"above": (lo > 0, hi <= 0), "below": (hi < 0, lo >= 0),
+                     "near": (-NEAR <= lo and hi <= NEAR, lo > NEAR or hi < -NEAR)}[expect]
+  return "supports" if inside else "contradicts" if outside else "cannot tell"
+
+
+def _value(r: Result, metric: str) -> float | None:
+  if r.status != "done":
+    return None
+  return r.val_loss if metric == "val_loss" else r.telemetry.get(metric)
+
+
+def compare(cell: list[Result], baseline: list[Result], gap: Gap) -> dict:
+  """`gap` seed by seed, its mean and 95% interval over the seeds both
+  cells finished, and the verdict on the finding."""
+  pairs = [(_value(a, gap.metric), _value(b, gap.metric)) for a, b in zip(cell, baseline)]
+  gaps = [a - gap.weight * b for a, b in pairs if a is not None and b is not None]
   mean = statistics.fmean(gaps) if gaps else None
-  gap_range = max(gaps) - min(gaps) if len(gaps) > 1 else None
+  interval = paired_interval(gaps)
+  diverged = [(name, sum(r.status == "diverged" for r in rs), len(rs))
+              for name, rs in (("cell", cell), ("baseline", baseline))
+              if any(r.status == "diverged" for r in rs)]
   if diverged:
-    verdict = " and ".join(f"{name} diverged ({sum(r.status == 'diverged' for r in rs)}"
-                           f"/{len(rs)} seeds)" for name, rs in
-                           (("cell", cell), ("baseline", baseline)) if name in diverged)
-  elif len(pairs) < len(cell):
-    verdict = "unfinished"
-  elif spread is None:
-    verdict = "one seed: no spread"
+    verdict = " and ".join(f"{name} diverged ({n}/{of} seeds)" for name, n, of in diverged)
+  elif interval is None:
+    verdict = "unfinished" if len(gaps) < len(cell) else "one seed: no interval"
   else:
-    if abs(mean) > spread:
-      verdict = "exceeds the seed spread"
-    else:
-      verdict = "within the seed spread"
-      if abs(mean) > gap_range and len({g > 0 for g in gaps}) == 1:
-        verdict += "; one sign in every seed, beyond the gaps' range"
-  return dict(gaps=gaps, mean=mean, spread=spread, gap_range=gap_range, verdict=verdict)
+    verdict = judge(interval, gap.expect)
+    if len(gaps) < len(cell):
+      verdict = f"unfinished ({len(gaps)}/{len(cell)} seeds), so far: {verdict}"
+  return dict(gaps=gaps, mean=mean, interval=interval, verdict=verdict)
 
 
 def _fmt(x, digits: int = 4, sign: bool = False) -> str:
   if x is None:
     return "-"
   return f"{x:+.{digits}f}" if sign else f"{x:.{digits}f}"
+
+
+def _fmt_interval(interval) -> str:
+  return "-" if interval is None else f"[{interval[0]:+.4f}, {interval[1]:+.4f}]"
+
+
+def _layer_table(grid: Grid, results: list[list[Result]], scale: Scale) -> list[str]:
+  """The last telemetry's PER_LAYER errors layer by layer, mean over seeds."""
+  rows = []
+  for cell, rs in zip(grid.cells, results):
+    for k in PER_LAYER:
+      per_seed = [r.layers[k] for r in rs if k in r.layers]
+      if per_seed:
+        rows.append((f"{cell.name(scale)} {k}", [statistics.fmean(x) for x in zip(*per_seed)]))
+  if not rows:
+    return []
+  n = max(len(values) for _, values in rows)
+  return ["", "Last telemetry by layer (relative L2 to full precision; ds_rel_l2: dS's own "
+          "quantization), mean over seeds:", "",
+          "| cell, error | " + " | ".join(f"layer {i}" for i in range(n)) + " |",
+          "|---" * (n + 1) + "|"] + [
+              f"| {name} | " + " | ".join(_fmt(v) for v in values) + " |"
+              for name, values in rows]
 
 
 def collect(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str]):
@@ -112,11 +190,12 @@ def write_tables(chosen: list[Grid], scale: Scale, seeds: int, out: str,
         f"Scale: {', '.join(f'{k} {v}' for k, v in scale.config.items())}; tokens per step "
         f"{', '.join(f'{scale.tokens_per_step(s):,}' for s in range(len(scale.grad_accums)))} "
         f"({scale.steps(-1)} steps at the largest, the same tokens at the others); "
-        f"{seeds} seed(s). Final validation loss in nats per token; a gap is cell minus "
-        "baseline, seed by seed; the seed spread is the larger range over seeds of the "
-        "two cells' final losses; the gap range is the range of the gaps themselves (a "
-        "seed gives both cells the same initialisation and batches, so a gap of one sign "
-        "in every seed and beyond its range is consistent even within the seed spread)."]
+        f"{seeds} seed(s). Final validation loss in nats per token. A gap is cell minus "
+        "baseline at the same seed, which gives both the same initialisation and batches; "
+        "its 95% interval is the mean of the n per-seed gaps +- t(0.975, n - 1) times their "
+        "standard error. Verdict on the finding: supports when the whole interval lies "
+        f"where the finding puts the gap (> 0, < 0, or within +-{NEAR:g}: a match), "
+        "contradicts when none of it does, cannot tell otherwise."]
   rows, gap_rows = [], []
   for grid in chosen:
     md += ["", f"## {grid.name}: {grid.finding}", "",
@@ -144,18 +223,22 @@ def write_tables(chosen: list[Grid], scale: Scale, seeds: int, out: str,
                          final_val_loss=r.val_loss, diverged_at=r.diverged_at,
                          tokens_per_s=r.tokens_per_s,
                          **{k: r.telemetry.get(k) for k in TELEMETRY}))
-    md += ["", "| cell - baseline | gap by seed | mean gap | seed spread | gap range | verdict |",
+    if grid.per_layer:
+      md += _layer_table(grid, results[grid.name], scale)
+    md += ["", "| gap | the finding puts it | gap by seed | mean | 95% interval | verdict |",
            "|---|---|---|---|---|---|"]
-    for a, b in grid.comparisons:
-      c = compare(results[grid.name][a], results[grid.name][b])
-      names = (grid.cells[a].name(scale), grid.cells[b].name(scale))
-      md.append(f"| {names[0]} - {names[1]} | "
+    names = [cell.name(scale) for cell in grid.cells]
+    for gap in grid.comparisons:
+      c = compare(results[grid.name][gap.cell], results[grid.name][gap.baseline], gap)
+      md.append(f"| {gap.label(names)} | {EXPECT[gap.expect]} | "
                 f"{', '.join(_fmt(g, sign=True) for g in c['gaps']) or '-'} | "
-                f"{_fmt(c['mean'], sign=True)} | {_fmt(c['spread'])} | "
-                f"{_fmt(c['gap_range'])} | {c['verdict']} |")
-      gap_rows.append(dict(grid=grid.name, cell=names[0], baseline=names[1],
-                           gaps=";".join(f"{g:.6f}" for g in c["gaps"]), mean_gap=c["mean"],
-                           seed_spread=c["spread"], gap_range=c["gap_range"],
+                f"{_fmt(c['mean'], sign=True)} | {_fmt_interval(c['interval'])} | "
+                f"{c['verdict']} |")
+      lo, hi = c["interval"] or (None, None)
+      gap_rows.append(dict(grid=grid.name, gap=gap.label(names), metric=gap.metric,
+                           expect=EXPECT[gap.expect],
+                           gaps=";".join(f"{g:.6f}" for g in c["gaps"]), seeds=len(c["gaps"]),
+                           mean_gap=c["mean"], ci95_low=lo, ci95_high=hi,
                            verdict=c["verdict"]))
   paths = [os.path.join(out, n) for n in ("summary.md", "summary.csv", "gaps.csv")]
   with open(paths[0], "w") as f:
@@ -197,22 +280,23 @@ def plot_grid(grid: Grid, scale: Scale, seeds: int, out: str, data: list[str]) -
 def _gap_plot(grid: Grid, results, scale: Scale, out: str) -> str:
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(7, 4.5))
-  xs, means, spreads = [], [], []
-  for a, b in grid.comparisons:
-    x = scale.tokens_per_step(grid.cells[a].setting)
-    c = compare(results[a], results[b])
-    ax.plot([x] * len(c["gaps"]), c["gaps"], "o", color="C0", alpha=0.5)
-    if c["mean"] is not None:
+  xs, means, errors = [], [], []
+  for gap in grid.comparisons:
+    x = scale.tokens_per_step(grid.cells[gap.cell].setting)
+    c = compare(results[gap.cell], results[gap.baseline], gap)
+    ax.plot([x] * len(c["gaps"]), c["gaps"], "o", color="C0", alpha=0.4, ms=4)
+    if c["interval"] is not None:
       xs.append(x)
       means.append(c["mean"])
-      spreads.append(c["spread"] or 0.0)
-  ax.plot(xs, means, "-s", color="C0", label="SageBwd - full (mean; dots: seeds)")
-  ax.fill_between(xs, [-s for s in spreads], spreads, color="gray", alpha=0.25,
-                  label="± seed spread")
+      errors.append((c["mean"] - c["interval"][0], c["interval"][1] - c["mean"]))
+  if xs:
+    ax.errorbar(xs, means, yerr=list(zip(*errors)), fmt="-s", color="C0", capsize=4,
+                label="SageBwd - full: mean, 95% interval (dots: seeds)")
+  ax.axhspan(-NEAR, NEAR, color="gray", alpha=0.25, label=f"a match: within +-{NEAR:g}")
   ax.axhline(0, color="black", lw=0.8)
   ax.set_xscale("log", base=2)
   ax.set(xlabel="tokens per step", ylabel="final validation loss gap (nats)",
-         title="SageBwd minus full precision, same token budget")
+         title="SageBwd minus full precision, same token budget, paired by seed")
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
   return _save(fig, os.path.join(out, "gap-vs-tokens.png"))
@@ -224,5 +308,3 @@ def _save(fig, path: str) -> str:
   fig.savefig(path, dpi=120)
   plt.close(fig)
   return path
-
-
