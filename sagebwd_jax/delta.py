@@ -14,10 +14,12 @@ sum_j P dP from the backward's own dP, with P normalized over the row in
 this pass (its own running maximum and sum), so a one-hot row's weight is
 exactly 1 whatever the rounding of the forward's lse. The pass costs two of
 the backward's seven products (S and dP once more) and runs only when some
-row of the call needs it (`lax.cond`; under `vmap` both branches run).
+row of the call needs it (`lax.cond`, one for the whole batch under `vmap`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -37,11 +39,34 @@ def where_saturated(delta: jax.Array, qkv: QuantizedQKV, v: jax.Array, lse: jax.
   """`delta` (B, H, Tq), the pre-pass's, with the saturated rows' replaced
   by sum_j P dP (`qkv`'s int8 Q and K: the scores the backward recomputes;
   `v` and `do` (B, T, H, D) as the backward's dP takes them)."""
-  rows = saturated(lse)
-  return jax.lax.cond(
-      jnp.any(rows),
-      lambda: jnp.where(rows, softmax_weighted_dp(qkv, v, do, masks, config), delta),
-      lambda: delta)
+  return _where_saturated(config)(delta, qkv, v, lse, do, masks)
+
+
+@functools.cache
+def _where_saturated(config: Config):
+  """`where_saturated` for one config, with its own vmap rule: vmap would
+  turn the cond of a batched predicate into a select that runs the pass
+  always; the rule folds vmap's axis into the batch axis (every argument's
+  first), so the cond stays one, on the whole batch."""
+
+  @jax.custom_batching.custom_vmap
+  def fn(delta, qkv, v, lse, do, masks):
+    rows = saturated(lse)
+    return jax.lax.cond(
+        jnp.any(rows),
+        lambda: jnp.where(rows, softmax_weighted_dp(qkv, v, do, masks, config), delta),
+        lambda: delta)
+
+  @fn.def_vmap
+  def rule(axis_size, in_batched, *args):
+    def fold(x, batched):
+      x = x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+      return x.reshape(axis_size * x.shape[1], *x.shape[2:])
+
+    out = fn(*jax.tree.map(fold, list(args), list(in_batched)))
+    return out.reshape(axis_size, -1, *out.shape[1:]), True
+
+  return fn
 
 
 def softmax_weighted_dp(qkv: QuantizedQKV, v: jax.Array, do: jax.Array, masks: Masks,

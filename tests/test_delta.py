@@ -75,3 +75,20 @@ def test_only_saturated_rows_are_replaced():
   # Nothing saturated: the pre-pass's Delta, bit for bit.
   same = delta.where_saturated(prepass_delta, qkv, v, jnp.zeros_like(lse), do, Masks(), config)
   np.testing.assert_array_equal(np.asarray(same), np.asarray(prepass_delta))
+
+
+def test_vmap_keeps_one_cond_over_the_whole_batch():
+  """Under vmap the pass stays behind a cond (not a select that runs it for
+  every call), and each example's Delta is its own."""
+  qkv, v, do, config = _case(causal=True)
+  lse = jnp.zeros((B, H, T), jnp.float32).at[1, 2, 50].set(2 * nm.SATURATED_LSE)
+  prepass_delta = jax.random.normal(jax.random.key(1), (B, H, T))
+  stack = lambda x: jnp.stack([x, x[::-1]])  # two examples: the batch rows swapped
+  args = [jax.tree.map(stack, a) for a in (prepass_delta, qkv, v, lse, do)]
+  fn = lambda d, qkv, v, lse, do: delta.where_saturated(d, qkv, v, lse, do, Masks(), config)
+  got = jax.vmap(fn)(*args)
+  for n in range(2):
+    want = fn(*[jax.tree.map(lambda x: x[n], a) for a in args])
+    np.testing.assert_array_equal(np.asarray(got[n]), np.asarray(want))
+  jaxpr = str(jax.make_jaxpr(jax.vmap(fn))(*args))
+  assert jaxpr.count("cond[") == 1 and "scan[" in jaxpr
