@@ -81,8 +81,10 @@ def softmax_weighted_dp(qkv: QuantizedQKV, v: jax.Array, do: jax.Array, masks: M
   def kv_step(carry, j):
     m, l, d = carry
     s = tiles.scores(j)
+    # HIGHEST: fp32 inputs multiply in fp32 (not TF32 on a GPU), as the
+    # kernels' dP does; a one-hot row's dP - Delta then cancels.
     dp = jnp.einsum("bhgiqd,bhkd->bhgiqk", do_rows, tiles.kv_block(v_heads, j, axis=-2),
-                    preferred_element_type=jnp.float32)
+                    preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     alpha = jnp.exp2(m - m_new)
     w = jnp.exp2(s - m_new[..., None])  # 0 where masked: m_new is finite
