@@ -19,12 +19,11 @@ row of the call needs it (`lax.cond`, one for the whole batch under `vmap`).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import numerics as nm
+from pallas_kernels.batching import batch_folded
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 from sagebwd_jax.reference import ScoreTiles
 
@@ -38,35 +37,17 @@ def where_saturated(delta: jax.Array, qkv: QuantizedQKV, v: jax.Array, lse: jax.
                     do: jax.Array, masks: Masks, config: Config) -> jax.Array:
   """`delta` (B, H, Tq), the pre-pass's, with the saturated rows' replaced
   by sum_j P dP (`qkv`'s int8 Q and K: the scores the backward recomputes;
-  `v` and `do` (B, T, H, D) as the backward's dP takes them)."""
-  return _where_saturated(config)(delta, qkv, v, lse, do, masks)
+  `v` and `do` (B, T, H, D) as the backward's dP takes them). Under vmap the
+  mapped axis joins the batch, so one cond decides for all."""
 
-
-@functools.cache
-def _where_saturated(config: Config):
-  """`where_saturated` for one config, with its own vmap rule: vmap would
-  turn the cond of a batched predicate into a select that runs the pass
-  always; the rule folds vmap's axis into the batch axis (every argument's
-  first), so the cond stays one, on the whole batch."""
-
-  @jax.custom_batching.custom_vmap
-  def fn(delta, qkv, v, lse, do, masks):
+  def select(delta, qkv, v, lse, do, masks):
     rows = saturated(lse)
-    return jax.lax.cond(
+    return (jax.lax.cond(
         jnp.any(rows),
         lambda: jnp.where(rows, softmax_weighted_dp(qkv, v, do, masks, config), delta),
-        lambda: delta)
+        lambda: delta),)
 
-  @fn.def_vmap
-  def rule(axis_size, in_batched, *args):
-    def fold(x, batched):
-      x = x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
-      return x.reshape(axis_size * x.shape[1], *x.shape[2:])
-
-    out = fn(*jax.tree.map(fold, list(args), list(in_batched)))
-    return out.reshape(axis_size, -1, *out.shape[1:]), True
-
-  return fn
+  return batch_folded(select)(delta, qkv, v, lse, do, masks)[0]
 
 
 def softmax_weighted_dp(qkv: QuantizedQKV, v: jax.Array, do: jax.Array, masks: Masks,

@@ -25,7 +25,8 @@ from pallas_kernels import causal_blocks, numerics as nm
 from pallas_kernels.jax_triton import tiles
 from pallas_kernels.jax_triton.backward_dq import dot_precision
 from pallas_kernels.jax_triton.interpreter import device_function
-from pallas_kernels.jax_triton.launch import LaunchConfig, batch_folded, placeholder
+from pallas_kernels.batching import batch_folded
+from pallas_kernels.jax_triton.launch import LaunchConfig, placeholder
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 LN_2 = tl.constexpr(nm.LN_2)

@@ -11,7 +11,8 @@ import triton
 import triton.language as tl
 
 from pallas_kernels.jax_triton import tiles
-from pallas_kernels.jax_triton.launch import LaunchConfig, batch_folded
+from pallas_kernels.batching import batch_folded
+from pallas_kernels.jax_triton.launch import LaunchConfig
 from pallas_kernels.jax_triton.quantize import check_register_blocks, transposed_shape
 from pallas_kernels.types import Prepass, TransposedLayout
 

@@ -27,7 +27,8 @@ import triton.language as tl
 from pallas_kernels import causal_blocks, numerics as nm
 from pallas_kernels.jax_triton import tiles
 from pallas_kernels.jax_triton.interpreter import device_function
-from pallas_kernels.jax_triton.launch import LaunchConfig, batch_folded, placeholder
+from pallas_kernels.batching import batch_folded
+from pallas_kernels.jax_triton.launch import LaunchConfig, placeholder
 from pallas_kernels.layouts import check_layout
 from pallas_kernels.types import Config, Masks, QuantizedQKV, TransposedLayout
 

@@ -7,16 +7,16 @@ operands as their raw bit patterns, so 16-bit float inputs travel to it as
 fp32 (exact) and 16-bit float outputs come back as fp32 and are rounded by
 XLA (to nearest even, as the kernel's own store would).
 
-`triton_call` has no batching rule, so every launch is wrapped in a
-`custom_vmap` that folds a mapped axis into the batch axis, which leads every
-argument and output of these kernels.
+`triton_call` has no batching rule, so every launch is wrapped in
+`batching.batch_folded`: the batch axis leads every argument and output of
+these kernels.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -110,24 +110,6 @@ class LaunchConfig:
     run = functools.partial(interpreter.run, kernel, grid, constants, host_shapes)
     outs = jax.pure_callback(run, host_shapes, *args)
     return [y.astype(s.dtype) for y, s in zip(outs, out_shape)]
-
-
-def batch_folded(fn: Callable) -> Callable:
-  """`fn` (arrays, or None, in; a tuple of arrays out; every array with the
-  batch axis first) under `jax.vmap`: the mapped axis is folded into the batch
-  axis and `fn` runs once on the merged batch."""
-  folded = jax.custom_batching.custom_vmap(fn)
-
-  @folded.def_vmap
-  def _rule(axis_size: int, in_batched, *args):
-    args = jax.tree.map(
-        lambda x, batched: x if batched else jnp.broadcast_to(x, (axis_size, *x.shape)),
-        args, tuple(in_batched))
-    outs = folded(*jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), args))
-    outs = jax.tree.map(lambda y: y.reshape(axis_size, -1, *y.shape[1:]), outs)
-    return outs, jax.tree.map(lambda _: True, outs)
-
-  return folded
 
 
 def placeholder(x: jax.Array | None, dtype) -> jax.Array:

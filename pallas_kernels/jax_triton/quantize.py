@@ -19,7 +19,8 @@ import triton.language as tl
 from pallas_kernels import numerics as nm
 from pallas_kernels.jax_triton import tiles
 from pallas_kernels.jax_triton.interpreter import device_function
-from pallas_kernels.jax_triton.launch import LaunchConfig, batch_folded, placeholder
+from pallas_kernels.batching import batch_folded
+from pallas_kernels.jax_triton.launch import LaunchConfig, placeholder
 from pallas_kernels.layouts import REGISTER_BLOCK
 from pallas_kernels.types import Config, Layouts, QuantizedQKV, TransposedLayout
 
