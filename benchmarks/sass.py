@@ -71,11 +71,13 @@ class TritonLaunch:
   def shared_memory(self, arch: int) -> int:
     """Bytes of shared memory the launch asks for per program on sm_`arch`.
 
-    Triton sets it when it lowers to LLVM IR, so this stops there: the PTX
-    and ptxas stages after it take most of a large kernel's compile (a
-    minute for the fp32 dQ at 128 x 128 tiles) and change no allocation.
+    Triton allocates it in the first passes of its lowering to LLVM IR, so
+    this runs those and stops: the rest (LLVM, PTX, ptxas) takes nearly all
+    of a large kernel's compile and changes no allocation. The passes are
+    Triton 3.6's (`make_llir`); a test holds the result to the cubin's.
     """
-    from triton._C.libtriton import ir
+    from triton._C.libtriton import ir, nvidia, passes
+    from triton.backends.nvidia.compiler import get_ptx_version_from_options
     from triton.compiler.compiler import make_backend
     source, target, options = self._source(arch)
     backend = make_backend(target)
@@ -88,9 +90,17 @@ class TritonLaunch:
     stages = {}
     backend.add_stages(stages, options, source.language)
     metadata = {"target": target, **options.__dict__}
-    for stage in ("ttir", "ttgir", "llir"):
+    for stage in ("ttir", "ttgir"):
       module = stages[stage](module, metadata)
-    return metadata["shared"]
+    pm = ir.pass_manager(module.context)
+    passes.ttgpuir.add_combine_tensor_select_and_if(pm)
+    passes.ttgpuir.add_allocate_warp_groups(pm)
+    passes.convert.add_scf_to_cf(pm)
+    passes.gluon.add_inliner(pm)
+    nvidia.passes.ttgpuir.add_allocate_shared_memory_nv(
+        pm, arch, get_ptx_version_from_options(options, arch))
+    pm.run(module, "shared_memory")
+    return module.get_int_attr("ttg.shared")
 
   def compiled(self, arch: int, num_warps: int | None = None, num_stages: int | None = None):
     """Triton's compiled kernel of the launch (its own cache makes a repeat cheap)."""
