@@ -2,8 +2,8 @@
 default for the device computations go to, and the backend object of each.
 
 `api.dot_product_attention` resolves its `implementation` argument here and
-tries the backends in order; everything about the machine (platform, Hopper
-or not, whether the Triton packages import) is asked in this module only.
+tries the backends in order; what the op needs to know of the machine
+(platform, Hopper or not, whether the Triton packages import) it asks here.
 """
 
 from __future__ import annotations
