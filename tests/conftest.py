@@ -33,7 +33,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from pallas_kernels.types import Config, Layouts, TransposedLayout  # noqa: E402
-from sagebwd_jax import dot_product_attention, full_precision_attention, implementations, metrics  # noqa: E402
+from sagebwd_jax import (dot_product_attention, full_precision_attention,  # noqa: E402
+                         implementations, metrics)
 from sagebwd_jax.reference import ReferenceBackend  # noqa: E402
 from sagebwd_jax.sagebwd import prepass  # noqa: E402
 

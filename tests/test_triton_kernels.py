@@ -16,7 +16,8 @@ import pytest
 
 pytest.importorskip("triton", reason="the Triton kernels need the package triton")
 
-from conftest import backward_stage, check_quantization_pass, gaussian_qkv, kernel_config  # noqa: E402
+from conftest import (backward_stage, check_quantization_pass, gaussian_qkv,  # noqa: E402
+                      kernel_config)
 from benchmarks import sass  # noqa: E402
 from pallas_kernels.jax_triton.backend import TritonBackend  # noqa: E402
 from pallas_kernels.jax_triton.backward_prepass import backward_prepass  # noqa: E402
