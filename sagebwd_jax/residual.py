@@ -54,9 +54,8 @@ def _backward(config, backend, smooth_k, residuals, cotangent):
   p_k, lse_2 = attend(qkv, masks, config, backend, query.dtype)
   dq = g * p_k.astype(jnp.float32)
   (do,) = opaque((g * query.astype(jnp.float32)).astype(query.dtype))
-  zeros = jnp.zeros_like(query)
-  dk = backend.backward(qkv, jnp.zeros_like(key), lse_2, do,
-                        prepass(qkv, zeros, do, config, backend), masks, config)[2]
+  pre = prepass(qkv, jnp.zeros_like(query), do, config, backend)
+  dk = backend.backward(qkv, jnp.zeros_like(key), lse_2, do, pre, masks, config)[2]
   return dq.astype(query.dtype), dk.astype(key.dtype), jnp.zeros_like(value), None
 
 
