@@ -202,10 +202,11 @@ def unsigned_rows(a: jax.Array) -> tuple[jax.Array, jax.Array]:
 # the accumulators to a new E, exp2(E_old - E_new), stays far inside fp32.
 E_FLOOR_BELOW_MAX = 60.0
 # Base-2 logits above which the backward takes Delta = sum_j P dP instead of
-# rowsum(dO * O) (sagebwd_jax/delta.py). There fp32 holds an exponent to 2**-8
-# or coarser, more than P's int8 step (log2(1 + 1/255)), and a row's largest
-# score is far from its next one unless they tie, so the row is one-hot;
-# training with QK-norm stays below 2**6.
+# rowsum(dO * O), and its own lse (sagebwd_jax/saturated_rows.py). There fp32
+# holds an exponent to 2**-8 or coarser, more than P's int8 step
+# (log2(1 + 1/255)), and a row's largest score is far from its next one
+# unless they tie, so the row is one-hot; training with QK-norm stays below
+# 2**6.
 SATURATED_LSE = 2.0**15
 # The running maximum's start: finite, so rows that have seen no key yet get
 # finite exponents (their accumulators are 0 whatever the factor).

@@ -213,11 +213,19 @@ class Backend(Protocol):
     fallback's)."""
     ...
 
+  def saturated_rows(self, qkv: QuantizedQKV, v: jax.Array, lse: jax.Array, do: jax.Array,
+                     delta: jax.Array, masks: Masks,
+                     config: Config) -> tuple[jax.Array, jax.Array]:
+    """Delta (the pre-pass's) and lse (the forward's), (B, H, Tq), with the
+    rows whose logits saturate recomputed from the backward's own scores and
+    dP (`sagebwd_jax.saturated_rows` states the rule); the other rows as given."""
+    ...
+
   def backward(self, qkv: QuantizedQKV, v: jax.Array, lse: jax.Array, do: jax.Array,
                prepass: Prepass, masks: Masks,
                config: Config) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """dQ, dK, dV, (B, T, H, D), from the saved residuals, dO and the pre-pass
-    (whose Delta the caller may have replaced: `sagebwd_jax.delta`).
+    """dQ, dK, dV, (B, T, H, D), from the saved residuals (lse and the
+    pre-pass's Delta as `saturated_rows` left them), dO and the pre-pass.
 
     Any float dtype: the op casts them to the inputs' dtype.
     """

@@ -21,6 +21,8 @@ from pallas_kernels import numerics as nm
 from pallas_kernels.layouts import arrange, to_layout
 from pallas_kernels.types import (Backend, Config, Layouts, Masks, Numerics, Prepass,
                                   QuantizedQKV, TransposedLayout)
+from sagebwd_jax.saturated_rows import where_saturated
+from sagebwd_jax.score_tiles import ScoreTiles, blocks, group, int8_einsum
 
 _f32 = jnp.float32
 
@@ -28,11 +30,6 @@ _f32 = jnp.float32
 def _heads(x: jax.Array) -> jax.Array:
   """(B, T, H, D) -> (B, H, T, D)."""
   return jnp.swapaxes(x, 1, 2)
-
-
-def _blocks(x: jax.Array, block: int) -> jax.Array:
-  """(..., T, D) -> (..., T // block, block, D)."""
-  return x.reshape(*x.shape[:-2], x.shape[-2] // block, block, x.shape[-1])
 
 
 def _unblock(x: jax.Array) -> jax.Array:
@@ -51,24 +48,8 @@ def _per_token(scale: jax.Array, block: int) -> jax.Array:
   return jnp.repeat(scale, block, axis=-1)
 
 
-def _int8_einsum(subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
-  """An exact int8 product as int32, computed on integer-valued fp32.
-
-  Exact because every sum here is below 127 * 127 * 256 < 2**24; it keeps the
-  reference off XLA's int8 GEMM paths, which it only needs to be exact.
-  """
-  product = jnp.einsum(subscripts, a.astype(_f32), b.astype(_f32),
-                       precision=jax.lax.Precision.HIGHEST)
-  return product.astype(jnp.int32)
-
-
 def _transposed(x8: jax.Array) -> jax.Array:
   return jnp.swapaxes(x8, -1, -2)
-
-
-def _group(x: jax.Array, num_kv_heads: int) -> jax.Array:
-  """Split the head axis (axis 1) into (kv head, group member)."""
-  return x.reshape(x.shape[0], num_kv_heads, x.shape[1] // num_kv_heads, *x.shape[2:])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +85,7 @@ class ReferenceBackend:
                layouts: Layouts = Layouts()) -> QuantizedQKV:
     # Scores are base-2 logits: scale * log2(e) goes into Q's scale.
     multiplier = config.scale * nm.LOG2_E
-    q_blocks = _blocks(_heads(q).astype(_f32), config.block_q)
+    q_blocks = blocks(_heads(q).astype(_f32), config.block_q)
     q_mean = None
     if config.smooth_q:
       q_mean = jnp.mean(q_blocks, axis=-2)
@@ -120,8 +101,8 @@ class ReferenceBackend:
     k_heads = _heads(k).astype(_f32)
     if k_mean is not None:
       k_heads = k_heads - k_mean[:, :, None, :]
-    k8, k_scale = _quantize_blocks(_blocks(k_heads, config.block_kv))
-    v8, v_scale = _quantize_blocks(_blocks(_heads(v).astype(_f32), config.block_kv))
+    k8, k_scale = _quantize_blocks(blocks(k_heads, config.block_kv))
+    v8, v_scale = _quantize_blocks(blocks(_heads(v).astype(_f32), config.block_kv))
     k_scale, v_scale = (_per_token(x, config.block_kv) for x in (k_scale, v_scale))
 
     q8, k8, v8 = _unblock(q8), _unblock(k8), _unblock(v8)
@@ -160,7 +141,7 @@ class ReferenceBackend:
           [block(inv_v_scale, i) for i in blocks], m, e, l, levels=levels)
       p = jnp.round(jnp.minimum(p, levels))
       keys = jax.lax.dynamic_slice_in_dim(qkv.v8_t, j * p_block, p_block, axis=-1)
-      pv = _int8_einsum("bhgiqk,bhdk->bhgiqd", p, keys)
+      pv = int8_einsum("bhgiqk,bhdk->bhgiqd", p, keys)
       return (acc * alpha[..., None] + pv.astype(_f32), m, e, l), None
 
     init = (jnp.zeros((*shape, head_dim), _f32), jnp.full(shape, nm.NOTHING_SEEN, _f32),
@@ -173,10 +154,14 @@ class ReferenceBackend:
   def prepass(self, o, do, config: Config,
               layout: TransposedLayout = TransposedLayout.TOKENS) -> Prepass:
     delta = jnp.sum(_heads(do).astype(_f32) * _heads(o).astype(_f32), axis=-1)
-    do8, do_scale = _quantize_blocks(_blocks(_heads(do).astype(_f32), config.block_q))
+    do8, do_scale = _quantize_blocks(blocks(_heads(do).astype(_f32), config.block_q))
     do8_t = _transposed(_unblock(do8))
     return Prepass(delta=delta, do8_t=to_layout(do8_t, layout),
                    do_scale=_per_token(do_scale, config.block_q))
+
+  def saturated_rows(self, qkv: QuantizedQKV, v, lse, do, delta, masks: Masks,
+                     config: Config):
+    return where_saturated(qkv, v, lse, do, delta, masks, config)
 
   def backward(self, qkv: QuantizedQKV, v, lse, do, prepass: Prepass, masks: Masks,
                config: Config):
@@ -209,7 +194,7 @@ class ReferenceBackend:
       else:
         p8_t, p_scale = nm.quantize_rows(jnp.swapaxes(p, -1, -2), nonnegative=True)
         ds_t = jnp.swapaxes(ds, -1, -2)
-      dv_tiles = _int8_einsum("bhgikq,bhgiqd->bhgikd", p8_t, do8)
+      dv_tiles = int8_einsum("bhgikq,bhgiqd->bhgikd", p8_t, do8)
       dv = jnp.sum(nm.dequantize(dv_tiles, p_scale[..., None], do_scale[..., None, None]),
                    axis=(2, 3))
 
@@ -228,14 +213,14 @@ class ReferenceBackend:
 
       k_scale = tiles.block_scale(qkv.k_scale, j)
       ds8, ds_scale = nm.quantize_rows(ds)
-      dq_tiles = _int8_einsum("bhgiqk,bhdk->bhgiqd", ds8,
+      dq_tiles = int8_einsum("bhgiqk,bhdk->bhgiqd", ds8,
                               tiles.kv_block(qkv.k8_t, j, axis=-1))
       dq = dq + nm.dequantize(dq_tiles, ds_scale[..., None], k_scale)
 
       ds8_t, ds_t_scale = nm.quantize_rows(ds_t)
       if unsigned_p_t:
         ds_t_scale = ds_t_scale * p_scale
-      dk_tiles = _int8_einsum("bhgikq,bhgiqd->bhgikd", ds8_t, tiles.q8)
+      dk_tiles = int8_einsum("bhgikq,bhgiqd->bhgikd", ds8_t, tiles.q8)
       dk_tiles = nm.dequantize(dk_tiles, ds_t_scale[..., None],
                                tiles.q_scale[..., :1, None])
       if config.smooth_q:
@@ -253,74 +238,6 @@ class ReferenceBackend:
     dk = kv_seq(dk) * nm.LN_2
     dv = kv_seq(dv)
     return dq, dk, dv
-
-
-class ScoreTiles:
-  """Score tiles S[i, j] for all query blocks i and one key block j.
-
-  Arrays are laid out (B, Hkv, group, query block, row, ...), so one key block
-  broadcasts across the query heads that share it (GQA without copies).
-  """
-
-  def __init__(self, qkv: QuantizedQKV, masks: Masks, config: Config):
-    self.num_kv_heads = qkv.k8.shape[1]
-    self.config, self.qkv, self.masks = config, qkv, masks
-    self.q8 = self.rows(qkv.q8)
-    self.q_scale = self.rows(qkv.q_scale[..., None])[..., 0]
-    self.q_mean = None if qkv.q_mean is None else _group(qkv.q_mean, self.num_kv_heads)
-    self.num_kv_blocks = qkv.k8.shape[2] // config.block_kv
-    num_q_blocks = qkv.q8.shape[2] // config.block_q
-    # (1, 1, 1, nq, bq, 1): the tiles' rank, so masks broadcast without rank
-    # promotion (jax_numpy_rank_promotion="raise" passes).
-    self.q_pos = (jnp.arange(num_q_blocks)[:, None] * config.block_q
-                  + jnp.arange(config.block_q)[None, :])[None, None, None, :, :, None]
-
-  def rows(self, x: jax.Array) -> jax.Array:
-    """Query-side (B, H, Tq, D) -> (B, Hkv, G, query block, row, D): the
-    tiles' rows."""
-    return _group(_blocks(x, self.config.block_q), self.num_kv_heads)
-
-  def kv_block(self, x: jax.Array, j, *, axis: int) -> jax.Array:
-    return jax.lax.dynamic_slice_in_dim(x, j * self.config.block_kv, self.config.block_kv,
-                                        axis=axis % x.ndim)
-
-  def block_scale(self, scale: jax.Array, j) -> jax.Array:
-    """The scale of key block j, from per-token scales, broadcast to tiles."""
-    return scale[:, :, j * self.config.block_kv][:, :, None, None, None, None]
-
-  def _product(self, j):
-    """The int32 products Q8.K8^T of tiles (i, j) (B, Hkv, G, nq, bq, bk), their
-    dequantization factor (..., bq, 1), Q-smoothing's bias (..., 1, bk) or
-    None, and the mask (True where a query sees a key) or None."""
-    config, qkv, masks = self.config, self.qkv, self.masks
-    k8 = self.kv_block(qkv.k8, j, axis=-2)
-    product = _int8_einsum("bhgiqd,bhkd->bhgiqk", self.q8, k8)
-    k_scale = self.block_scale(qkv.k_scale, j)
-    bias = None
-    if self.q_mean is not None:
-      bias = nm.q_smoothing_bias(k8[:, :, None, None], k_scale[..., 0], self.q_mean)
-      bias = bias[..., None, :]
-
-    kv_pos = (j * config.block_kv + jnp.arange(config.block_kv))[None, None, None, None, None]
-    q_ids = kv_ids = None
-    if masks.q_ids is not None:
-      q_ids = _blocks(masks.q_ids[..., None], config.block_q)[:, None, None]
-      kv_ids = self.kv_block(masks.kv_ids, j, axis=-1)[:, None, None, None, None, :]
-    mask = nm.tile_mask(self.q_pos, kv_pos, causal=config.causal, window=config.window,
-                        q_ids=q_ids, kv_ids=kv_ids)
-    return product, self.q_scale[..., None] * k_scale, bias, mask
-
-  def scores(self, j) -> jax.Array:
-    """Base-2 logits of tiles (i, j), masked with -inf: (B, Hkv, G, nq, bq, bk)."""
-    product, scale, bias, mask = self._product(j)
-    s = nm.dequantize(product, scale, 1.0)
-    s = s if bias is None else s + bias
-    return s if mask is None else jnp.where(mask, s, -jnp.inf)
-
-  def block_scores(self, j) -> tuple[jax.Array, jax.Array]:
-    """`numerics.block_scores` of tiles (i, j): the forward's form of them."""
-    product, scale, bias, mask = self._product(j)
-    return nm.block_scores(product, scale, mask=mask, bias=bias)
 
 
 def full_precision_attention(

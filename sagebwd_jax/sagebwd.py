@@ -21,7 +21,6 @@ import jax.numpy as jnp
 from pallas_kernels import numerics as nm
 from pallas_kernels.layouts import layout_of
 from pallas_kernels.types import Backend, Config, Masks, Prepass, QuantizedQKV
-from sagebwd_jax import delta
 from sagebwd_jax.reference import ReferenceBackend
 
 
@@ -146,7 +145,8 @@ def _backward(config, backend, smooth_k, residuals, do):
   qkv, v, o, lse, masks = residuals
   (do,) = opaque(do)
   pre = prepass(qkv, o, do, config, backend)
-  pre = pre._replace(delta=delta.where_saturated(pre.delta, qkv, v, lse, do, masks, config))
+  new_delta, lse = backend.saturated_rows(qkv, v, lse, do, pre.delta, masks, config)
+  pre = pre._replace(delta=new_delta)
   dq, dk, dv = backend.backward(qkv, v, lse, do, pre, masks, config)
   dq, dk, dv = _head_group_nan(qkv, lse, do, dq, dk, dv)
   # q, k and v share one dtype (the op checks it), which o carries too.

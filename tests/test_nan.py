@@ -115,7 +115,7 @@ def test_one_hot_rows_give_near_zero_query_and_key_gradients(impl, dtype):
   """q, k, v of normal x 1e4 (logits near 1e8), causal: every row is
   one-hot, so the exact dQ and dK are 0 (and float64's are, to its
   rounding); the bar is max |dQ|, |dK| <= 1e3, every output finite (fp16
-  too: no overflow). The rows' Delta is recomputed (sagebwd_jax/delta.py).
+  too: no overflow). The rows' Delta is recomputed (sagebwd_jax/saturated_rows.py).
   The Hopper kernels take this shape (whole 128-token tiles, D=64)."""
   q, k, v, do = gaussian_qkv(jax.random.key(0), 2, 128, 128, 4, 4, 64)
   q, k, v = ((1e4 * x.astype(jnp.float32)).astype(dtype) for x in (q, k, v))

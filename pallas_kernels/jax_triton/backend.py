@@ -11,6 +11,7 @@ from pallas_kernels.jax_triton.backward_prepass import backward_prepass
 from pallas_kernels.jax_triton.forward import forward
 from pallas_kernels.jax_triton.launch import LaunchConfig
 from pallas_kernels.jax_triton.quantize import quantize_qkv
+from pallas_kernels.jax_triton.saturated_rows import saturated_rows
 from pallas_kernels.layouts import check_layout
 from pallas_kernels.types import (Config, Layouts, Masks, Numerics, Prepass, QuantizedQKV,
                                   TransposedLayout)
@@ -28,8 +29,8 @@ class TritonBackend:
   P and the backward's P^T are quantized as `NUMERICS` says (0..255 per row
   of each key block, V's scale folded in; 0..255 per key row); the rest is
   the reference's arithmetic. `forward_launch` runs the
-  quantization pass and the forward, `dq_launch` the backward pre-pass and
-  dQ, `dkdv_launch` dK/dV.
+  quantization pass and the forward, `dq_launch` the backward pre-pass, the
+  saturated rows and dQ, `dkdv_launch` dK/dV.
   """
 
   forward_launch: LaunchConfig = LaunchConfig(num_stages=3)
@@ -78,6 +79,12 @@ class TritonBackend:
     """One kernel (`backward_prepass`); the Mosaic backend borrows it."""
     return backward_prepass(o, do, block_q=config.block_q, launch=self.dq_launch,
                             layout=layout)
+
+  def saturated_rows(self, qkv: QuantizedQKV, v, lse, do, delta, masks: Masks,
+                     config: Config):
+    """One kernel (`saturated_rows`); the Mosaic backend borrows it."""
+    _check_blocks(config)
+    return saturated_rows(qkv, v, lse, do, delta, masks, config, self.dq_launch)
 
   def backward(self, qkv: QuantizedQKV, v, lse, do, prepass: Prepass, masks: Masks,
                config: Config):

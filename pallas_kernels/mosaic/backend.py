@@ -1,10 +1,11 @@
 """The Hopper backend: Mosaic GPU kernels where they take the case, another
 backend's (`fallback`) everywhere else.
 
-The quantization pass and the backward pre-pass are the fallback's (the same
-int8 values feed both paths), written in the layouts the kernels that will run
-read (`layouts`, `types.Layouts`): REGISTER_B for the Mosaic kernels, TOKENS
-for the fallback's. The forward runs in Mosaic GPU when `forward.takes`
+The quantization pass, the backward pre-pass and the saturated rows'
+recomputation are the fallback's (the same int8 values feed both paths),
+written in the layouts the kernels that will run read (`layouts`,
+`types.Layouts`): REGISTER_B for the Mosaic kernels, TOKENS for the
+fallback's. The forward runs in Mosaic GPU when `forward.takes`
 accepts the case (no masks but causality, no Q-smoothing,
 ds_precision="int8", whose Q scales are per block, D in {64, 128}, 64 x 64
 blocks, whole 128-key steps, Tq == Tk when causal, 16-bit output), quantizing
@@ -120,6 +121,10 @@ class MosaicBackend:
   def prepass(self, o, do, config: Config,
               layout: TransposedLayout = TransposedLayout.TOKENS) -> Prepass:
     return self.fallback.prepass(o, do, config, layout)
+
+  def saturated_rows(self, qkv: QuantizedQKV, v, lse, do, delta, masks: Masks,
+                     config: Config):
+    return self.fallback.saturated_rows(qkv, v, lse, do, delta, masks, config)
 
   def backward(self, qkv: QuantizedQKV, v, lse, do, prepass: Prepass, masks: Masks,
                config: Config):

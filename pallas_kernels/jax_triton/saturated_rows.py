@@ -1,0 +1,104 @@
+"""The saturated rows' Delta and lse (`sagebwd_jax.saturated_rows` states the
+rule) in one launch: a program per (query block, batch, query head) reads its
+rows' lse and returns at once unless one of them saturates, so training pays
+one near-empty launch per backward where a `lax.cond` would block the host on
+its predicate (docs/performance.md). A program that does not return walks
+the key blocks its queries see, as dQ does, with the online maximum and sum
+of the forward and the 16-bit dP = dO.V^T of the backward."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import triton
+import triton.language as tl
+
+from pallas_kernels import causal_blocks
+from pallas_kernels import numerics as nm
+from pallas_kernels.batching import batch_folded
+from pallas_kernels.jax_triton import tiles
+from pallas_kernels.jax_triton.backward_dq import dot_precision
+from pallas_kernels.jax_triton.launch import LaunchConfig, placeholder
+from pallas_kernels.types import Config, Masks, QuantizedQKV
+
+
+@triton.jit
+def _saturated_rows_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr,
+                           q_ids_ptr, k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, delta_out_ptr,
+                           lse_out_ptr, H: tl.constexpr, HKV: tl.constexpr, TQ: tl.constexpr,
+                           TK: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
+                           BLOCK_KV: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+                           IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, CONVERT: tl.constexpr,
+                           DOT_PRECISION: tl.constexpr, SATURATED: tl.constexpr,
+                           NOTHING_SEEN: tl.constexpr):
+  i = tl.program_id(0)
+  b = tl.program_id(1).to(tl.int64)
+  h = tl.program_id(2)
+  kvh = h // (H // HKV)
+  q_head = b * H + h
+  rows = i * BLOCK_Q + tl.arange(0, BLOCK_Q)
+  lse = tl.load(lse_ptr + q_head * TQ + rows)
+  delta = tl.load(delta_ptr + q_head * TQ + rows)
+  saturated = (tl.abs(lse) > SATURATED) & (tl.abs(lse) < float("inf"))
+  if tl.max(saturated.to(tl.int32), axis=0) > 0:
+    dims = tl.arange(0, D)
+    q8 = tl.load(q8_ptr + q_head * TQ * D + rows[:, None] * D + dims[None, :])
+    q_scale = tl.load(q_scale_ptr + q_head * TQ + rows)[:, None]
+    q_mean = tl.load(q_mean_ptr + (q_head * (TQ // BLOCK_Q) + i) * D + dims) if SMOOTH_Q else 0.0
+    q_ids = tl.load(q_ids_ptr + b * TQ + rows)[:, None] if IDS else 0
+    do = tl.load(do_ptr + tiles.token_offsets(b, rows, h, TQ, H, D))
+    kv_head = b * HKV + kvh
+    v_ptr += b * TK * HKV * D + kvh * D
+    m = tl.full((BLOCK_Q,), NOTHING_SEEN, tl.float32)
+    l = tl.zeros((BLOCK_Q,), tl.float32)
+    d = tl.zeros((BLOCK_Q,), tl.float32)
+    start = 0
+    end = TK // BLOCK_KV
+    if LEFT is not None or RIGHT is not None:
+      start, _, _, end = tiles.kv_range(i, BLOCK_Q, BLOCK_KV, TK // BLOCK_KV, LEFT, RIGHT)
+    # Every block masked as an edge block: this path runs on saturated inputs only.
+    for j in range(start, end):
+      x, c, keys, _ = tiles.key_block_scores(
+          q8, q_scale, q_mean, rows[:, None], q_ids, k8_ptr + kv_head * TK * D,
+          k_scale_ptr + kv_head * TK, kv_ids_ptr + b * TK, j, D, BLOCK_KV, LEFT, RIGHT, IDS,
+          SMOOTH_Q, CONVERT)
+      s = tiles.minus_lse(x, c, 0.0, SMOOTH_Q)
+      v = tl.load(v_ptr + keys[:, None] * HKV * D + dims[None, :])
+      dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+      m_new = tl.maximum(m, tl.max(s, axis=1))
+      alpha = tl.exp2(m - m_new)
+      w = tl.exp2(s - m_new[:, None])  # 0 where masked: m_new is finite
+      l = alpha * l + tl.sum(w, axis=1)
+      d = alpha * d + tl.sum(w * dp, axis=1)
+      m = m_new
+    seen = l > 0
+    l_safe = tl.where(seen, l, 1.0)
+    delta = tl.where(saturated, tl.where(seen, d / l_safe, 0.0), delta)
+    lse = tl.where(saturated, tl.where(seen, m + tl.log2(l_safe), float("inf")), lse)
+  tl.store(delta_out_ptr + q_head * TQ + rows, delta)
+  tl.store(lse_out_ptr + q_head * TQ + rows, lse)
+
+
+def saturated_rows(qkv: QuantizedQKV, v, lse, do, delta, masks: Masks, config: Config,
+                   launch: LaunchConfig) -> tuple[jax.Array, jax.Array]:
+  """Delta and lse (B, H, Tq) fp32, the saturated rows' recomputed
+  (`Backend.saturated_rows`)."""
+
+  def run(q8, q_scale, q_mean, lse, delta, do, q_ids, k8, k_scale, v, kv_ids):
+    batch, heads, q_len, head_dim = q8.shape
+    kv_heads, kv_len = k8.shape[1], k8.shape[2]
+    args = [q8, q_scale, placeholder(q_mean, jnp.float32), lse, delta, do,
+            placeholder(q_ids, jnp.int32), k8, k_scale, v, placeholder(kv_ids, jnp.int32)]
+    left, right = causal_blocks.band(config.causal, config.window)
+    rows = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
+    new_delta, new_lse = launch.call(
+        _saturated_rows_kernel, args, [rows, rows], grid=(q_len // config.block_q, batch, heads),
+        name="sagebwd_triton_saturated_rows", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
+        D=head_dim, BLOCK_Q=config.block_q, BLOCK_KV=config.block_kv, LEFT=left, RIGHT=right,
+        IDS=q_ids is not None, SMOOTH_Q=q_mean is not None, CONVERT=launch.convert,
+        DOT_PRECISION=dot_precision(v.dtype), SATURATED=nm.SATURATED_LSE,
+        NOTHING_SEEN=nm.NOTHING_SEEN)
+    return new_delta, new_lse
+
+  return batch_folded(run)(qkv.q8, qkv.q_scale, qkv.q_mean, lse, delta, do, masks.q_ids,
+                           qkv.k8, qkv.k_scale, v, masks.kv_ids)

@@ -1,0 +1,98 @@
+"""The backward's row terms where logits saturate: Delta, in dS = P * (dP - Delta),
+and lse, in P = exp2(S - lse).
+
+Exactly, Delta_i = sum_j P_ij dP_ij, so that each row of dS sums to zero. The
+pre-pass forms it as rowsum(dO * O), equal in exact arithmetic and one cheap
+read of O and dO, but O comes from the INT8 forward (int8 P and V) while
+dP = dO . V^T takes V in 16 bits. Where a row's softmax is one-hot, the exact
+dS is 0 and that difference, dO . (V - V's int8 value), becomes all of dS,
+which dQ = dS.K and dK = dS^T.Q then multiply by |K| and |Q|: the larger the
+logits, the larger the error, where the exact gradient is 0.
+
+Rows whose base-2 log-sum-exp exceeds `numerics.SATURATED_LSE` in magnitude
+(logits where one key takes the whole row unless keys tie) take instead
+sum_j P dP from the backward's own dP, with P normalized over the row in
+this pass (its own running maximum m and sum l), so a one-hot row's weight
+is exactly 1 whatever the rounding of the forward's lse; and they take
+lse = m + log2(l) from the same pass. The forward's lse of such a row is
+off by its rounding (a multiple of 8 at 1e8), more in the Hopper forward,
+whose lse sums V-scale-folded terms; exp2 of that error multiplies every
+P, and so dS, of the row (the top key's P must be 1 for dS to vanish).
+
+This is the reference's form (`ReferenceBackend.saturated_rows`): a scan over
+key blocks behind one `lax.cond` per call (one for the whole batch under
+`vmap`), which costs two of the backward's seven products (S and dP once
+more) only when some row needs it. On a GPU a cond blocks the host on its
+predicate; the kernel backends run the same rule in one launch whose
+programs return at once unless a row of theirs saturates
+(`pallas_kernels/jax_triton/saturated_rows.py`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import numerics as nm
+from pallas_kernels.batching import batch_folded
+from pallas_kernels.types import Config, Masks, QuantizedQKV
+from sagebwd_jax.score_tiles import ScoreTiles
+
+
+def saturated(lse: jax.Array) -> jax.Array:
+  """The rows (B, H, Tq) whose Delta and lse `where_saturated` recomputes."""
+  return jnp.isfinite(lse) & (jnp.abs(lse) > nm.SATURATED_LSE)
+
+
+def where_saturated(qkv: QuantizedQKV, v: jax.Array, lse: jax.Array, do: jax.Array,
+                    delta: jax.Array, masks: Masks,
+                    config: Config) -> tuple[jax.Array, jax.Array]:
+  """`delta` and `lse` (B, H, Tq), the pre-pass's and the forward's, with the
+  saturated rows' replaced by `recomputed_rows` (`qkv`'s int8 Q and K: the
+  scores the backward recomputes; `v` and `do` (B, T, H, D) as the
+  backward's dP takes them). Under vmap the mapped axis joins the batch, so
+  one cond decides for all."""
+
+  def select(qkv, v, lse, do, delta, masks):
+    rows = saturated(lse)
+
+    def replaced():
+      new_delta, new_lse = recomputed_rows(qkv, v, do, masks, config)
+      return jnp.where(rows, new_delta, delta), jnp.where(rows, new_lse, lse)
+
+    return jax.lax.cond(jnp.any(rows), replaced, lambda: (delta, lse))
+
+  return batch_folded(select)(qkv, v, lse, do, delta, masks)
+
+
+def recomputed_rows(qkv: QuantizedQKV, v: jax.Array, do: jax.Array, masks: Masks,
+                    config: Config) -> tuple[jax.Array, jax.Array]:
+  """(Delta, lse), each (B, H, Tq) fp32, over the keys each query sees:
+  Delta = sum_j P_ij dP_ij, P the softmax of the int8 scores, dP = dO . V^T
+  with fp32 accumulation; lse = m + log2(l) of the same scores (base 2).
+  A row that sees no key gets Delta 0 and lse +inf (the forward's)."""
+  tiles = ScoreTiles(qkv, masks, config)
+  do_rows = tiles.rows(jnp.swapaxes(do, 1, 2))
+  v_heads = jnp.swapaxes(v, 1, 2)
+
+  def kv_step(carry, j):
+    m, l, d = carry
+    s = tiles.scores(j)
+    # HIGHEST: fp32 inputs multiply in fp32 (not TF32 on a GPU), as the
+    # kernels' dP does; a one-hot row's dP - Delta then cancels.
+    dp = jnp.einsum("bhgiqd,bhkd->bhgiqk", do_rows, tiles.kv_block(v_heads, j, axis=-2),
+                    preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    alpha = jnp.exp2(m - m_new)
+    w = jnp.exp2(s - m_new[..., None])  # 0 where masked: m_new is finite
+    return (m_new, alpha * l + jnp.sum(w, axis=-1), alpha * d + jnp.sum(w * dp, axis=-1)), None
+
+  shape = tiles.q_scale.shape
+  init = (jnp.full(shape, nm.NOTHING_SEEN, jnp.float32), jnp.zeros(shape, jnp.float32),
+          jnp.zeros(shape, jnp.float32))
+  (m, l, d), _ = jax.lax.scan(kv_step, init, jnp.arange(tiles.num_kv_blocks))
+  seen = l > 0
+  weighted = jnp.where(seen, d / jnp.where(seen, l, 1.0), 0.0)
+  own_lse = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf)
+  heads = lambda x: x.reshape(do.shape[0], do.shape[2], do.shape[1])
+  return heads(weighted), heads(own_lse)

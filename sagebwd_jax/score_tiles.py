@@ -1,0 +1,103 @@
+"""The score tiles of the pure-JAX SageBwd (`reference`, `delta`): S[i, j] for
+every query block i against one key block j, as the kernels form them from
+int8 Q and K (the exact int32 product, its scales, Q-smoothing's bias, the
+masks)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import numerics as nm
+from pallas_kernels.types import Config, Masks, QuantizedQKV
+
+_f32 = jnp.float32
+
+
+def blocks(x: jax.Array, block: int) -> jax.Array:
+  """(..., T, D) -> (..., T // block, block, D)."""
+  return x.reshape(*x.shape[:-2], x.shape[-2] // block, block, x.shape[-1])
+
+
+def int8_einsum(subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
+  """An exact int8 product as int32, computed on integer-valued fp32.
+
+  Exact because every sum here is below 127 * 127 * 256 < 2**24; it keeps the
+  reference off XLA's int8 GEMM paths, which it only needs to be exact.
+  """
+  product = jnp.einsum(subscripts, a.astype(_f32), b.astype(_f32),
+                       precision=jax.lax.Precision.HIGHEST)
+  return product.astype(jnp.int32)
+
+
+def group(x: jax.Array, num_kv_heads: int) -> jax.Array:
+  """Split the head axis (axis 1) into (kv head, group member)."""
+  return x.reshape(x.shape[0], num_kv_heads, x.shape[1] // num_kv_heads, *x.shape[2:])
+
+
+class ScoreTiles:
+  """Score tiles S[i, j] for all query blocks i and one key block j.
+
+  Arrays are laid out (B, Hkv, group, query block, row, ...), so one key block
+  broadcasts across the query heads that share it (GQA without copies).
+  """
+
+  def __init__(self, qkv: QuantizedQKV, masks: Masks, config: Config):
+    self.num_kv_heads = qkv.k8.shape[1]
+    self.config, self.qkv, self.masks = config, qkv, masks
+    self.q8 = self.rows(qkv.q8)
+    self.q_scale = self.rows(qkv.q_scale[..., None])[..., 0]
+    self.q_mean = None if qkv.q_mean is None else group(qkv.q_mean, self.num_kv_heads)
+    self.num_kv_blocks = qkv.k8.shape[2] // config.block_kv
+    num_q_blocks = qkv.q8.shape[2] // config.block_q
+    # (1, 1, 1, nq, bq, 1): the tiles' rank, so masks broadcast without rank
+    # promotion (jax_numpy_rank_promotion="raise" passes).
+    self.q_pos = (jnp.arange(num_q_blocks)[:, None] * config.block_q
+                  + jnp.arange(config.block_q)[None, :])[None, None, None, :, :, None]
+
+  def rows(self, x: jax.Array) -> jax.Array:
+    """Query-side (B, H, Tq, D) -> (B, Hkv, G, query block, row, D): the
+    tiles' rows."""
+    return group(blocks(x, self.config.block_q), self.num_kv_heads)
+
+  def kv_block(self, x: jax.Array, j, *, axis: int) -> jax.Array:
+    return jax.lax.dynamic_slice_in_dim(x, j * self.config.block_kv, self.config.block_kv,
+                                        axis=axis % x.ndim)
+
+  def block_scale(self, scale: jax.Array, j) -> jax.Array:
+    """The scale of key block j, from per-token scales, broadcast to tiles."""
+    return scale[:, :, j * self.config.block_kv][:, :, None, None, None, None]
+
+  def _product(self, j):
+    """The int32 products Q8.K8^T of tiles (i, j) (B, Hkv, G, nq, bq, bk), their
+    dequantization factor (..., bq, 1), Q-smoothing's bias (..., 1, bk) or
+    None, and the mask (True where a query sees a key) or None."""
+    config, qkv, masks = self.config, self.qkv, self.masks
+    k8 = self.kv_block(qkv.k8, j, axis=-2)
+    product = int8_einsum("bhgiqd,bhkd->bhgiqk", self.q8, k8)
+    k_scale = self.block_scale(qkv.k_scale, j)
+    bias = None
+    if self.q_mean is not None:
+      bias = nm.q_smoothing_bias(k8[:, :, None, None], k_scale[..., 0], self.q_mean)
+      bias = bias[..., None, :]
+
+    kv_pos = (j * config.block_kv + jnp.arange(config.block_kv))[None, None, None, None, None]
+    q_ids = kv_ids = None
+    if masks.q_ids is not None:
+      q_ids = blocks(masks.q_ids[..., None], config.block_q)[:, None, None]
+      kv_ids = self.kv_block(masks.kv_ids, j, axis=-1)[:, None, None, None, None, :]
+    mask = nm.tile_mask(self.q_pos, kv_pos, causal=config.causal, window=config.window,
+                        q_ids=q_ids, kv_ids=kv_ids)
+    return product, self.q_scale[..., None] * k_scale, bias, mask
+
+  def scores(self, j) -> jax.Array:
+    """Base-2 logits of tiles (i, j), masked with -inf: (B, Hkv, G, nq, bq, bk)."""
+    product, scale, bias, mask = self._product(j)
+    s = nm.dequantize(product, scale, 1.0)
+    s = s if bias is None else s + bias
+    return s if mask is None else jnp.where(mask, s, -jnp.inf)
+
+  def block_scores(self, j) -> tuple[jax.Array, jax.Array]:
+    """`numerics.block_scores` of tiles (i, j): the forward's form of them."""
+    product, scale, bias, mask = self._product(j)
+    return nm.block_scores(product, scale, mask=mask, bias=bias)
