@@ -5,8 +5,8 @@
 Runs `python -m train` once per `--attention` (sage, full) with the same
 flags, in temporary run folders and without checkpoints, and prints each
 one's median step time (the first step, which compiles, excluded), the speed
-ratio, and the largest difference between the two runs' training losses over
-the steps. Extra flags after `--` go to `train` unchanged.
+ratio, both runs' training losses per step and the largest difference
+between them. Extra flags after `--` go to `train` unchanged.
 """
 
 from __future__ import annotations
@@ -46,10 +46,14 @@ def main():
   with tempfile.TemporaryDirectory() as root:
     rows = {name: run(name, args, extra, root) for name in ("sage", "full")}
   median = {name: statistics.median(r["step_time"] for r in rs[1:]) for name, rs in rows.items()}
-  gap = max(abs(a["loss"] - b["loss"]) for a, b in zip(rows["sage"], rows["full"]))
+  gaps = [abs(a["loss"] - b["loss"]) for a, b in zip(rows["sage"], rows["full"])]
+  worst = max(range(len(gaps)), key=gaps.__getitem__)
+  print("loss per step, sage / full: " + ", ".join(
+      f"{a['loss']:.3f}/{b['loss']:.3f}" for a, b in zip(rows["sage"], rows["full"])))
   print(f"median step: sage {median['sage'] * 1e3:.1f} ms, full {median['full'] * 1e3:.1f} ms; "
         f"sage is {median['full'] / median['sage']:.2f}x as fast; "
-        f"largest loss difference over {len(rows['sage'])} steps: {gap:.2e}")
+        f"largest loss difference over {len(gaps)} steps: {gaps[worst]:.2e} "
+        f"(step {rows['sage'][worst].get('step', worst + 1)})")
 
 
 if __name__ == "__main__":

@@ -54,13 +54,15 @@ def where_saturated(qkv: QuantizedQKV, v: jax.Array, lse: jax.Array, do: jax.Arr
   one cond decides for all."""
 
   def select(qkv, v, lse, do, delta, masks):
+    # Without the barrier XLA:CPU may recompute the forward's lse (a log2)
+    # inside the select's fusion, vectorized differently under vmap: the
+    # last bit of ~1% of rows then differs from a per-example call.
+    lse = jax.lax.optimization_barrier(lse)
     rows = saturated(lse)
-
-    def replaced():
-      new_delta, new_lse = recomputed_rows(qkv, v, do, masks, config)
-      return jnp.where(rows, new_delta, delta), jnp.where(rows, new_lse, lse)
-
-    return jax.lax.cond(jnp.any(rows), replaced, lambda: (delta, lse))
+    new_delta, new_lse = jax.lax.cond(
+        jnp.any(rows), lambda: recomputed_rows(qkv, v, do, masks, config),
+        lambda: (jnp.zeros_like(delta), jnp.zeros_like(lse)))
+    return jnp.where(rows, new_delta, delta), jnp.where(rows, new_lse, lse)
 
   return batch_folded(select)(qkv, v, lse, do, delta, masks)
 

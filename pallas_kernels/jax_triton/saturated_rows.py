@@ -55,10 +55,11 @@ def _saturated_rows_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, 
     start = 0
     end = TK // BLOCK_KV
     if LEFT is not None or RIGHT is not None:
-      start, _, _, end = tiles.kv_range(i, BLOCK_Q, BLOCK_KV, TK // BLOCK_KV, LEFT, RIGHT)
+      start, full_start, full_end, end = tiles.kv_range(i, BLOCK_Q, BLOCK_KV, TK // BLOCK_KV,
+                                                        LEFT, RIGHT)
     # Every block masked as an edge block: this path runs on saturated inputs only.
     for j in range(start, end):
-      x, c, keys, _ = tiles.key_block_scores(
+      x, c, keys, k_scale = tiles.key_block_scores(
           q8, q_scale, q_mean, rows[:, None], q_ids, k8_ptr + kv_head * TK * D,
           k_scale_ptr + kv_head * TK, kv_ids_ptr + b * TK, j, D, BLOCK_KV, LEFT, RIGHT, IDS,
           SMOOTH_Q, CONVERT)
@@ -91,7 +92,11 @@ def saturated_rows(qkv: QuantizedQKV, v, lse, do, delta, masks: Masks, config: C
             placeholder(q_ids, jnp.int32), k8, k_scale, v, placeholder(kv_ids, jnp.int32)]
     left, right = causal_blocks.band(config.causal, config.window)
     rows = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
-    new_delta, new_lse = launch.call(
+    # Kept: the query block's Q8 and dO; per stage, a key block's K8 and V.
+    size = v.dtype.itemsize
+    fitted = launch.fitted(fixed_bytes=config.block_q * head_dim * (1 + size),
+                           stage_bytes=config.block_kv * head_dim * (1 + size))
+    new_delta, new_lse = fitted.call(
         _saturated_rows_kernel, args, [rows, rows], grid=(q_len // config.block_q, batch, heads),
         name="sagebwd_triton_saturated_rows", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
         D=head_dim, BLOCK_Q=config.block_q, BLOCK_KV=config.block_kv, LEFT=left, RIGHT=right,
