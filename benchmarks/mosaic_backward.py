@@ -37,6 +37,7 @@ VARIANTS = {
     "mosaic_no_sched": BackwardTuning(schedule_barrier=False),
     "mosaic_3st": BackwardTuning(max_concurrent_steps=3),
     "mosaic_1wg": BackwardTuning(compute_wgs=1, schedule_barrier=False),
+    "mosaic_split": BackwardTuning(schedule_barrier=False, split=True),
 }
 
 

@@ -34,7 +34,8 @@ HOPPER = ReferenceBackend(MOSAIC_NUMERICS)
 TUNINGS = {"default": BackwardTuning(),
            "no_schedule_barrier": BackwardTuning(schedule_barrier=False),
            "one_warpgroup": BackwardTuning(compute_wgs=1, schedule_barrier=False),
-           "three_steps": BackwardTuning(max_concurrent_steps=3)}
+           "three_steps": BackwardTuning(max_concurrent_steps=3),
+           "split": BackwardTuning(schedule_barrier=False, split=True)}
 
 
 def _abstract_args(batch, seq, heads, kv_heads, head_dim, causal, layouts=MOSAIC_LAYOUTS):
@@ -73,7 +74,9 @@ def test_lowers_for_cuda(head_dim, causal, tuning):
 
 
 @pytest.mark.parametrize("kwargs", [dict(compute_wgs=3), dict(max_concurrent_steps=1),
-                                    dict(compute_wgs=1, schedule_barrier=True)])
+                                    dict(compute_wgs=1, schedule_barrier=True),
+                                    dict(split=True), dict(compute_wgs=1, split=True,
+                                                           schedule_barrier=False)])
 def test_tuning_is_checked(kwargs):
   with pytest.raises(ValueError):
     BackwardTuning(**kwargs)

@@ -38,8 +38,18 @@ COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
 class BackwardTuning(pipeline.Tuning):
   """Launch settings of a Mosaic backward kernel: blocks of 64 keys (dK/dV) or
   queries (dQ) per CTA, the ring of the other side's 64-token tiles, the
-  schedule barrier. `python -m benchmarks.mosaic_backward` times them
-  (docs/performance.md)."""
+  schedule barrier. `split` (dK/dV only): the two compute warpgroups share
+  one block of 64 keys, one forming S^T, P^T and dV, the other dP^T, dS^T
+  and dK from the P^T it hands over in shared memory, so each keeps one
+  fp32 accumulator and one int32 product. `python -m
+  benchmarks.mosaic_backward` times them (docs/performance.md)."""
+
+  split: bool = False
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.split and (self.compute_wgs != 2 or self.schedule_barrier):
+      raise ValueError("split takes two compute warpgroups and no schedule barrier")
 
 
 def magic(shape=TILE):

@@ -172,6 +172,154 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
   )(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scale)
 
 
+def _dkdv_split_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scale, *,
+                     causal: bool, out_dtype, tuning: BackwardTuning):
+  """`_dkdv_call` with `tuning.split`: a CTA per block of 64 keys, its
+  warpgroup 0 forming S^T, P^T and dV, warpgroup 1 dP^T, dS^T and dK, P^T
+  (pq and its row exponent) handed from 0 to 1 through two shared-memory
+  buffers. The same arithmetic, step for step."""
+  batch, heads, q_len, head_dim = q8.shape
+  kv_heads, kv_len = k8.shape[1], k8.shape[2]
+  group = heads // kv_heads
+  num_q_blocks = q_len // BLOCK
+  t_transforms = smem_transforms(BLOCK, jnp.int8)
+  buffers = 2
+
+  def kernel(q_ref, q8_t_ref, qs_ref, k_ref, ks_ref, v_ref, lse_ref, delta_ref, do_ref,
+             do8_t_ref, dos_ref, dk_ref, dv_ref, scoped):
+    b, h, j = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("kv_seq")
+    wg = lax.axis_index("wg")
+    kvh = lax.div(h, jnp.array(group, h.dtype))
+    smem, (kv_bars,), ring_bars, consumed, (pq_ready, pq_free) = scoped
+    (k_smem, v_smem, q_ring, q8_t_ring, do_ring, do8_t_ring, lse_ring, delta_ring, pq_smem,
+     top_smem, out_smem2) = smem
+    q_bars, q8_t_bars, do_bars, do8_t_bars, lse_bars, delta_bars = ring_bars
+    kv = pl.ds(j * BLOCK, BLOCK)
+    if causal:
+      start, full, _ = (jnp.asarray(x, jnp.int32)
+                        for x in causal_blocks.q_blocks(j, BLOCK, BLOCK, num_q_blocks))
+    else:
+      start = full = jnp.int32(0)
+    end = jnp.int32(num_q_blocks)
+    ring = pipeline.Ring(tuning.max_concurrent_steps)
+    out_smem = out_smem2.at[wg]
+
+    def loop(step, carry):
+      carry = lax.fori_loop(start, full, functools.partial(step, masked=True), carry)
+      return lax.fori_loop(full, end, functools.partial(step, masked=False), carry)
+
+    def p_and_dv():
+      plgpu.copy_gmem_to_smem(k_ref.at[b, kvh, kv], k_smem, kv_bars.at[0])
+      k_scale = ks_ref[b, kvh, j * BLOCK]
+      plgpu.barrier_wait(kv_bars.at[0])
+
+      def q_step(i, dv, *, masked: bool):
+        slot, buf = ring.slot(i), lax.rem(i - start, buffers)
+        q_scale = qs_ref[b, h, i * BLOCK]
+        do_scale = dos_ref[b, h, i * BLOCK]
+        plgpu.barrier_wait(q_bars.at[slot])
+        (s,) = bc.products([(k_smem, q_ring.at[slot])], [bc.magic()])
+        f = bc.as_float(s)
+        if masked:
+          f = bc.causal_mask(f, row_start=j * BLOCK, col_start=i * BLOCK, rows_are_keys=True)
+        plgpu.barrier_wait(lse_bars.at[slot])
+        lse = bc.col_vector(lse_ring.at[slot])
+        pq, top = nm.unsigned_rows(bc.exponent(f, q_scale * k_scale, lse, along=1))
+        plgpu.barrier_wait(pq_free.at[buf])  # warpgroup 1 read what it held
+        pq_smem.at[buf][...] = pq
+        top_smem.at[buf][...] = top
+        plgpu.barrier_arrive(pq_ready.at[buf])
+        p8 = bc.pack_unsigned(pq)
+        plgpu.barrier_wait(do8_t_bars.at[slot])
+        pdo = registers.dot_from_registers((p8,), (do8_t_ring.at[slot],), t_transforms,
+                                           head_dim, unsigned_a=True)
+        dv = bc.merge(dv, pdo, jnp.exp2(top) * do_scale)
+        plgpu.barrier_arrive(consumed.at[slot])
+        return dv
+
+      dv = loop(q_step, bc.zeros((BLOCK, head_dim)))
+      for buf in range(buffers):  # observe warpgroup 1's last releases
+        plgpu.barrier_wait(pq_free.at[buf])
+      bc.write_tile(dv.astype(out_dtype), out_smem, dv_ref.at[b, kv, h])
+
+    def ds_and_dk():
+      plgpu.copy_gmem_to_smem(v_ref.at[b, kv, kvh], v_smem, kv_bars.at[1])
+      plgpu.barrier_wait(kv_bars.at[1])
+      for buf in range(buffers):  # both buffers start free
+        plgpu.barrier_arrive(pq_free.at[buf])
+
+      def q_step(i, dk, *, masked: bool):
+        del masked  # P^T is 0 where masked
+        slot, buf = ring.slot(i), lax.rem(i - start, buffers)
+        q_scale = qs_ref[b, h, i * BLOCK]
+        plgpu.barrier_wait(delta_bars.at[slot])
+        delta = bc.col_vector(delta_ring.at[slot])
+        minus_delta = -lax.broadcast_in_dim(delta, bc.TILE, [1])
+        plgpu.barrier_wait(do_bars.at[slot])
+        (dp,) = bc.products([(v_smem, do_ring.at[slot])], [minus_delta])
+        plgpu.barrier_wait(pq_ready.at[buf])
+        pq = plgpu.load(pq_smem.at[buf], layout=plgpu.Layout.WGMMA, optimized=False)
+        top = bc.row_vector(top_smem.at[buf])
+        plgpu.barrier_arrive(pq_free.at[buf])
+        ds8, ds_scale = bc.pack_signed_rows(pq * dp)
+        plgpu.barrier_wait(q8_t_bars.at[slot])
+        dsq = registers.dot_from_registers((ds8,), (q8_t_ring.at[slot],), t_transforms,
+                                           head_dim, unsigned_a=False)
+        dk = bc.merge(dk, dsq, ds_scale * jnp.exp2(top) * q_scale)
+        plgpu.barrier_arrive(consumed.at[slot])
+        return dk
+
+      dk = loop(q_step, bc.zeros((BLOCK, head_dim)))
+      # Q was quantized as Q * scale * log2(e): dK carries log2(e) once.
+      bc.write_tile((dk * nm.LN_2).astype(out_dtype), out_smem, dk_ref.at[b, kv, h])
+
+    def compute():
+      pl.when(wg == 0)(p_and_dv)
+      pl.when(wg == 1)(ds_and_dk)
+
+    def producer():
+      def load(i, slot):
+        rows = pl.ds(i * BLOCK, BLOCK)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_ring.at[slot], q_bars.at[slot])
+        plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_ring.at[slot], lse_bars.at[slot])
+        plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_ring.at[slot], do_bars.at[slot])
+        plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_ring.at[slot],
+                                delta_bars.at[slot])
+        plgpu.copy_gmem_to_smem(do8_t_ref.at[b, h, i], do8_t_ring.at[slot], do8_t_bars.at[slot])
+        plgpu.copy_gmem_to_smem(q8_t_ref.at[b, h, i], q8_t_ring.at[slot], q8_t_bars.at[slot])
+
+      pipeline.stream(ring, first=start, end=end, load=load, consumed=(consumed,))
+
+    pipeline.split(wg, tuning, pipeline.BACKWARD_REGISTERS, compute=compute, producer=producer)
+
+  i8, fdt, f32 = jnp.int8, v.dtype, jnp.float32
+  slots = tuning.max_concurrent_steps
+  scratch = (
+      plgpu.SMEM((BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),  # K8
+      plgpu.SMEM((BLOCK, head_dim), fdt, transforms=smem_transforms(head_dim, fdt)),  # V
+      plgpu.SMEM((slots, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),  # Q8
+      plgpu.SMEM((slots, head_dim, BLOCK), i8, transforms=t_transforms),  # Q8^T
+      plgpu.SMEM((slots, BLOCK, head_dim), fdt, transforms=smem_transforms(head_dim, fdt)),  # dO
+      plgpu.SMEM((slots, head_dim, BLOCK), i8, transforms=t_transforms),  # dO8^T
+      plgpu.SMEM((slots, BLOCK), f32),  # lse
+      plgpu.SMEM((slots, BLOCK), f32),  # Delta
+      plgpu.SMEM((buffers, BLOCK, BLOCK), f32, transforms=smem_transforms(BLOCK, f32)),  # pq
+      plgpu.SMEM((buffers, BLOCK), f32),  # P^T's row exponents
+      plgpu.SMEM((2, BLOCK, head_dim), out_dtype,
+                 transforms=smem_transforms(head_dim, out_dtype)),  # dV, dK
+  )
+  barriers = ((plgpu.Barrier(num_barriers=2),),
+              (plgpu.Barrier(num_barriers=slots),) * 6,
+              plgpu.Barrier(num_arrivals=2, num_barriers=slots),
+              (plgpu.Barrier(num_barriers=buffers),) * 2)
+  shape = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), out_dtype)
+  return pipeline.kernel(
+      kernel, tuning=tuning, scratch=scratch, barriers=barriers, out_type=(shape, shape),
+      grid=(heads, kv_len // BLOCK, batch), grid_names=("heads", "kv_seq", "batch"),
+      name="sagebwd_backward_dkdv_split_mosaic",
+  )(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scale)
+
+
 def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
                          masks: Masks, config: Config,
                          tuning: BackwardTuning = BackwardTuning()):
@@ -189,8 +337,9 @@ def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
   kv_heads, kv_len = qkv.k8.shape[1], qkv.k8.shape[2]
   group = heads // kv_heads
   out_dtype = v.dtype if group == 1 else jnp.dtype(jnp.float32)
-  dk, dv = _dkdv_call(qkv.q8, qkv.q8_t, qkv.q_scale, qkv.k8, qkv.k_scale, v, lse, delta, do,
-                      do8_t, do_scale, causal=config.causal, out_dtype=out_dtype, tuning=tuning)
+  call = _dkdv_split_call if tuning.split else _dkdv_call
+  dk, dv = call(qkv.q8, qkv.q8_t, qkv.q_scale, qkv.k8, qkv.k_scale, v, lse, delta, do, do8_t,
+                do_scale, causal=config.causal, out_dtype=out_dtype, tuning=tuning)
   if group > 1:
     sum_group = lambda x: x.reshape(batch, kv_len, kv_heads, group, head_dim).sum(axis=3)
     dk, dv = sum_group(dk).astype(v.dtype), sum_group(dv).astype(v.dtype)
