@@ -7,9 +7,10 @@ on the same inputs (the Triton quantization pass, forward and pre-pass; the
 Mosaic kernels' transposed int8 tensors REGISTER_B, the Triton ones' TOKENS);
 dK/dV and dQ apart. cuDNN's backward is its forward+backward minus its
 forward, both timed here. TOPS = 2.5 * 4*B*H*T*T*D / time (halved when
-causal). Each Mosaic variant's dQ, dK, dV are compared with the Triton
-kernels' in the same run (relative L2; both quantize P^T per key to
-0..255). Writes mosaic_backward.csv to --out (default $OUT, else nothing).
+causal). The stages around the kernels (the pre-pass in either layout, the
+saturated rows' launch) are timed alone. Each Mosaic variant's dQ, dK, dV
+are compared with the Triton kernels' in the same run (relative L2; both
+quantize P^T per key to 0..255). Writes mosaic_backward.csv to --out (default $OUT, else nothing).
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ def main():
     for name, layout in (("prepass", Layouts().backward), ("prepass_mosaic", REGISTER_B)):
       record(name, time_call(jax.jit(lambda o, do, layout=layout: triton.prepass(
           o, do, config, layout)), q, do))  # q: any random O
+    # The stage every backward runs between the two: no row saturates here,
+    # so its programs return at once.
+    record("saturated_rows", time_call(jax.jit(
+        lambda *a: triton.saturated_rows(*a, Masks(), config)), qkv, v, lse, do, delta))
 
     def time_pair(name, dkdv, dq, want=None, inputs=(dkdv_args, dq_args)):
       dkdv, dq = jax.jit(dkdv), jax.jit(dq)

@@ -22,7 +22,7 @@ from pallas_kernels.layouts import arrange, to_layout
 from pallas_kernels.types import (Backend, Config, Layouts, Masks, Numerics, Prepass,
                                   QuantizedQKV, TransposedLayout)
 from sagebwd_jax.saturated_rows import where_saturated
-from sagebwd_jax.score_tiles import ScoreTiles, blocks, group, int8_einsum
+from sagebwd_jax.score_tiles import ScoreTiles, blocks, int8_einsum
 
 _f32 = jnp.float32
 
