@@ -104,7 +104,7 @@ def test_only_saturated_rows_are_replaced(backend, causal):
 
 def test_vmap_keeps_one_cond_over_the_whole_batch():
   """Under vmap the pass stays behind a cond (not a select that runs it for
-  every call), and each example's Delta is its own."""
+  every call), and each example's Delta and lse are its own."""
   qkv, v, do, config = _case(causal=True)
   lse = jnp.zeros((B, H, T), jnp.float32).at[1, 2, 50].set(2 * nm.SATURATED_LSE)
   prepass_delta = jax.random.normal(jax.random.key(1), (B, H, T))
