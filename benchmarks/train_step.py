@@ -53,7 +53,7 @@ def main():
   print(f"median step: sage {median['sage'] * 1e3:.1f} ms, full {median['full'] * 1e3:.1f} ms; "
         f"sage is {median['full'] / median['sage']:.2f}x as fast; "
         f"largest loss difference over {len(gaps)} steps: {gaps[worst]:.2e} "
-        f"(step {rows['sage'][worst].get('step', worst + 1)})")
+        f"(step {rows['sage'][worst]['step']})")
 
 
 if __name__ == "__main__":

@@ -63,12 +63,9 @@ def _dq_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_id
   q_head = b * H + h
   kv_head = b * HKV + kvh
   rows = i * TILE_Q + tl.arange(0, TILE_Q)
-  dims = tl.arange(0, D)
   tokens = tiles.token_offsets(b, rows, h, TQ, H, D)
-  q8 = tl.load(q8_ptr + q_head * TQ * D + rows[:, None] * D + dims[None, :])
-  q_scale = tl.load(q_scale_ptr + q_head * TQ + rows)[:, None]  # per token
-  q_mean = tl.load(q_mean_ptr + (q_head * (TQ // TILE_Q) + i) * D + dims) if SMOOTH_Q else 0.0
-  q_ids = tl.load(q_ids_ptr + b * TQ + rows)[:, None] if IDS else 0
+  q8, q_scale, q_mean, q_ids = tiles.query_tile(q8_ptr, q_scale_ptr, q_mean_ptr, q_ids_ptr, b,
+                                                q_head, i, rows, TQ, D, TILE_Q, IDS, SMOOTH_Q)
   lse = tl.load(lse_ptr + q_head * TQ + rows)
   delta = tl.load(delta_ptr + q_head * TQ + rows)
   do = tl.load(do_ptr + tokens)

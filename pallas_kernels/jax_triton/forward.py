@@ -86,11 +86,8 @@ def _forward_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_p
   q_head = b * H + h
   kv_head = b * HKV + h // (H // HKV)
   rows = i * TILE_Q + tl.arange(0, TILE_Q)
-  dims = tl.arange(0, D)
-  q8 = tl.load(q8_ptr + q_head * TQ * D + rows[:, None] * D + dims[None, :])
-  q_scale = tl.load(q_scale_ptr + q_head * TQ + rows)[:, None]  # per token
-  q_mean = tl.load(q_mean_ptr + (q_head * (TQ // TILE_Q) + i) * D + dims) if SMOOTH_Q else 0.0
-  q_ids = tl.load(q_ids_ptr + b * TQ + rows)[:, None] if IDS else 0
+  q8, q_scale, q_mean, q_ids = tiles.query_tile(q8_ptr, q_scale_ptr, q_mean_ptr, q_ids_ptr, b,
+                                                q_head, i, rows, TQ, D, TILE_Q, IDS, SMOOTH_Q)
   k8_ptr += kv_head * TK * D
   k_scale_ptr += kv_head * TK
   v8_t_ptr += kv_head * D * TK

@@ -43,10 +43,8 @@ def _saturated_rows_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, 
   saturated = (tl.abs(lse) > SATURATED) & (tl.abs(lse) < float("inf"))
   if tl.max(saturated.to(tl.int32), axis=0) > 0:
     dims = tl.arange(0, D)
-    q8 = tl.load(q8_ptr + q_head * TQ * D + rows[:, None] * D + dims[None, :])
-    q_scale = tl.load(q_scale_ptr + q_head * TQ + rows)[:, None]
-    q_mean = tl.load(q_mean_ptr + (q_head * (TQ // BLOCK_Q) + i) * D + dims) if SMOOTH_Q else 0.0
-    q_ids = tl.load(q_ids_ptr + b * TQ + rows)[:, None] if IDS else 0
+    q8, q_scale, q_mean, q_ids = tiles.query_tile(q8_ptr, q_scale_ptr, q_mean_ptr, q_ids_ptr, b,
+                                                  q_head, i, rows, TQ, D, BLOCK_Q, IDS, SMOOTH_Q)
     do = tl.load(do_ptr + tiles.token_offsets(b, rows, h, TQ, H, D))
     kv_head = b * HKV + kvh
     v_ptr += b * TK * HKV * D + kvh * D

@@ -150,6 +150,21 @@ def score_tile(a8, b8, a_scale, b_scale, b_bias, SMOOTH_Q: tl.constexpr,
 
 
 @device_function
+def query_tile(q8_ptr, q_scale_ptr, q_mean_ptr, q_ids_ptr, b, q_head, i, rows,
+               TQ: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, IDS: tl.constexpr,
+               SMOOTH_Q: tl.constexpr):
+  """Query block i's side of `key_block_scores` (`rows`, its tokens): Q8,
+  Q's per-token scales (a column), Q-smoothing's block mean (0.0 without it)
+  and the rows' segment ids (a column; 0 without them)."""
+  q8 = tl.load(q8_ptr + q_head * TQ * D + rows[:, None] * D + tl.arange(0, D)[None, :])
+  q_scale = tl.load(q_scale_ptr + q_head * TQ + rows)[:, None]
+  q_mean = (tl.load(q_mean_ptr + (q_head * (TQ // BLOCK_Q) + i) * D + tl.arange(0, D))
+            if SMOOTH_Q else 0.0)
+  q_ids = tl.load(q_ids_ptr + b * TQ + rows)[:, None] if IDS else 0
+  return q8, q_scale, q_mean, q_ids
+
+
+@device_function
 def key_block_scores(q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_ptr, kv_ids_ptr, j,
                      D: tl.constexpr, BLOCK_KV: tl.constexpr, LEFT: tl.constexpr,
                      RIGHT: tl.constexpr, IDS: tl.constexpr, SMOOTH_Q: tl.constexpr,
