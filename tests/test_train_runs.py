@@ -306,7 +306,10 @@ def test_a_full_disk_is_one_line(tmp_path, corpus):
   code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
           "resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000)); "
           "import runpy; runpy.run_module('train', run_name='__main__')")
-  env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+  # The limit is for the checkpoint: the suite's compilation cache may read
+  # but not write (an entry past the limit would warn of its own error).
+  env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "1e9"}
   proc = subprocess.run([sys.executable, "-c", code, *FLAGS, "--data", *corpus, "--out",
                          str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=300)
