@@ -95,6 +95,6 @@ def recomputed_rows(qkv: QuantizedQKV, v: jax.Array, do: jax.Array, masks: Masks
   (m, l, d), _ = jax.lax.scan(kv_step, init, jnp.arange(tiles.num_kv_blocks))
   seen = l > 0
   weighted = jnp.where(seen, d / jnp.where(seen, l, 1.0), 0.0)
-  own_lse = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf)
+  own_lse = jnp.where(seen, nm.saturated_lse(m, jnp.where(seen, l, 1.0)), jnp.inf)
   heads = lambda x: x.reshape(do.shape[0], do.shape[2], do.shape[1])
   return heads(weighted), heads(own_lse)
