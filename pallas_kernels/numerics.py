@@ -179,6 +179,19 @@ def block_scores(product: jax.Array, scale: jax.Array, *, mask: jax.Array | None
   return jnp.where(top_int == lowest, -jnp.inf, top), jnp.where(mask, from_top, -jnp.inf)
 
 
+def log2_p(s_minus_lse: jax.Array) -> jax.Array:
+  """The backward's exponent of P = exp2(S - lse), at most 0: P <= 1 holds
+  exactly, and the cap keeps a saturated row's top key at P = 1 whatever
+  the kernel's rounding (`SATURATED_MARGIN`). NaN stays NaN."""
+  return jnp.minimum(s_minus_lse, 0.0)
+
+
+def saturated_lse(m: jax.Array, l: jax.Array) -> jax.Array:
+  """A saturated row's lse from its running maximum m and sum l (base 2):
+  m + log2(l), less `SATURATED_MARGIN` * |m|."""
+  return m + jnp.log2(l) - SATURATED_MARGIN * jnp.abs(m)
+
+
 def unsigned_rows(a: jax.Array) -> tuple[jax.Array, jax.Array]:
   """P = exp2(a) per row, scaled to 0..255 against the row's largest (P^T of
   the Hopper dK/dV tile, unsigned 8-bit).
@@ -208,6 +221,15 @@ E_FLOOR_BELOW_MAX = 60.0
 # unless they tie, so the row is one-hot; training with QK-norm stays below
 # 2**6.
 SATURATED_LSE = 2.0**15
+# How far below its largest score a saturated row's lse is set, relative to
+# that score: P = exp2(min(S - lse, 0)) in every backward, so the row's top
+# key gets P = 1 exactly. Each kernel rounds S * c - lse its own way (an FMA
+# or a multiply, c's product in another order): up to 2 ulp of |S|, 2**-22
+# relative, and at 1e8 that is 2**30 in P (docs/algorithm.md, "Saturating
+# logits"). Twice that, plus those 2 ulp, stays below one step of the int8
+# scores (|S| / |Q8.K8|) while |Q8.K8| < 2**20.2: always at D=64 (127**2 * 64
+# = 2**20), so no lower key reaches the cap.
+SATURATED_MARGIN = 2.0**-21
 # The running maximum's start: finite, so rows that have seen no key yet get
 # finite exponents (their accumulators are 0 whatever the factor).
 NOTHING_SEEN = -1e30

@@ -181,13 +181,14 @@ class ReferenceBackend:
 
     def kv_step(dq, j):
       s = tiles.scores(j)
-      p = jnp.exp2(s - lse[..., None])
+      log2_p = nm.log2_p(s - lse[..., None])
+      p = jnp.exp2(log2_p)
       dp = jnp.einsum("bhgiqd,bhkd->bhgiqk", do_blocks, tiles.kv_block(v_heads, j, axis=-2),
                       preferred_element_type=_f32)
       ds = p * (dp - delta[..., None])
       # dV = P^T.dO: P^T quantized per key (a row of the dK/dV kernel's tile).
       if unsigned_p_t:
-        pq_t, log2_p_scale = nm.unsigned_rows(jnp.swapaxes(s - lse[..., None], -1, -2))
+        pq_t, log2_p_scale = nm.unsigned_rows(jnp.swapaxes(log2_p, -1, -2))
         p8_t, p_scale = jnp.round(pq_t), jnp.exp2(log2_p_scale)
         # dS^T from P^T in its 0..255 units: its per-row scale absorbs them.
         ds_t = pq_t * (jnp.swapaxes(dp, -1, -2) - delta[..., None, :])

@@ -14,10 +14,13 @@ Rows whose base-2 log-sum-exp exceeds `numerics.SATURATED_LSE` in magnitude
 sum_j P dP from the backward's own dP, with P normalized over the row in
 this pass (its own running maximum m and sum l), so a one-hot row's weight
 is exactly 1 whatever the rounding of the forward's lse; and they take
-lse = m + log2(l) from the same pass. The forward's lse of such a row is
-off by its rounding (a multiple of 8 at 1e8), more in the Hopper forward,
-whose lse sums V-scale-folded terms; exp2 of that error multiplies every
-P, and so dS, of the row (the top key's P must be 1 for dS to vanish).
+their lse from the same pass, `numerics.saturated_lse`: m + log2(l), set
+just below the top so that the backward's capped exp2 (`numerics.log2_p`)
+gives the top key P = 1 however a kernel rounds S * c - lse. The forward's
+lse of such a row is off by its rounding (a multiple of 8 at 1e8), more in
+the Hopper forward, whose lse sums V-scale-folded terms; exp2 of that error
+multiplies every P, and so dS, of the row (the top key's P must be 1 for
+dS to vanish).
 
 This is the reference's form (`ReferenceBackend.saturated_rows`): a scan over
 key blocks behind one `lax.cond` per call (one for the whole batch under
@@ -71,7 +74,8 @@ def recomputed_rows(qkv: QuantizedQKV, v: jax.Array, do: jax.Array, masks: Masks
                     config: Config) -> tuple[jax.Array, jax.Array]:
   """(Delta, lse), each (B, H, Tq) fp32, over the keys each query sees:
   Delta = sum_j P_ij dP_ij, P the softmax of the int8 scores, dP = dO . V^T
-  with fp32 accumulation; lse = m + log2(l) of the same scores (base 2).
+  with fp32 accumulation; lse = `numerics.saturated_lse` of the same
+  scores' running maximum and sum (base 2).
   A row that sees no key gets Delta 0 and lse +inf (the forward's)."""
   tiles = ScoreTiles(qkv, masks, config)
   do_rows = tiles.rows(jnp.swapaxes(do, 1, 2))
@@ -95,6 +99,6 @@ def recomputed_rows(qkv: QuantizedQKV, v: jax.Array, do: jax.Array, masks: Masks
   (m, l, d), _ = jax.lax.scan(kv_step, init, jnp.arange(tiles.num_kv_blocks))
   seen = l > 0
   weighted = jnp.where(seen, d / jnp.where(seen, l, 1.0), 0.0)
-  own_lse = jnp.where(seen, m + jnp.log2(jnp.where(seen, l, 1.0)), jnp.inf)
+  own_lse = jnp.where(seen, nm.saturated_lse(m, jnp.where(seen, l, 1.0)), jnp.inf)
   heads = lambda x: x.reshape(do.shape[0], do.shape[2], do.shape[1])
   return heads(weighted), heads(own_lse)

@@ -109,7 +109,11 @@ def test_fp16_queries_and_keys_at_sigma_200_give_finite_gradients(impl):
     assert np.all(np.isfinite(x)), name
 
 
-@pytest.mark.parametrize("impl", [*IMPLS, pytest.param("mosaic", marks=pytest.mark.gpu)])
+# "triton-compiled": the GPU rounds the kernels' S * c - lse (an FMA) unlike
+# the interpreter, and there P = 1 at a row's top key rests on log2_p's cap.
+@pytest.mark.parametrize("impl", [*IMPLS, pytest.param("triton", marks=pytest.mark.gpu,
+                                                       id="triton-compiled"),
+                                  pytest.param("mosaic", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_one_hot_rows_give_near_zero_query_and_key_gradients(impl, dtype):
   """q, k, v of normal x 1e4 (logits near 1e8), causal: every row is

@@ -348,3 +348,21 @@ def test_unsigned_rows():
   live = [0, 1, 3]
   np.testing.assert_allclose(pq[live] * np.exp2(log2_scale[live])[:, None],
                              np.exp2(np.asarray(a, np.float64)[live]), rtol=1e-5)
+
+
+def test_log2_p_caps_at_zero_and_keeps_nan():
+  a = jnp.array([-jnp.inf, -3.0, 0.0, 2.5, jnp.nan, jnp.inf], jnp.float32)
+  np.testing.assert_array_equal(nm.log2_p(a), [-np.inf, -3.0, 0.0, 0.0, np.nan, 0.0])
+
+
+@pytest.mark.parametrize("m", [2.0**15 + 1.0, 1.37e6, -2.5e8, 3e9])
+def test_saturated_lse_margin(m):
+  """A one-hot row (l = 1): the lse lies below its top score by more than
+  the 2 ulp that the kernels' roundings of S * c - lse reach, and, with
+  those 2 ulp, by less than one step of the int8 scores at D=64
+  (|S| / (127**2 * 64)), so a key one step below stays below the cap."""
+  m = np.float32(m)
+  lse = np.float32(nm.saturated_lse(jnp.float32(m), jnp.float32(1.0)))
+  gap = np.float64(m) - np.float64(lse)
+  assert gap > 2 * np.spacing(np.abs(m))
+  assert gap + 2 * np.spacing(np.abs(m)) < abs(np.float64(m)) / (127**2 * 64)

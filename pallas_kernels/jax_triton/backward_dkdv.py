@@ -82,7 +82,7 @@ def _q_step(dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, 
   x, c = tiles.score_tile(k8, q8, k_scale[:, None], q_scale, bias, SMOOTH_Q, CONVERT)
   q_ids = tl.load(q_ids_ptr + rows)[None, :] if IDS else 0
   x = tiles.masked(x, rows[None, :], kv_pos, q_ids, kv_ids, LEFT, RIGHT, IDS)
-  a = tiles.minus_lse(x, c, tl.load(lse_ptr + rows)[None, :], SMOOTH_Q)
+  a = tiles.log2_p(x, c, tl.load(lse_ptr + rows)[None, :], SMOOTH_Q)
   # numerics.unsigned_rows: P^T = pq * exp2(top), pq in 0..255. (tl.max
   # skips a NaN column: sagebwd.py carries it to dV.)
   top = tl.max(a, axis=1)

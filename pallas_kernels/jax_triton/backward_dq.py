@@ -31,7 +31,7 @@ def _kv_step(dq, q8, q_scale, q_mean, q_pos, q_ids, lse, delta, do, k8_ptr, k8_t
                                                RIGHT, IDS, SMOOTH_Q, CONVERT)
   dims = tl.arange(0, D)
   # exp2(S - lse): rows that saw no key have lse = +inf, so P = 0 there.
-  p = tl.exp2(tiles.minus_lse(x, c, lse[:, None], SMOOTH_Q))
+  p = tl.exp2(tiles.log2_p(x, c, lse[:, None], SMOOTH_Q))
 
   tokens = keys[:, None] * HKV * D + dims[None, :]
   v = tl.load(v_ptr + tokens)

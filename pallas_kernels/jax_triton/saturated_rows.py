@@ -31,7 +31,7 @@ def _saturated_rows_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, 
                            BLOCK_KV: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
                            IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, CONVERT: tl.constexpr,
                            DOT_PRECISION: tl.constexpr, SATURATED: tl.constexpr,
-                           NOTHING_SEEN: tl.constexpr):
+                           MARGIN: tl.constexpr, NOTHING_SEEN: tl.constexpr):
   i = tl.program_id(0)
   b = tl.program_id(1).to(tl.int64)
   h = tl.program_id(2)
@@ -62,7 +62,7 @@ def _saturated_rows_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, 
           q8, q_scale, q_mean, rows[:, None], q_ids, k8_ptr + kv_head * TK * D,
           k_scale_ptr + kv_head * TK, kv_ids_ptr + b * TK, j, D, BLOCK_KV, LEFT, RIGHT, IDS,
           SMOOTH_Q, CONVERT)
-      s = tiles.minus_lse(x, c, 0.0, SMOOTH_Q)
+      s = tiles.scores(x, c, SMOOTH_Q)
       v = tl.load(v_ptr + keys[:, None] * HKV * D + dims[None, :])
       dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
       m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -74,7 +74,9 @@ def _saturated_rows_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, 
     seen = l > 0
     l_safe = tl.where(seen, l, 1.0)
     delta = tl.where(saturated, tl.where(seen, d / l_safe, 0.0), delta)
-    lse = tl.where(saturated, tl.where(seen, m + tl.log2(l_safe), float("inf")), lse)
+    # numerics.saturated_lse
+    own_lse = m + tl.log2(l_safe) - MARGIN * tl.abs(m)
+    lse = tl.where(saturated, tl.where(seen, own_lse, float("inf")), lse)
   tl.store(delta_out_ptr + q_head * TQ + rows, delta)
   tl.store(lse_out_ptr + q_head * TQ + rows, lse)
 
@@ -101,7 +103,7 @@ def saturated_rows(qkv: QuantizedQKV, v, lse, do, delta, masks: Masks, config: C
         D=head_dim, BLOCK_Q=config.block_q, BLOCK_KV=config.block_kv, LEFT=left, RIGHT=right,
         IDS=q_ids is not None, SMOOTH_Q=q_mean is not None, CONVERT=launch.convert,
         DOT_PRECISION=dot_precision(v.dtype), SATURATED=nm.SATURATED_LSE,
-        NOTHING_SEEN=nm.NOTHING_SEEN)
+        MARGIN=nm.SATURATED_MARGIN, NOTHING_SEEN=nm.NOTHING_SEEN)
     return new_delta, new_lse
 
   return batch_folded(run)(qkv.q8, qkv.q_scale, qkv.q_mean, lse, delta, do, masks.q_ids,

@@ -205,12 +205,21 @@ def from_top(x, x_top):
 
 
 @device_function
-def minus_lse(x, c, lse, SMOOTH_Q: tl.constexpr):
-  """The backward's exp2 argument S - lse from `score_tile`'s x and c (`lse`
-  broadcastable to x): one multiply-add, one rounding."""
+def scores(x, c, SMOOTH_Q: tl.constexpr):
+  """S from `score_tile`'s x and c."""
+  return x if SMOOTH_Q else x * c
+
+
+@device_function
+def log2_p(x, c, lse, SMOOTH_Q: tl.constexpr):
+  """The backward's exp2 argument min(S - lse, 0) (numerics.log2_p) from
+  `score_tile`'s x and c (`lse` broadcastable to x): one multiply-add, one
+  rounding, one minimum that keeps a NaN."""
   if SMOOTH_Q:
-    return x - lse
-  return x * c - lse
+    a = x - lse
+  else:
+    a = x * c - lse
+  return tl.minimum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)
 
 
 @device_function

@@ -83,14 +83,15 @@ def as_float(biased_scores):
 
 
 def exponent(f, c, lse, *, along: int):
-  """The base-2 exponent S * c - lse of P = exp2(S * q_scale * k_scale - lse)
-  from the biased scores f = 1.5 * 2**23 + S: an add (exact) and an FMA.
+  """The base-2 exponent of P = exp2(S * q_scale * k_scale - lse), capped at 0
+  (`numerics.log2_p`), from the biased scores f = 1.5 * 2**23 + S: an add
+  (exact), an FMA and a minimum.
   Folding the bias into the FMA's addend would round -lse - 1.5 * 2**23 * c,
   an error of ~c in the exponent that nothing cancels here (the forward's
   row maximum does cancel it). `lse` has one value per row (`along`=0) or
   per column (`along`=1)."""
-  return ((f - nm.ROUND_MAGIC_F32) * positive_scale(c)
-          - lax.broadcast_in_dim(lse, f.shape, [along]))
+  return nm.log2_p((f - nm.ROUND_MAGIC_F32) * positive_scale(c)
+                   - lax.broadcast_in_dim(lse, f.shape, [along]))
 
 
 def causal_mask(f, *, row_start, col_start, rows_are_keys: bool):
