@@ -19,7 +19,7 @@ from conftest import (CPU, MOSAIC_LAYOUTS, assert_lowers_to_mosaic_gpu, backward
                       gaussian_qkv, mosaic_config, rel_l2)
 from pallas_kernels.jax_triton.backward_prepass import backward_prepass
 from pallas_kernels.jax_triton.launch import LaunchConfig
-from pallas_kernels.mosaic.backward_common import BackwardTuning
+from pallas_kernels.mosaic.backward_common import DkdvTuning, DqTuning
 from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
 from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
 from pallas_kernels.layouts import REGISTER_B
@@ -31,11 +31,12 @@ from sagebwd_jax.sagebwd import key_mean
 # The reference with the Mosaic kernels' P and P^T quantization.
 HOPPER = ReferenceBackend(MOSAIC_NUMERICS)
 
-TUNINGS = {"default": BackwardTuning(),
-           "no_schedule_barrier": BackwardTuning(schedule_barrier=False),
-           "one_warpgroup": BackwardTuning(compute_wgs=1, schedule_barrier=False),
-           "three_steps": BackwardTuning(max_concurrent_steps=3),
-           "split": BackwardTuning(schedule_barrier=False, split=True)}
+# (dK/dV's tuning, dQ's): dK/dV's launch has only its ring to vary.
+TUNINGS = {"default": (DkdvTuning(), DqTuning()),
+           "no_schedule_barrier": (DkdvTuning(), DqTuning(schedule_barrier=False)),
+           "one_warpgroup": (DkdvTuning(), DqTuning(compute_wgs=1, schedule_barrier=False)),
+           "three_steps": (DkdvTuning(max_concurrent_steps=3),
+                           DqTuning(max_concurrent_steps=3))}
 
 
 def _abstract_args(batch, seq, heads, kv_heads, head_dim, causal, layouts=MOSAIC_LAYOUTS):
@@ -53,9 +54,10 @@ def _abstract_args(batch, seq, heads, kv_heads, head_dim, causal, layouts=MOSAIC
           sds((batch, seq, heads, head_dim), jnp.bfloat16), do8_t, rows), config
 
 
-def _kernels(config, tuning):
-  dkdv = lambda *a: backward_dkdv_mosaic(*a, Masks(), config, tuning)
-  dq = lambda *a: backward_dq_mosaic(*a[:5], Masks(), config, tuning)
+def _kernels(config, tunings=TUNINGS["default"]):
+  dkdv_tuning, dq_tuning = tunings
+  dkdv = lambda *a: backward_dkdv_mosaic(*a, Masks(), config, dkdv_tuning)
+  dq = lambda *a: backward_dq_mosaic(*a[:5], Masks(), config, dq_tuning)
   return dkdv, dq
 
 
@@ -73,13 +75,14 @@ def test_lowers_for_cuda(head_dim, causal, tuning):
     assert_lowers_to_mosaic_gpu(kernel, *args)
 
 
-@pytest.mark.parametrize("kwargs", [dict(compute_wgs=3), dict(max_concurrent_steps=1),
-                                    dict(compute_wgs=1, schedule_barrier=True),
-                                    dict(split=True), dict(compute_wgs=1, split=True,
-                                                           schedule_barrier=False)])
-def test_tuning_is_checked(kwargs):
+@pytest.mark.parametrize("tuning,kwargs", [
+    (DqTuning, dict(compute_wgs=3)), (DqTuning, dict(max_concurrent_steps=1)),
+    (DqTuning, dict(compute_wgs=1, schedule_barrier=True)),
+    (DkdvTuning, dict(compute_wgs=1)), (DkdvTuning, dict(schedule_barrier=True)),
+    (DkdvTuning, dict(max_concurrent_steps=1))])
+def test_tuning_is_checked(tuning, kwargs):
   with pytest.raises(ValueError):
-    BackwardTuning(**kwargs)
+    tuning(**kwargs)
 
 
 def test_unsupported_cases_are_refused():
@@ -91,9 +94,9 @@ def test_unsupported_cases_are_refused():
     backward_dkdv_mosaic(*args, Masks(), mosaic_config(128, True, smooth_q=True))
   args, config = _abstract_args(1, 192, 1, 1, 64, False)  # not whole 128-token CTA tiles
   with pytest.raises(ValueError, match="multiples of 128"):
-    backward_dkdv_mosaic(*args, Masks(), config)
+    backward_dq_mosaic(*args[:5], Masks(), config)
   args, config = _abstract_args(1, 128, 1, 1, 64, False, Layouts())
-  dkdv, dq = _kernels(config, BackwardTuning())
+  dkdv, dq = _kernels(config)
   with pytest.raises(ValueError, match="q8_t is TOKENS"):
     dkdv(*args)
   with pytest.raises(ValueError, match="k8_t is TOKENS"):
@@ -152,7 +155,7 @@ def test_gpu_matches_reference(case, tuning):
 def test_gpu_large_logits(sigma):
   """Saturated softmax rows: P^T stays in 0..255 without a clip."""
   args, config, want = _gpu_case(1, 512, 2, 2, 64, True, seed=4, sigma=sigma)
-  dkdv, dq = (jax.jit(k) for k in _kernels(config, BackwardTuning()))
+  dkdv, dq = (jax.jit(k) for k in _kernels(config))
   dk, dv = dkdv(*args)
   for name, x, ref in zip(("dQ", "dK", "dV"), (dq(*args), dk, dv), want):
     x, ref = np.asarray(x.astype(jnp.float32)), np.asarray(ref, np.float32)
