@@ -7,6 +7,8 @@ passes it. The op through these kernels is checked by the behaviour suite
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 import jax
@@ -317,3 +319,38 @@ def test_gpu_kernels_match_reference():
   test_forward_matches_reference_with_unsigned_p(True, True, True)
   test_backward_matches_reference_fp32(False, True, True, (4, 1), 128)
   test_forward_at_large_logits_matches_reference(1e4)
+
+
+_TORCH_PROBE = """
+import importlib.abc, sys, types
+attempts = []
+class Finder(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path, target=None):
+    if name == "torch":
+      attempts.append(name)
+    return None
+sys.meta_path.insert(0, Finder())
+fake = types.ModuleType("torch") if sys.argv[1] == "imported" else None
+if fake is not None:
+  sys.modules["torch"] = fake
+from pallas_kernels.jax_triton import launch
+launch._specializer_without_torch()
+from triton._C.libtriton import native_specialize_impl
+assert native_specialize_impl(None, 64, False, True, True) == ("i32", "D")
+assert attempts == [], attempts
+assert sys.modules.get("torch") is fake, sys.modules.get("torch")
+"""
+
+
+@pytest.mark.parametrize("torch_state", ["not_imported", "imported"])
+def test_triton_specializer_is_initialized_without_importing_torch(torch_state):
+  """jax_triton specializes kernel arguments with Triton's native
+  specializer, whose first call in a process imports torch where it is
+  installed (seconds of the op's first compile); the launch initializes it
+  with torch hidden, leaves no trace of that in `sys.modules` (a later
+  `import torch` works), and leaves an imported torch alone. A fresh
+  process: the specializer initializes once per process."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+  subprocess.run([sys.executable, "-c", _TORCH_PROBE, torch_state], check=True, env=env,
+                 cwd=root)

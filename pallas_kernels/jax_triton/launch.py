@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from collections.abc import Sequence
 
 import jax
@@ -47,6 +48,28 @@ def shared_memory_limit() -> int:
     return HOPPER_SHARED_MEMORY
   capability = getattr(jax.devices()[0], "compute_capability", None)
   return SHARED_MEMORY.get(capability, min(SHARED_MEMORY.values()))
+
+
+@functools.cache
+def _specializer_without_torch() -> None:
+  """Initializes Triton's native argument specializer with torch hidden.
+
+  jax_triton specializes every kernel's arguments at lowering with Triton's
+  `native_specialize_impl`, whose first call in a process imports torch
+  where it is installed, only to give torch.Tensor a fast path (a tensor
+  still specializes through its `data_ptr` without it). A JAX program passes
+  no torch tensors, and that import was most of the op's first Triton
+  lowering on the H200 (docs/performance.md, seventeenth session). Where
+  torch is already imported, nothing changes.
+  """
+  if "torch" in sys.modules:
+    return
+  from triton._C.libtriton import native_specialize_impl
+  sys.modules["torch"] = None  # `import torch` fails; the specializer goes on without
+  try:
+    native_specialize_impl(None, 1, False, False, False)  # an int needs no backend
+  finally:
+    del sys.modules["torch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +123,7 @@ class LaunchConfig:
     of `out_shape`, and `constants` as its constexpr keyword arguments."""
     if not self.interpret:
       import jax_triton
+      _specializer_without_torch()
       outs = jax_triton.triton_call(
           *args, kernel=kernel, out_shape=list(out_shape), grid=grid, name=name,
           num_warps=self.num_warps, num_stages=self.num_stages, **constants)
