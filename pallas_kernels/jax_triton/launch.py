@@ -64,7 +64,10 @@ def _specializer_without_torch() -> None:
   """
   if "torch" in sys.modules:
     return
-  from triton._C.libtriton import native_specialize_impl
+  try:
+    from triton._C.libtriton import native_specialize_impl
+  except ImportError:  # a Triton that specializes otherwise: nothing to prepare
+    return
   sys.modules["torch"] = None  # `import torch` fails; the specializer goes on without
   try:
     native_specialize_impl(None, 1, False, False, False)  # an int needs no backend
