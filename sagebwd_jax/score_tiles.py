@@ -1,6 +1,6 @@
-"""The score tiles of the pure-JAX SageBwd (`reference`, `delta`): S[i, j] for
-every query block i against one key block j, as the kernels form them from
-int8 Q and K (the exact int32 product, its scales, Q-smoothing's bias, the
+"""The score tiles of the pure-JAX SageBwd (`reference`, `saturated_rows`):
+S[i, j] for every query block i against one key block j, as the kernels form
+them from int8 Q and K (the exact int32 product, its scales, Q-smoothing's bias, the
 masks)."""
 
 from __future__ import annotations

@@ -51,11 +51,7 @@ def _saturated_rows_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, 
     m = tl.full((BLOCK_Q,), NOTHING_SEEN, tl.float32)
     l = tl.zeros((BLOCK_Q,), tl.float32)
     d = tl.zeros((BLOCK_Q,), tl.float32)
-    start = 0
-    end = TK // BLOCK_KV
-    if LEFT is not None or RIGHT is not None:
-      start, full_start, full_end, end = tiles.kv_range(i, BLOCK_Q, BLOCK_KV, TK // BLOCK_KV,
-                                                        LEFT, RIGHT)
+    start, _, _, end = tiles.kv_range(i, BLOCK_Q, BLOCK_KV, TK // BLOCK_KV, LEFT, RIGHT)
     # Every block masked as an edge block: this path runs on saturated inputs only.
     for j in range(start, end):
       x, c, keys, k_scale = tiles.key_block_scores(

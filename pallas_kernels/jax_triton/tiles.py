@@ -281,8 +281,8 @@ def masked(x, q_pos, kv_pos, q_ids, kv_ids, LEFT: tl.constexpr, RIGHT: tl.conste
 @device_function
 def kv_range(i, TILE_Q: tl.constexpr, BLOCK_KV: tl.constexpr, NK: tl.constexpr,
              LEFT: tl.constexpr, RIGHT: tl.constexpr):
-  """causal_blocks.kv_range (at least one side bounded): key blocks [start,
-  full_start) and [full_end, end) masked, [full_start, full_end) whole.
+  """causal_blocks.kv_range: key blocks [start, full_start) and [full_end,
+  end) masked, [full_start, full_end) whole (all NK whole with no band).
   Triton's integer division truncates toward 0, as lax.div there."""
   start = 0
   full_start = 0
