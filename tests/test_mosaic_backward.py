@@ -75,6 +75,16 @@ def test_lowers_for_cuda(head_dim, causal, tuning):
     assert_lowers_to_mosaic_gpu(kernel, *args)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_lowers_for_cuda_in_x64_mode(causal, x64):
+  """With jax_enable_x64 a Python int in index arithmetic becomes int64, which
+  Mosaic's int32 indices refuse (the GPU suite's x64 test found one)."""
+  del x64
+  args, config = _abstract_args(1, 256, 2, 2, 64, causal)
+  for kernel in _kernels(config):
+    assert_lowers_to_mosaic_gpu(kernel, *args)
+
+
 @pytest.mark.parametrize("tuning,kwargs", [
     (DqTuning, dict(compute_wgs=3)), (DqTuning, dict(max_concurrent_steps=1)),
     (DqTuning, dict(compute_wgs=1, schedule_barrier=True)),

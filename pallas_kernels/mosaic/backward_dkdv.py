@@ -78,6 +78,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
       start = full = jnp.int32(0)
     end = jnp.int32(num_q_blocks)
     ring = pipeline.Ring(tuning.max_concurrent_steps)
+    pq_ring = pipeline.Ring(_PQ_BUFFERS)  # warpgroup 0 -> 1
     out_smem = out_smem2.at[wg]
 
     def p_and_dv():
@@ -86,7 +87,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
       plgpu.barrier_wait(kv_bars.at[0])
 
       def q_step(i, dv, *, masked: bool):
-        slot, buf = ring.slot(i), lax.rem(i - start, _PQ_BUFFERS)
+        slot, buf = ring.slot(i), pq_ring.slot(i - start)
         q_scale = qs_ref[b, h, i * BLOCK]
         do_scale = dos_ref[b, h, i * BLOCK]
         plgpu.barrier_wait(q_bars.at[slot])
@@ -123,7 +124,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
         plgpu.barrier_arrive(pq_free.at[buf])
 
       def q_step(i, dk):  # one loop: the masked steps' P^T arrives 0 where masked
-        slot, buf = ring.slot(i), lax.rem(i - start, _PQ_BUFFERS)
+        slot, buf = ring.slot(i), pq_ring.slot(i - start)
         q_scale = qs_ref[b, h, i * BLOCK]
         plgpu.barrier_wait(delta_bars.at[slot])
         delta = bc.col_vector(delta_ring.at[slot])

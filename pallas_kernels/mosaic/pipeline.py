@@ -116,8 +116,8 @@ def split(wg, tuning: Tuning, registers: Registers, *, compute: Callable[[], Non
 
 @dataclasses.dataclass(frozen=True)
 class Ring:
-  """The producer's ring of `slots` shared-memory slots; tile i goes to slot
-  i % slots."""
+  """A ring of `slots` shared-memory slots (the producer's, or one warpgroup
+  handing tiles to another); tile i goes to slot i % slots."""
 
   slots: int
 
