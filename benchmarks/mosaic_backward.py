@@ -25,7 +25,7 @@ from benchmarks.variants import Rows, parse_args, random_inputs, rel_l2
 from pallas_kernels.jax_triton.backend import TritonBackend
 from pallas_kernels.jax_triton.backward_dkdv import backward_dkdv
 from pallas_kernels.jax_triton.backward_dq import backward_dq
-from pallas_kernels.mosaic.backward_common import DkdvTuning, DqTuning
+from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
 from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
 from pallas_kernels.layouts import REGISTER_B, arrange, to_layout
@@ -33,14 +33,11 @@ from pallas_kernels.types import Config, Layouts, Masks
 from sagebwd_jax.sagebwd import key_mean
 
 
-# Each variant: the dK/dV kernel's tuning and the dQ kernel's; "mosaic" is
-# `MosaicBackend.tuned`'s.
 VARIANTS = {
-    "mosaic": (DkdvTuning(), DqTuning(schedule_barrier=False)),
-    "mosaic_dq_sched": (DkdvTuning(), DqTuning()),
-    "mosaic_3st": (DkdvTuning(max_concurrent_steps=3),
-                   DqTuning(max_concurrent_steps=3, schedule_barrier=False)),
-    "mosaic_dq_1wg": (DkdvTuning(), DqTuning(compute_wgs=1, schedule_barrier=False)),
+    "mosaic": BackwardTuning(),
+    "mosaic_no_sched": BackwardTuning(schedule_barrier=False),
+    "mosaic_3st": BackwardTuning(max_concurrent_steps=3),
+    "mosaic_1wg": BackwardTuning(compute_wgs=1, schedule_barrier=False),
 }
 
 
@@ -104,8 +101,8 @@ def main():
                      lambda *a: backward_dq(*a, Masks(), config, triton.dq_launch))
     for name in names:
       time_pair(name,
-                lambda *a, t=VARIANTS[name][0]: backward_dkdv_mosaic(*a, Masks(), config, t),
-                lambda *a, t=VARIANTS[name][1]: backward_dq_mosaic(*a, Masks(), config, t),
+                lambda *a, l=VARIANTS[name]: backward_dkdv_mosaic(*a, Masks(), config, l),
+                lambda *a, l=VARIANTS[name]: backward_dq_mosaic(*a, Masks(), config, l),
                 want, mosaic_args)
     table.ratios(causal, ref_row)
 

@@ -28,7 +28,7 @@ from pallas_kernels.jax_triton.forward import forward
 from pallas_kernels.jax_triton.launch import LaunchConfig
 from pallas_kernels.mosaic import backend as mosaic_backend
 from pallas_kernels.mosaic.backend import MOSAIC_NUMERICS, MosaicBackend, backward_takes
-from pallas_kernels.mosaic.backward_common import DkdvTuning, DqTuning
+from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic import forward as mosaic_forward
 from pallas_kernels.layouts import REGISTER_B, TOKENS, arrange, to_layout
 from pallas_kernels.types import Layouts, Masks, QuantizedQKV
@@ -112,8 +112,8 @@ def test_backward_takes():
   assert not takes(mosaic_config(64, True, smooth_q=True))
   assert not takes(mosaic_config(64, False, block_q=32, block_kv=32))
   plain = mosaic_config(64, False)
-  assert not takes(plain, 192)  # not whole 128-token CTA tiles of dQ
-  assert takes(plain, 192, dq_tuning=DqTuning(compute_wgs=1, schedule_barrier=False))
+  assert not takes(plain, 192)  # not whole 128-token CTA tiles
+  assert takes(plain, 192, tuning=BackwardTuning(compute_wgs=1, schedule_barrier=False))
   assert not takes(mosaic_config(64, True, window=(16, 0)))  # windows: the Triton kernels
 
 
@@ -151,8 +151,8 @@ def test_tuned_launches():
   causal, plain = _tuned(True, False), _tuned(False, False)
   assert causal.fallback == portable
   assert causal.forward_mosaic == plain.forward_mosaic == mosaic_forward.ForwardTuning()
-  assert causal.dkdv_tuning == plain.dkdv_tuning == DkdvTuning()
-  assert causal.dq_tuning == plain.dq_tuning == DqTuning(schedule_barrier=False)
+  assert causal.dkdv_tuning == plain.dkdv_tuning == BackwardTuning()
+  assert causal.dq_tuning == plain.dq_tuning == BackwardTuning(schedule_barrier=False)
 
 
 def test_default_implementation_without_gpu_is_reference():

@@ -19,7 +19,7 @@ from conftest import (CPU, MOSAIC_LAYOUTS, assert_lowers_to_mosaic_gpu, backward
                       gaussian_qkv, mosaic_config, rel_l2)
 from pallas_kernels.jax_triton.backward_prepass import backward_prepass
 from pallas_kernels.jax_triton.launch import LaunchConfig
-from pallas_kernels.mosaic.backward_common import DkdvTuning, DqTuning
+from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
 from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
 from pallas_kernels.layouts import REGISTER_B
@@ -31,12 +31,10 @@ from sagebwd_jax.sagebwd import key_mean
 # The reference with the Mosaic kernels' P and P^T quantization.
 HOPPER = ReferenceBackend(MOSAIC_NUMERICS)
 
-# (dK/dV's tuning, dQ's): dK/dV's launch has only its ring to vary.
-TUNINGS = {"default": (DkdvTuning(), DqTuning()),
-           "no_schedule_barrier": (DkdvTuning(), DqTuning(schedule_barrier=False)),
-           "one_warpgroup": (DkdvTuning(), DqTuning(compute_wgs=1, schedule_barrier=False)),
-           "three_steps": (DkdvTuning(max_concurrent_steps=3),
-                           DqTuning(max_concurrent_steps=3))}
+TUNINGS = {"default": BackwardTuning(),
+           "no_schedule_barrier": BackwardTuning(schedule_barrier=False),
+           "one_warpgroup": BackwardTuning(compute_wgs=1, schedule_barrier=False),
+           "three_steps": BackwardTuning(max_concurrent_steps=3)}
 
 
 def _abstract_args(batch, seq, heads, kv_heads, head_dim, causal, layouts=MOSAIC_LAYOUTS):
@@ -54,10 +52,9 @@ def _abstract_args(batch, seq, heads, kv_heads, head_dim, causal, layouts=MOSAIC
           sds((batch, seq, heads, head_dim), jnp.bfloat16), do8_t, rows), config
 
 
-def _kernels(config, tunings=TUNINGS["default"]):
-  dkdv_tuning, dq_tuning = tunings
-  dkdv = lambda *a: backward_dkdv_mosaic(*a, Masks(), config, dkdv_tuning)
-  dq = lambda *a: backward_dq_mosaic(*a[:5], Masks(), config, dq_tuning)
+def _kernels(config, tuning):
+  dkdv = lambda *a: backward_dkdv_mosaic(*a, Masks(), config, tuning)
+  dq = lambda *a: backward_dq_mosaic(*a[:5], Masks(), config, tuning)
   return dkdv, dq
 
 
@@ -78,21 +75,19 @@ def test_lowers_for_cuda(head_dim, causal, tuning):
 @pytest.mark.parametrize("causal", [False, True])
 def test_lowers_for_cuda_in_x64_mode(causal, x64):
   """With jax_enable_x64 a Python int in index arithmetic becomes int64, which
-  Mosaic's int32 indices refuse (the GPU suite's x64 test found one)."""
+  Mosaic's int32 indices refuse (the GPU suite's x64 test found one in a
+  kernel since replaced)."""
   del x64
   args, config = _abstract_args(1, 256, 2, 2, 64, causal)
-  for kernel in _kernels(config):
+  for kernel in _kernels(config, TUNINGS["default"]):
     assert_lowers_to_mosaic_gpu(kernel, *args)
 
 
-@pytest.mark.parametrize("tuning,kwargs", [
-    (DqTuning, dict(compute_wgs=3)), (DqTuning, dict(max_concurrent_steps=1)),
-    (DqTuning, dict(compute_wgs=1, schedule_barrier=True)),
-    (DkdvTuning, dict(compute_wgs=1)), (DkdvTuning, dict(schedule_barrier=True)),
-    (DkdvTuning, dict(max_concurrent_steps=1))])
-def test_tuning_is_checked(tuning, kwargs):
+@pytest.mark.parametrize("kwargs", [dict(compute_wgs=3), dict(max_concurrent_steps=1),
+                                    dict(compute_wgs=1, schedule_barrier=True)])
+def test_tuning_is_checked(kwargs):
   with pytest.raises(ValueError):
-    tuning(**kwargs)
+    BackwardTuning(**kwargs)
 
 
 def test_unsupported_cases_are_refused():
@@ -104,9 +99,9 @@ def test_unsupported_cases_are_refused():
     backward_dkdv_mosaic(*args, Masks(), mosaic_config(128, True, smooth_q=True))
   args, config = _abstract_args(1, 192, 1, 1, 64, False)  # not whole 128-token CTA tiles
   with pytest.raises(ValueError, match="multiples of 128"):
-    backward_dq_mosaic(*args[:5], Masks(), config)
+    backward_dkdv_mosaic(*args, Masks(), config)
   args, config = _abstract_args(1, 128, 1, 1, 64, False, Layouts())
-  dkdv, dq = _kernels(config)
+  dkdv, dq = _kernels(config, BackwardTuning())
   with pytest.raises(ValueError, match="q8_t is TOKENS"):
     dkdv(*args)
   with pytest.raises(ValueError, match="k8_t is TOKENS"):
@@ -165,7 +160,7 @@ def test_gpu_matches_reference(case, tuning):
 def test_gpu_large_logits(sigma):
   """Saturated softmax rows: P^T stays in 0..255 without a clip."""
   args, config, want = _gpu_case(1, 512, 2, 2, 64, True, seed=4, sigma=sigma)
-  dkdv, dq = (jax.jit(k) for k in _kernels(config))
+  dkdv, dq = (jax.jit(k) for k in _kernels(config, BackwardTuning()))
   dk, dv = dkdv(*args)
   for name, x, ref in zip(("dQ", "dK", "dV"), (dq(*args), dk, dv), want):
     x, ref = np.asarray(x.astype(jnp.float32)), np.asarray(ref, np.float32)

@@ -23,7 +23,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from pallas_kernels.mosaic import common
-from pallas_kernels.mosaic.backward_common import DkdvTuning, DqTuning
+from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
 from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
 from pallas_kernels.mosaic import forward
@@ -37,12 +37,11 @@ MOSAIC_NUMERICS = Numerics(p_block=forward.KV_STEP, unsigned_p=True, unsigned_p_
 
 
 def backward_takes(masks: Masks, config: Config, q_len: int, kv_len: int, head_dim: int,
-                   dtype, dq_tuning: DqTuning = DqTuning()) -> bool:
+                   dtype, tuning: BackwardTuning = BackwardTuning()) -> bool:
   """Whether the Mosaic backward kernels run this case (`dtype`: V's, which the
-  backward's dO.V^T wgmma takes as is; lengths in whole CTA tiles of dQ's,
-  `dq_tuning`, which also makes them whole blocks of dK/dV's 64 keys). Their
-  dS products are INT8 only: ds_precision="bf16" runs in the fallback."""
-  cta_rows = dq_tuning.compute_wgs * common.BLOCK
+  backward's dO.V^T wgmma takes as is). Their dS products are INT8 only:
+  ds_precision="bf16" runs in the fallback."""
+  cta_rows = tuning.compute_wgs * common.BLOCK
   return (common.supports(masks, config, head_dim)
           and config.ds_precision == "int8" and config.window is None
           and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -61,8 +60,8 @@ class MosaicBackend:
 
   fallback: Backend
   forward_mosaic: forward.ForwardTuning | None = forward.ForwardTuning()
-  dkdv_tuning: DkdvTuning = DkdvTuning()
-  dq_tuning: DqTuning = DqTuning()
+  dkdv_tuning: BackwardTuning = BackwardTuning()
+  dq_tuning: BackwardTuning = BackwardTuning()
 
   @classmethod
   def tuned(cls, fallback: Backend) -> "MosaicBackend":
@@ -70,7 +69,7 @@ class MosaicBackend:
     `python -m benchmarks.mosaic_backward` measured fastest on an H200
     (docs/performance.md)."""
     return cls(fallback, forward_mosaic=forward.ForwardTuning(),
-               dkdv_tuning=DkdvTuning(), dq_tuning=DqTuning(schedule_barrier=False))
+               dkdv_tuning=BackwardTuning(), dq_tuning=BackwardTuning(schedule_barrier=False))
 
   def _runs_forward(self, masks: Masks, config: Config, q_len: int, kv_len: int,
                     head_dim: int, dtype) -> bool:
@@ -79,7 +78,8 @@ class MosaicBackend:
 
   def _runs_backward(self, masks: Masks, config: Config, q_len: int, kv_len: int,
                      head_dim: int, dtype) -> bool:
-    return backward_takes(masks, config, q_len, kv_len, head_dim, dtype, self.dq_tuning)
+    return all(backward_takes(masks, config, q_len, kv_len, head_dim, dtype, tuning)
+               for tuning in (self.dkdv_tuning, self.dq_tuning))
 
   def _runs(self, q, k, masks: Masks, config: Config) -> tuple[bool, bool]:
     """Whether the Mosaic forward and backward run for these inputs, by the

@@ -4,11 +4,11 @@ settings and the per-score chain of a 64 x 64 tile (their pipeline is
 
 Both kernels recompute S from int8 Q and K in an int32 accumulator that starts
 at 0x4B400000, so its bits read as fp32 are 1.5 * 2**23 + S exactly, and form
-the exp2 argument of P = exp2(S * q_scale * k_scale - lse) by one add, one
-FMA and a cap at 0 (`exponent`; c = q_scale * k_scale is one scalar per
-tile: both are block scales). dP = dO.V^T runs in 16 bits (the one product
-never quantized) in an accumulator that starts at -Delta; dQ issues it with
-S under one wait, dK/dV in the warpgroup that does not form P^T. The int8
+the exp2 argument of P = exp2(S * q_scale * k_scale - lse) by one add and one
+FMA (`exponent`; c = q_scale * k_scale is one scalar per tile: both are block
+scales). dP = dO.V^T runs in 16 bits (the one product never quantized) in an
+accumulator that starts at -Delta; dQ issues it with S under one wait, dK/dV
+after forming P^T (registers). The int8
 products (P^T.dO, dS^T.Q, dS.K) take their 8-bit operand straight from
 registers (`registers.dot_from_registers`; the B operands arrive REGISTER_B,
 `types.TransposedLayout`), rounded by one add each, into int32
@@ -35,27 +35,11 @@ COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
 
 
 @dataclasses.dataclass(frozen=True)
-class DkdvTuning(pipeline.Tuning):
-  """Launch settings of the dK/dV kernel: a CTA per block of 64 keys, whose
-  two compute warpgroups split each step's work (S^T, P^T and dV in one;
-  dP^T, dS^T and dK in the other, from the P^T handed over in shared
-  memory), so they need no schedule barrier; the ring of 64-query tiles.
-  `python -m benchmarks.mosaic_backward` times it (docs/performance.md)."""
-
-  schedule_barrier: bool = False
-
-  def __post_init__(self):
-    super().__post_init__()
-    if self.compute_wgs != 2 or self.schedule_barrier:
-      raise ValueError("dK/dV runs two compute warpgroups, which hand P^T over instead of "
-                       f"taking turns; got {self}")
-
-
-@dataclasses.dataclass(frozen=True)
-class DqTuning(pipeline.Tuning):
-  """Launch settings of the dQ kernel: blocks of 64 queries per CTA (one per
-  compute warpgroup), the ring of 64-key tiles, the schedule barrier.
-  `python -m benchmarks.mosaic_backward` times them (docs/performance.md)."""
+class BackwardTuning(pipeline.Tuning):
+  """Launch settings of a Mosaic backward kernel: blocks of 64 keys (dK/dV) or
+  queries (dQ) per CTA, the ring of the other side's 64-token tiles, the
+  schedule barrier. `python -m benchmarks.mosaic_backward` times them
+  (docs/performance.md)."""
 
 
 def magic(shape=TILE):

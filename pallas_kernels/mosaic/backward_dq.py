@@ -28,14 +28,14 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels import causal_blocks
 from pallas_kernels.mosaic import backward_common as bc
 from pallas_kernels.mosaic import pipeline, registers
-from pallas_kernels.mosaic.backward_common import DqTuning
+from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic.common import BLOCK, check_supported, smem_transforms
 from pallas_kernels.layouts import check_layout
 from pallas_kernels.types import Config, Masks, QuantizedQKV, TransposedLayout
 
 
 def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, causal: bool, scale: float,
-             tuning: DqTuning):
+             tuning: BackwardTuning):
   """k8_t: REGISTER_B (B, Hkv, Tk / 64, D, 64) int8 (`types.TransposedLayout`);
   scales per token (B, H, T)."""
   batch, heads, q_len, head_dim = q8.shape
@@ -146,7 +146,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, causal: bool,
 
 
 def backward_dq_mosaic(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, config: Config,
-                       tuning: DqTuning = DqTuning()):
+                       tuning: BackwardTuning = BackwardTuning()):
   """dQ (B, Tq, H, D) in dO's dtype; same contract as
   `triton.backward_dq.backward_dq` for the cases `mosaic.common.supports`
   accepts, with whole CTA tiles, but K8^T REGISTER_B (`types.Layouts`); dS

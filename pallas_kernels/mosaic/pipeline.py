@@ -26,8 +26,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 # setmaxnreg takes multiples of 8; a 128-thread slice of the register file
 # holds 512 registers per thread, shared by one thread of each warpgroup.
 _REGISTER_FILE = 512
-# The most a compute warpgroup asks for: two of them beside the least producer
-# (24) could take 244; setmaxnreg takes multiples of 8.
+# The most a compute warpgroup asks for: dK/dV needs it (fp32 dK and dV alone
+# take 128 per thread).
 _MAX_COMPUTE_REGISTERS = 240
 
 
@@ -116,8 +116,8 @@ def split(wg, tuning: Tuning, registers: Registers, *, compute: Callable[[], Non
 
 @dataclasses.dataclass(frozen=True)
 class Ring:
-  """A ring of `slots` shared-memory slots (the producer's, or one warpgroup
-  handing tiles to another); tile i goes to slot i % slots."""
+  """The producer's ring of `slots` shared-memory slots; tile i goes to slot
+  i % slots."""
 
   slots: int
 
