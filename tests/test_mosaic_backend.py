@@ -152,7 +152,7 @@ def test_tuned_launches():
   assert causal.fallback == portable
   assert causal.forward_mosaic == plain.forward_mosaic == mosaic_forward.ForwardTuning()
   assert causal.dkdv_tuning == plain.dkdv_tuning == BackwardTuning()
-  assert causal.dq_tuning == plain.dq_tuning == BackwardTuning(schedule_barrier=False)
+  assert causal.dq_tuning == plain.dq_tuning == BackwardTuning()
 
 
 def test_default_implementation_without_gpu_is_reference():

@@ -69,7 +69,7 @@ class MosaicBackend:
     `python -m benchmarks.mosaic_backward` measured fastest on an H200
     (docs/performance.md)."""
     return cls(fallback, forward_mosaic=forward.ForwardTuning(),
-               dkdv_tuning=BackwardTuning(), dq_tuning=BackwardTuning(schedule_barrier=False))
+               dkdv_tuning=BackwardTuning(), dq_tuning=BackwardTuning())
 
   def _runs_forward(self, masks: Masks, config: Config, q_len: int, kv_len: int,
                     head_dim: int, dtype) -> bool:
