@@ -13,6 +13,11 @@ attention, and whether that grows with the call sites of a program.
     #     (Mosaic and Triton kernels, Triton's for sm_90), not compiled; needs
     #     jax-triton and a jax CUDA plugin (jax-cuda12-plugin) importable
     python -m benchmarks.compile_time --part chain --cuda
+    # (c) `python -m train`'s train step (built as train builds it; small
+    #     preset, T=2048, batch 8 by default), with --attention sage and full,
+    #     each in a fresh process: trace, lower, compile and the kernels'
+    #     lowerings apart
+    python -m benchmarks.compile_time --part step [--preset small --seq-len 2048 --batch-size 8]
 
 The op runs its default implementation: the GPU's kernels on a GPU, the
 pure-JAX reference on the CPU. Each figure is one measurement (compile times
@@ -101,11 +106,11 @@ def _kernel_lowerings(times: dict[str, list[float]]):
       table[p] = entry
 
 
-def measure(fn, *args, platforms: tuple[str, ...] | None = None) -> Timing:
-  """Trace, lower and (unless `platforms` names others) compile jit(fn)."""
+def measure(jitted, *args, platforms: tuple[str, ...] | None = None) -> Timing:
+  """Trace, lower and (unless `platforms` names others) compile `jitted`."""
   kernels: dict[str, list[float]] = {}
   t0 = time.perf_counter()
-  traced = jax.jit(fn).trace(*args)
+  traced = jitted.trace(*args)
   t1 = time.perf_counter()
   with _kernel_lowerings(kernels):
     lowered = traced.lower(lowering_platforms=platforms) if platforms else traced.lower()
@@ -133,7 +138,7 @@ def forward_backward(attention, seq: int) -> Timing:
   q, k, v, do = _inputs(4, seq, 8, 64, 4)
   loss = lambda q, k, v: jnp.vdot(attention(q, k, v).astype(jnp.float32),
                                   do.astype(jnp.float32))
-  return measure(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+  return measure(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v)
 
 
 def chain(n: int, cuda: bool) -> Timing:
@@ -148,8 +153,23 @@ def chain(n: int, cuda: bool) -> Timing:
     return jnp.sum(q.astype(jnp.float32))
 
   x = jax.ShapeDtypeStruct((2, 2048, 12, 64), jnp.bfloat16)
-  return measure(jax.grad(loss, argnums=(0, 1, 2)), x, x, x,
+  return measure(jax.jit(jax.grad(loss, argnums=(0, 1, 2))), x, x, x,
                  platforms=("cuda",) if cuda else None)
+
+
+def train_step(attention: str, preset: str, seq: int, batch: int) -> Timing:
+  """`python -m train --preset <preset> --attention <attention>`'s train step at
+  `batch` x `seq` tokens (one micro-batch), built as `train` builds it."""
+  from train import data, optim, sharding
+  from train.config import preset as preset_config
+  from train.loop import Batches
+  from train.step import build_model, make_steps
+  cfg = preset_config(preset, seq_len=seq, batch_size=batch, grad_accum=1, attention=attention)
+  mesh = sharding.make_mesh(cfg.mesh)
+  ds = data.load(cfg.data, cfg.val_fraction, cfg.seq_len)
+  cfg = dataclasses.replace(cfg, vocab_size=cfg.vocab_size or ds.vocab_size)
+  state, step, _ = make_steps(build_model(cfg, cfg.vocab_size, mesh), optim.optimizer(cfg), mesh)
+  return measure(step, state, Batches(ds, cfg, mesh).train(0))
 
 
 def _as_on_an_h200() -> None:
@@ -162,12 +182,17 @@ def _as_on_an_h200() -> None:
   triton_lib.triton_kernel_call_lib.get_compute_capability = lambda device: 90
 
 
-def _child(n: int, cuda: bool) -> Timing:
-  """`chain(n)` in a fresh process: no kernel lowered or compiled before."""
+# What a child process measures, by `--part`.
+_PARTS = {"chain": chain, "step": train_step}
+
+
+def _child(part: str, **kwargs) -> Timing:
+  """`_PARTS[part](**kwargs)` in a fresh process: no kernel lowered or
+  compiled before."""
   env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
-  command = [sys.executable, "-m", "benchmarks.compile_time", "--one", str(n)]
-  proc = subprocess.run(command + (["--cuda"] if cuda else []), env=env,
-                        capture_output=True, text=True)
+  command = [sys.executable, "-m", "benchmarks.compile_time", "--one",
+             json.dumps(dict(part=part, **kwargs))]
+  proc = subprocess.run(command, env=env, capture_output=True, text=True)
   if proc.returncode:
     raise SystemExit(f"{' '.join(command)} failed:\n{proc.stderr[-3000:]}")
   return Timing(**json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -199,35 +224,63 @@ def report_chain(calls: list[int], cuda: bool) -> None:
   print("| n | trace s | lower s | compile s | all three / n=1's |\n|---|---|---|---|---|")
   timings = {}
   for n in calls:
-    t = timings[n] = _child(n, cuda)
-    total = lambda t: t.trace_s + t.lower_s + (t.compile_s or 0.0)
-    ratio = total(t) / total(timings[calls[0]])
+    t = timings[n] = _child("chain", n=n, cuda=cuda)
+    ratio = _total(t) / _total(timings[calls[0]])
     print(f"| {n} | {_seconds(t.trace_s)} | {_seconds(t.lower_s)} | {_seconds(t.compile_s)} "
           f"| {ratio:.2f} |", flush=True)
-  last = timings[calls[-1]]
-  if last.kernels:
-    print(f"\nkernels lowered at n={calls[-1]} (seconds of the lowering above):")
+  _print_kernels(timings[calls[-1]], f"at n={calls[-1]}")
+
+
+def report_step(preset: str, seq: int, batch: int) -> None:
+  print(f"`python -m train --preset {preset}`'s train step, batch {batch} x T={seq}, "
+        f"on {jax.default_backend()}, each attention in a fresh process:")
+  print("| attention | trace s | lower s | compile s | all three |\n|---|---|---|---|---|")
+  timings = {}
+  for attention in ("sage", "full"):
+    t = timings[attention] = _child("step", attention=attention, preset=preset, seq=seq,
+                                    batch=batch)
+    print(f"| {attention} | {_seconds(t.trace_s)} | {_seconds(t.lower_s)} | "
+          f"{_seconds(t.compile_s)} | {_seconds(_total(t))} |", flush=True)
+  print(f"sage against full: {_total(timings['sage']) / _total(timings['full']):.2f}x "
+        "(issue 32's bar: at most 1.5x)")
+  _print_kernels(timings["sage"], "with --attention sage")
+
+
+def _total(t: Timing) -> float:
+  return t.trace_s + t.lower_s + (t.compile_s or 0.0)
+
+
+def _print_kernels(t: Timing, where: str) -> None:
+  if t.kernels:
+    print(f"\nkernels lowered {where} (seconds of the lowering above):")
     print("| kernel | lowerings | s |\n|---|---|---|")
-    for name, times in sorted(last.kernels.items(), key=lambda kv: -sum(kv[1])):
+    for name, times in sorted(t.kernels.items(), key=lambda kv: -sum(kv[1])):
       print(f"| {name} | {len(times)} | {sum(times):.2f} |")
 
 
 def main(argv: list[str] | None = None) -> None:
   parser = benchmarks.parser(__doc__, "benchmarks.compile_time")
-  parser.add_argument("--part", choices=("op", "chain", "all"), default="all",
-                      help="(a) op: the op against jax.nn; (b) chain: n chained calls")
+  parser.add_argument("--part", choices=("op", "chain", "step", "all"), default="all",
+                      help="(a) op: the op against jax.nn; (b) chain: n chained calls; "
+                           "(c) step: train's train step (not in all)")
   parser.add_argument("--calls", default="1,2,4,12", help="chain: the values of n")
   parser.add_argument("--cuda", action="store_true",
                       help="chain: lower for CUDA with the H200's kernels, without a GPU")
-  parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child's n
+  parser.add_argument("--preset", default="small", help="step: train's preset (default small)")
+  parser.add_argument("--seq-len", type=int, default=2048, help="step: T (default 2048)")
+  parser.add_argument("--batch-size", type=int, default=8, help="step: batch (default 8)")
+  parser.add_argument("--one", help=argparse.SUPPRESS)  # a child's part and arguments, JSON
   args = parser.parse_args(argv)
   if args.one is not None:
-    print(json.dumps(dataclasses.asdict(chain(args.one, args.cuda))))
+    kwargs = json.loads(args.one)
+    print(json.dumps(dataclasses.asdict(_PARTS[kwargs.pop("part")](**kwargs))))
     return
   if args.part in ("op", "all"):
     report_op()
   if args.part in ("chain", "all"):
     report_chain([int(n) for n in args.calls.split(",")], args.cuda)
+  if args.part == "step":
+    report_step(args.preset, args.seq_len, args.batch_size)
 
 
 if __name__ == "__main__":

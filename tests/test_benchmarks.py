@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 import benchmarks
-from benchmarks import accuracy, attention, breakdown, variants
+from benchmarks import accuracy, attention, breakdown, compile_time, variants
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__)
@@ -130,6 +130,14 @@ def test_profile_reads_back_its_own_trace():
   """On the CPU the trace has no GPU plane: no kernels, but a trace was written and read."""
   fn = jax.jit(lambda x: jnp.sin(x) @ x)
   assert breakdown.profile(fn, (jnp.ones((64, 64)),), iters=2) == {}
+
+
+def test_compile_time_measures_a_train_step_in_a_fresh_process():
+  """`--part step`'s child builds train's step as `train` does, in a
+  subprocess, and reports its trace, lowering and compile apart."""
+  t = compile_time._child("step", attention="sage", preset="tiny", seq=64, batch=2)
+  assert t.trace_s > 0 and t.lower_s > 0 and t.compile_s > 0
+  assert not t.alarm
 
 
 LISTING = """
