@@ -11,6 +11,7 @@ sizes), its device time (kernels of a `jax.profiler` trace, per call, summed
 over the pass's launches) and that rate as a share of the copy's:
 
   k_mean            K's mean for K-smoothing (XLA): K's first read
+  k_mean_by_blocks  a candidate for it: sums of 64-key blocks, then of those
   quantize_fwd      the quantization pass of a forward alone, V8^T REGISTER_B
                     (the Mosaic forward's layout)
   quantize_fwd_bwd  the same with Q8^T and K8^T REGISTER_B (a gradient follows)
@@ -64,6 +65,16 @@ def copy_bandwidth(iters: int) -> dict[str, float]:
           for name, fn in copies.items()}
 
 
+def key_mean_by_blocks(k: jax.Array) -> jax.Array:
+  """`key_mean(k, None)` summed in two reductions, 64 keys then the blocks: a
+  candidate (issue 31), whose first reduction has T / 64 times the outputs
+  of XLA's single one over T (0.54 of the copy at T=4096) to spread over the
+  GPU."""
+  batch, seq, heads, head_dim = k.shape
+  blocks = k.astype(jnp.float32).reshape(batch, seq // 64, 64, heads, head_dim).sum(axis=2)
+  return blocks.sum(axis=1) / seq
+
+
 def passes(batch: int, seq: int, heads: int, head_dim: int) -> dict:
   """{name: (jitted fn, args)} for each pass the module docstring lists."""
   keys = jax.random.split(jax.random.key(0), 5)
@@ -82,6 +93,7 @@ def passes(batch: int, seq: int, heads: int, head_dim: int) -> dict:
 
   return {
       "k_mean": (jax.jit(lambda k: key_mean(k, None)), (k,)),
+      "k_mean_by_blocks": (jax.jit(key_mean_by_blocks), (k,)),
       "quantize_fwd": (quantize(False, Layouts(forward=REGISTER_B)), (q, k, v, k_mean)),
       "quantize_fwd_bwd": (quantize(True, Layouts(REGISTER_B, REGISTER_B)), (q, k, v, k_mean)),
       "quantize_tokens": (quantize(True, Layouts(TOKENS, TOKENS)), (q, k, v, k_mean)),

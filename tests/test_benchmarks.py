@@ -13,10 +13,11 @@ from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import benchmarks
-from benchmarks import accuracy, attention, breakdown, compile_time, variants
+from benchmarks import accuracy, attention, breakdown, compile_time, quantize, variants
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__)
@@ -138,6 +139,13 @@ def test_compile_time_measures_a_train_step_in_a_fresh_process():
   t = compile_time._child("step", attention="sage", preset="tiny", seq=64, batch=2)
   assert t.trace_s > 0 and t.lower_s > 0 and t.compile_s > 0
   assert not t.alarm
+
+
+def test_key_mean_candidate_is_key_means_mean():
+  """The quantization benchmark's candidate for K's mean, against float64."""
+  k = jax.random.normal(jax.random.key(0), (2, 256, 3, 64), jnp.bfloat16) * 4 + 3
+  want = np.mean(np.asarray(k, np.float64), axis=1)
+  np.testing.assert_allclose(quantize.key_mean_by_blocks(k), want, rtol=1e-6)
 
 
 LISTING = """
