@@ -30,7 +30,8 @@ HOPPER = ReferenceBackend(MOSAIC_NUMERICS)
 
 TUNINGS = {"default": ForwardTuning(),
            "one_warpgroup": ForwardTuning(compute_wgs=1, schedule_barrier=False),
-           "three_stages": ForwardTuning(max_concurrent_steps=3)}
+           "three_stages": ForwardTuning(max_concurrent_steps=3),
+           "overlap_scores": ForwardTuning(overlap_scores=True)}
 
 
 def _case(batch, q_len, kv_len, heads, kv_heads, head_dim, causal, *, seed=0, sigma=2.0,
