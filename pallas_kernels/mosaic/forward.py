@@ -246,8 +246,7 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v_scale, inv_v_scale, *, 
       if tuning.overlap_scores:
         first = t - t  # traced: `scores` runs a `pl.run_state` body
         last = first + steps - 1
-        state, scales, s = lax.fori_loop(first, last, overlapped_step,
-                                         (state, step_scales(first), scores(first)))
+        state, scales, s = lax.fori_loop(first, last, overlapped_step, (*carry, scores(first)))
         state = finish_step(last, s, state, scales, masked=causal)
       elif causal:
         carry = lax.fori_loop(0, steps - 1, functools.partial(kv_step, masked=False), carry)
