@@ -69,9 +69,19 @@ _LOWEST_F = float(2**23)
 class ForwardTuning(pipeline.Tuning):
   """Launch settings of the Mosaic forward: query blocks per CTA, the K/V
   ring (128 keys a slot), the schedule barrier, and whether step j + 1's S
-  is issued before step j's softmax (`overlap_scores`)."""
+  is issued before step j's softmax (`overlap_scores`, which takes a ring of
+  three with the schedule barrier)."""
 
   overlap_scores: bool = False
+
+  def __post_init__(self):
+    super().__post_init__()
+    # With two slots, step j + 1's K waits for warpgroup 1 to release step
+    # j - 1's V, whose P.V waits at the schedule barrier for warpgroup 0's
+    # turn after issuing step j + 1's S: a deadlock. A third slot breaks it.
+    if self.overlap_scores and self.schedule_barrier and self.max_concurrent_steps < 3:
+      raise ValueError("overlap_scores with the schedule barrier needs max_concurrent_steps "
+                       f">= 3; got {self.max_concurrent_steps}")
 
 
 def takes(masks: Masks, config: Config, q_len: int, kv_len: int, head_dim: int,
