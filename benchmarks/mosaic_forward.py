@@ -34,7 +34,6 @@ VARIANTS = {
     "mosaic_3st": ForwardTuning(max_concurrent_steps=3),
     "mosaic_nosched": ForwardTuning(schedule_barrier=False),
     "mosaic_1wg": ForwardTuning(compute_wgs=1, schedule_barrier=False),
-    "mosaic_overlap": ForwardTuning(overlap_scores=True, max_concurrent_steps=3),
 }
 
 

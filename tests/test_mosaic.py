@@ -30,8 +30,7 @@ HOPPER = ReferenceBackend(MOSAIC_NUMERICS)
 
 TUNINGS = {"default": ForwardTuning(),
            "one_warpgroup": ForwardTuning(compute_wgs=1, schedule_barrier=False),
-           "three_stages": ForwardTuning(max_concurrent_steps=3),
-           "overlap_scores": ForwardTuning(overlap_scores=True, max_concurrent_steps=3)}
+           "three_stages": ForwardTuning(max_concurrent_steps=3)}
 
 
 def _case(batch, q_len, kv_len, heads, kv_heads, head_dim, causal, *, seed=0, sigma=2.0,
@@ -139,7 +138,7 @@ def test_refuses_what_it_does_not_take():
 
 
 @pytest.mark.parametrize("kwargs", [dict(compute_wgs=3), dict(max_concurrent_steps=1),
-                                    dict(compute_wgs=1), dict(overlap_scores=True)])
+                                    dict(compute_wgs=1)])
 def test_tuning_is_checked(kwargs):
   with pytest.raises(ValueError):
     ForwardTuning(**kwargs)

@@ -34,11 +34,7 @@ docs/algorithm.md gives the algorithm and
 computes the same values in plain JAX.
 
 The two warpgroups take turns on the tensor cores (a schedule barrier): one
-runs its softmax while the other's products run. With
-`ForwardTuning(overlap_scores=True)` a warpgroup also issues step j + 1's S
-before step j's softmax, so its own products run under it
-(FlashAttention-3's intra-warpgroup overlap), at the cost of holding both
-steps' S in registers. Causal: the query blocks of a
+runs its softmax while the other's products run. Causal: the query blocks of a
 CTA see the same key steps (128 query rows against 128-key steps), the last
 one masked; later steps are skipped and the longest CTAs launch first.
 """
@@ -68,20 +64,7 @@ _LOWEST_F = float(2**23)
 @dataclasses.dataclass(frozen=True)
 class ForwardTuning(pipeline.Tuning):
   """Launch settings of the Mosaic forward: query blocks per CTA, the K/V
-  ring (128 keys a slot), the schedule barrier, and whether step j + 1's S
-  is issued before step j's softmax (`overlap_scores`, which takes a ring of
-  three with the schedule barrier)."""
-
-  overlap_scores: bool = False
-
-  def __post_init__(self):
-    super().__post_init__()
-    # With two slots, step j + 1's K waits for warpgroup 1 to release step
-    # j - 1's V, whose P.V waits at the schedule barrier for warpgroup 0's
-    # turn after issuing step j + 1's S: a deadlock. A third slot breaks it.
-    if self.overlap_scores and self.schedule_barrier and self.max_concurrent_steps < 3:
-      raise ValueError("overlap_scores with the schedule barrier needs max_concurrent_steps "
-                       f">= 3; got {self.max_concurrent_steps}")
+  ring (128 keys a slot), the schedule barrier."""
 
 
 def takes(masks: Masks, config: Config, q_len: int, kv_len: int, head_dim: int,
@@ -226,25 +209,6 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v_scale, inv_v_scale, *, 
         next_scales = step_scales(jnp.minimum(j + 1, num_steps - 1))
         return finish_step(j, scores(j), state, scales, masked=masked), next_scales
 
-      def overlapped_step(j, carry):
-        """Issues step j + 1's S, then runs step j's (unmasked) softmax and P.V
-        while it computes; P.V's wait covers both."""
-        state, scales, s = carry
-        next_scales = step_scales(j + 1)
-
-        def under_next_scores(*accs):
-          for acc in accs:
-            acc[...] = magic
-          issue_scores(j + 1, accs)
-          state_j = finish_step(j, s, state, scales, masked=False)
-          s_next = tuple(acc[...] for acc in accs)
-          plgpu.barrier_arrive(k_consumed.at[ring.slot(j + 1)])
-          return state_j, s_next
-
-        state, s = pl.run_scoped(under_next_scores,
-                                 *(plgpu.ACC((BLOCK, BLOCK), jnp.int32),) * halves)
-        return state, next_scales, s
-
       full_row = lambda value: plgpu.layout_cast(jnp.full((BLOCK,), value, jnp.float32), row)
       state = (plgpu.layout_cast(jnp.full((BLOCK, head_dim), 0.0, jnp.float32),
                                  plgpu.Layout.WGMMA),
@@ -253,12 +217,7 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v_scale, inv_v_scale, *, 
       schedule.lead_in(wg)
       # With causality the last step holds the diagonal.
       steps = cta_steps if causal else num_steps
-      if tuning.overlap_scores:
-        first = t - t  # traced: `scores` runs a `pl.run_state` body
-        last = first + steps - 1
-        state, scales, s = lax.fori_loop(first, last, overlapped_step, (*carry, scores(first)))
-        state = finish_step(last, s, state, scales, masked=causal)
-      elif causal:
+      if causal:
         carry = lax.fori_loop(0, steps - 1, functools.partial(kv_step, masked=False), carry)
         state, _ = kv_step(steps - 1, carry, masked=True)
       else:
