@@ -28,12 +28,12 @@ def _mesh(data: int, model: int) -> Mesh:
   return Mesh(devices, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 
 
-def _qkv(batch=B, heads=H, kv_heads=HKV):
+def _qkv(batch=B, heads=H, kv_heads=HKV, seq=T, dtype=jnp.float32):
   ks = jax.random.split(jax.random.key(0), 4)
-  q = jax.random.normal(ks[0], (batch, T, heads, D), jnp.float32)
-  k = jax.random.normal(ks[1], (batch, T, kv_heads, D), jnp.float32) + 0.5
-  v = jax.random.normal(ks[2], (batch, T, kv_heads, D), jnp.float32)
-  do = jax.random.normal(ks[3], (batch, T, heads, D), jnp.float32)
+  q = jax.random.normal(ks[0], (batch, seq, heads, D), dtype)
+  k = jax.random.normal(ks[1], (batch, seq, kv_heads, D), dtype) + 0.5
+  v = jax.random.normal(ks[2], (batch, seq, kv_heads, D), dtype)
+  do = jax.random.normal(ks[3], (batch, seq, heads, D), dtype)
   return q, k, v, do
 
 
@@ -44,7 +44,9 @@ def _value_and_grads(fn, q, k, v, do):
 
 def _max_rel(a, b) -> float:
   """max |a - b| / max |b| over the output and the three gradients."""
-  return max(float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y))) for x, y in zip(a, b))
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  return max(float(jnp.max(jnp.abs(f32(x) - f32(y))) / jnp.max(jnp.abs(f32(y))))
+             for x, y in zip(a, b))
 
 
 def op() -> dict:
@@ -144,6 +146,48 @@ def model() -> dict:
   return out
 
 
+def devices() -> dict:
+  """The op with its default implementation (the Mosaic kernels on a Hopper
+  GPU) and a bf16 Llama on the devices this process sees, at shapes the
+  kernels take: batch on "data", heads on "model", vs one device. On GPUs
+  this is the checks above on real devices; with host devices, their code."""
+  n = jax.device_count()
+  meshes = {"data": (n, 1), "heads": (1, 2), **({"both": (n // 2, 2)} if n >= 4 else {})}
+  q, k, v, do = _qkv(batch=n, seq=256, dtype=jnp.bfloat16)
+  fn = lambda q, k, v: dot_product_attention(q, k, v, is_causal=True)
+  single = jax.jit(lambda *a: _value_and_grads(fn, *a))(q, k, v, do)
+  out = {"devices": n, "platform": jax.default_backend()}
+  for name, (data, model) in meshes.items():
+    mesh = _mesh(data, model)
+    step = jax.jit(lambda q, k, v, do: _value_and_grads(
+        lambda q, k, v: sharded_attention(mesh, q, k, v, is_causal=True), q, k, v, do))
+    out[f"op/{name}/mosaic"] = "mosaic_gpu" in step.lower(q, k, v, do).as_text()
+    out[f"op/{name}"] = _max_rel(step(q, k, v, do), single)
+
+  from flax import nnx
+
+  from sagebwd_jax.flax import Llama, LlamaConfig
+  cfg = LlamaConfig(vocab_size=64, dim=128, n_layers=1, n_heads=2, n_kv_heads=2,
+                    ffn_dim=128, max_seq_len=256, dtype=jnp.bfloat16, attention="sage")
+  tokens = jax.random.randint(jax.random.key(1), (n, 256), 0, 64)
+
+  def logits_and_grads(model):
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss(params):
+      logits = nnx.merge(graphdef, params)(tokens)
+      return jnp.mean(jnp.asarray(logits, jnp.float32) ** 2), logits
+
+    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    return [logits, *jax.tree.leaves(grads)]
+
+  plain = logits_and_grads(Llama(cfg, rngs=nnx.Rngs(0)))
+  for name, (data, model) in meshes.items():
+    out[f"llama/{name}"] = _max_rel(
+        logits_and_grads(Llama(cfg, rngs=nnx.Rngs(0), mesh=_mesh(data, model))), plain)
+  return out
+
+
 if __name__ == "__main__":
-  result = {"op": op, "pmap": pmap, "model": model}[sys.argv[1]]()
+  result = {"op": op, "pmap": pmap, "model": model, "devices": devices}[sys.argv[1]]()
   print(json.dumps(result))

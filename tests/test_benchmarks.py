@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import benchmarks
-from benchmarks import accuracy, attention, breakdown, compile_time, quantize, variants
+from benchmarks import (accuracy, attention, breakdown, compile_time, quantize, scaling,
+                        variants)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__)
@@ -222,6 +223,39 @@ def test_gpu_benchmarks_refuse_without_a_gpu(script, flags, monkeypatch):
   with pytest.raises(SystemExit, match=f"benchmarks.{script} times GPU kernels, and jax "
                                        f"sees no GPU"):
     module.main()
+
+
+def test_scaling_names_each_attention_kernel_by_backend():
+  found = {"sagebwd_forward_mosaic": 1, "sagebwd_backward_dq_mosaic": 1,
+           "sagebwd_backward_dkdv_mosaic": 1, "sagebwd_triton_quantize": 1,
+           "sagebwd_triton_backward_prepass": 1}
+  assert scaling.roles(found) == [("backward_dkdv", "mosaic"), ("backward_dq", "mosaic"),
+                                  ("forward", "mosaic")]
+  fallback = {"sagebwd_triton_forward": 1, "sagebwd_triton_backward_dq": 1,
+              "sagebwd_triton_backward_dkdv": 1}
+  assert {backend for _, backend in scaling.roles(fallback)} == {"triton"}
+  assert scaling.devices_of("data=2,model=2") == 4 and scaling.devices_of("model=2") == 2
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--meshes", "data=two"], "--meshes: --mesh 'data=two': size of 'data' must be an integer"),
+    ([], "needs 2 GPUs for --meshes data=2,model=1 data=1,model=2; jax sees 0 here"),
+])
+def test_scaling_refuses_bad_meshes_and_too_few_gpus(flags, message, monkeypatch, tmp_path):
+  monkeypatch.setattr(scaling, "gpu_count", lambda: 0)
+  monkeypatch.setattr(sys, "argv", ["x", "--out", str(tmp_path), *flags])
+  with pytest.raises(SystemExit, match=message):
+    scaling.main()
+
+
+def test_scaling_refuses_to_reuse_a_run_folder(monkeypatch, tmp_path):
+  (tmp_path / "data2-model1").mkdir()
+  (tmp_path / "data2-model1" / "metrics.jsonl").write_text("")
+  monkeypatch.setattr(scaling, "gpu_count", lambda: 2)
+  monkeypatch.setattr(sys, "argv", ["x", "--out", str(tmp_path)])
+  with pytest.raises(SystemExit, match="already there: .*data2-model1"):
+    scaling.main()
+  assert (tmp_path / "data2-model1" / "metrics.jsonl").exists()
 
 
 def test_the_deprecated_pallas_attention_is_imported_only_when_asked_for():
