@@ -65,7 +65,7 @@ def train(label: str, devices: int, mesh: str | None, args: argparse.Namespace,
   steps = [r for r in rows if kind(r) == "train"]
   evals = [r for r in rows if kind(r) == "eval"]
   return dict(label=label, devices=devices, dir=out, loss=steps[-1]["loss"],
-              step=steps[-1]["step"], val_loss=evals[-1]["val_loss"],
+              val_loss=evals[-1]["val_loss"],
               per_gpu=statistics.median(r["tokens_per_s"] for r in steps[SKIP:]) / devices)
 
 

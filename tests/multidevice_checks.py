@@ -2,7 +2,8 @@
 
 The host-device count must be set before jax starts, so the tests launch
 `python tests/multidevice_checks.py CHECK` with
-XLA_FLAGS=--xla_force_host_platform_device_count=8; the last line printed
+XLA_FLAGS=--xla_force_host_platform_device_count=8 (`devices`: on every GPU
+of a machine with two or more, JAX_PLATFORMS=cuda); the last line printed
 is a JSON object of measured differences that the test asserts on.
 """
 
@@ -47,6 +48,19 @@ def _max_rel(a, b) -> float:
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   return max(float(jnp.max(jnp.abs(f32(x) - f32(y))) / jnp.max(jnp.abs(f32(y))))
              for x, y in zip(a, b))
+
+
+def _logits_and_grads(model, tokens) -> list:
+  """An nnx model's logits and every parameter's gradient of mean(logits^2)."""
+  from flax import nnx
+  graphdef, params = nnx.split(model, nnx.Param)
+
+  def loss(params):
+    logits = nnx.merge(graphdef, params)(tokens)
+    return jnp.mean(jnp.asarray(logits, jnp.float32) ** 2), logits
+
+  (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+  return [logits, *jax.tree.leaves(grads)]
 
 
 def op() -> dict:
@@ -122,21 +136,11 @@ def model() -> dict:
                     ffn_dim=128, max_seq_len=T, dtype=jnp.float32)
   tokens = jax.random.randint(jax.random.key(1), (8, T), 0, 64)
 
-  def logits_and_grads(model):
-    graphdef, params = nnx.split(model, nnx.Param)
-
-    def loss(params):
-      logits = nnx.merge(graphdef, params)(tokens)
-      return jnp.mean(logits ** 2), logits
-
-    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-    return [logits, *jax.tree.leaves(grads)]
-
   out = {}
   for attention in ("sage", "full"):
     c = dataclasses.replace(cfg, attention=attention)
-    plain = logits_and_grads(Llama(c, rngs=nnx.Rngs(0)))
-    sharded = logits_and_grads(Llama(c, rngs=nnx.Rngs(0), mesh=_mesh(4, 2)))
+    plain = _logits_and_grads(Llama(c, rngs=nnx.Rngs(0)), tokens)
+    sharded = _logits_and_grads(Llama(c, rngs=nnx.Rngs(0), mesh=_mesh(4, 2)), tokens)
     out[f"llama/{attention}"] = _max_rel(sharded, plain)
   try:
     Attention(256, 4, num_kv_heads=2, mesh=_mesh(2, 4), rngs=nnx.Rngs(0))
@@ -170,21 +174,10 @@ def devices() -> dict:
   cfg = LlamaConfig(vocab_size=64, dim=128, n_layers=1, n_heads=2, n_kv_heads=2,
                     ffn_dim=128, max_seq_len=256, dtype=jnp.bfloat16, attention="sage")
   tokens = jax.random.randint(jax.random.key(1), (n, 256), 0, 64)
-
-  def logits_and_grads(model):
-    graphdef, params = nnx.split(model, nnx.Param)
-
-    def loss(params):
-      logits = nnx.merge(graphdef, params)(tokens)
-      return jnp.mean(jnp.asarray(logits, jnp.float32) ** 2), logits
-
-    (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-    return [logits, *jax.tree.leaves(grads)]
-
-  plain = logits_and_grads(Llama(cfg, rngs=nnx.Rngs(0)))
+  plain = _logits_and_grads(Llama(cfg, rngs=nnx.Rngs(0)), tokens)
   for name, (data, model) in meshes.items():
     out[f"llama/{name}"] = _max_rel(
-        logits_and_grads(Llama(cfg, rngs=nnx.Rngs(0), mesh=_mesh(data, model))), plain)
+        _logits_and_grads(Llama(cfg, rngs=nnx.Rngs(0), mesh=_mesh(data, model)), tokens), plain)
   return out
 
 
