@@ -51,7 +51,7 @@ def gpu_count() -> int:
 
 def train(label: str, devices: int, mesh: str | None, args: argparse.Namespace,
           extra: list[str]) -> dict:
-  """One run on the first `devices` GPUs; its rows and where it is."""
+  """One run on the first `devices` GPUs: its last losses, tokens/s per GPU, folder."""
   out = os.path.join(args.out, label)
   cmd = [sys.executable, "-m", "train", "--preset", args.preset, "--steps", str(args.steps),
          "--seed", str(args.seed), "--attention", "sage", "--ckpt-every", "0",
