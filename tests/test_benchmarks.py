@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import importlib
+import json
 import os
 import pathlib
 import pkgutil
@@ -246,6 +247,38 @@ def test_scaling_refuses_bad_meshes_and_too_few_gpus(flags, message, monkeypatch
   monkeypatch.setattr(sys, "argv", ["x", "--out", str(tmp_path), *flags])
   with pytest.raises(SystemExit, match=message):
     scaling.main()
+
+
+def test_scaling_run_reads_its_last_losses_and_tokens_per_gpu(monkeypatch, tmp_path):
+  """The child's command and GPUs, and its metrics read back: the last train
+  and eval rows, the median tokens/s past the first steps, per GPU."""
+  calls = []
+
+  def fake_train(cmd, env, check):
+    calls.append((cmd, env["CUDA_VISIBLE_DEVICES"]))
+    out = pathlib.Path(cmd[cmd.index("--out") + 1])
+    out.mkdir(parents=True)
+    rows = [dict(step=0, tokens=0, val_loss=5.0)]
+    rows += [dict(step=i, tokens=i, loss=4.0 - i / 10, lr=1e-3,
+                  tokens_per_s=1e9 if i <= 5 else 400.0 + i) for i in range(1, 9)]
+    rows += [dict(step=8, tokens=8, val_loss=3.5)]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+  monkeypatch.setattr(scaling.subprocess, "run", fake_train)
+  args = SimpleNamespace(out=str(tmp_path), preset="tiny", steps=8, seed=3)
+  r = scaling.train("data2-model1", 2, "data=2,model=1", args, ["--lr", "1e-3"])
+  (cmd, visible), = calls
+  assert visible == "0,1" and cmd[-2:] == ["--mesh", "data=2,model=1"]
+  assert {"--attention", "sage", "--seed", "3", "--lr", "1e-3"} <= set(cmd)
+  assert r["loss"] == pytest.approx(3.2) and r["val_loss"] == 3.5
+  assert r["per_gpu"] == pytest.approx(407.0 / 2)  # steps 6-8: 406, 407, 408
+
+
+def test_scaling_kernels_keeps_the_ops_kernels_in_ms(monkeypatch):
+  monkeypatch.setattr(breakdown, "profile", lambda fn, args, iters: {
+      "sagebwd_forward_mosaic": (2e-3, 1.0), "nvjet_gemm": (5e-3, 2.0)})
+  found = scaling.kernels("data=1,model=1", SimpleNamespace(preset="tiny"))
+  assert found == {"sagebwd_forward_mosaic": (2.0, 1.0)}
 
 
 def test_scaling_refuses_to_reuse_a_run_folder(monkeypatch, tmp_path):
