@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.metadata
 import os
 import shutil
 import tempfile
@@ -26,6 +27,23 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # XLA's default 75% of the device, which would leave the next worker none.
 if "PYTEST_XDIST_WORKER" in os.environ:
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def _has_gpu_plugin() -> bool:
+  return any((d.metadata["Name"] or "").replace("_", "-").startswith("jax-cuda")
+             for d in importlib.metadata.distributions())
+
+
+# Where jax has no GPU, compiling is most of the suite's time, and LLVM's
+# optimization of the CPU code most of each compile. No test checks the
+# speed of the CPU code, and XLA's own passes (fusion, layout) still run, so
+# the suite compiles at LLVM -O0: a third less time (docs/performance.md).
+# The variable reaches the subprocesses the tests start. With a GPU plugin
+# the flag, which would also set the GPU's LLVM level, stays off; a level
+# the caller set is left alone.
+CPU_XLA_FLAGS = "" if _has_gpu_plugin() else "--xla_backend_optimization_level=0"
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_XLA_FLAGS}".strip()
 
 import jax  # noqa: E402  (after the variable, which jax reads at import)
 import jax.numpy as jnp  # noqa: E402

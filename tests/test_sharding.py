@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import CPU_XLA_FLAGS
 from sagebwd_jax import dot_product_attention
 from sagebwd_jax.sharding import shard_attention, sharded_attention
 from train import data, sharding
@@ -37,8 +38,9 @@ def _env(xla_flags: str | None, platforms: str = "cpu") -> dict:
                       "JAX_PROCESS_ID")}
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   env["JAX_PLATFORMS"] = platforms
-  if xla_flags:
-    env["XLA_FLAGS"] = xla_flags
+  flags = [f for f in (CPU_XLA_FLAGS if platforms == "cpu" else "", xla_flags) if f]
+  if flags:
+    env["XLA_FLAGS"] = " ".join(flags)
   return env
 
 
