@@ -30,7 +30,7 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 
 
 def _has_gpu_plugin() -> bool:
-  return any((d.metadata["Name"] or "").replace("_", "-").startswith("jax-cuda")
+  return any((d.metadata["Name"] or "").replace("_", "-").startswith(("jax-cuda", "jax-rocm"))
              for d in importlib.metadata.distributions())
 
 
