@@ -37,7 +37,7 @@ def _has_gpu_plugin() -> bool:
 # Where jax has no GPU, compiling is most of the suite's time, and LLVM's
 # optimization of the CPU code most of each compile. No test checks the
 # speed of the CPU code, and XLA's own passes (fusion, layout) still run, so
-# the suite compiles at LLVM -O0: a third less time (docs/performance.md).
+# the suite compiles at LLVM -O0: a fifth less time (docs/performance.md).
 # The variable reaches the subprocesses the tests start. With a GPU plugin
 # the flag, which would also set the GPU's LLVM level, stays off; a level
 # the caller set is left alone.
