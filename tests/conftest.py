@@ -42,7 +42,7 @@ def _has_gpu_plugin() -> bool:
 # the flag, which would also set the GPU's LLVM level, stays off; a level
 # the caller set is left alone.
 CPU_XLA_FLAGS = "" if _has_gpu_plugin() else "--xla_backend_optimization_level=0"
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+if CPU_XLA_FLAGS and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_XLA_FLAGS}".strip()
 
 import jax  # noqa: E402  (after the variable, which jax reads at import)
