@@ -53,7 +53,7 @@ def main():
     @jax.jit
     def residuals(q, k, v, do):
       qkv = triton.quantize(q, k, v, key_mean(k, None), config)
-      o, lse = triton.forward(qkv, Masks(), config, jnp.bfloat16)
+      o, lse, _ = triton.forward(qkv, Masks(), config, jnp.bfloat16)
       return (qkv, lse) + triton.prepass(o, do, config)[:3]
 
     qkv, lse, delta, do8_t, do_scale = jax.block_until_ready(residuals(q, k, v, do))

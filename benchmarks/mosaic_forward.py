@@ -63,7 +63,7 @@ def main():
     record("triton_fwd", time_call(triton_forward, qkv))
     reference = jax.jit(lambda qkv: ReferenceBackend(MOSAIC_NUMERICS).forward(
         qkv, Masks(), config, jnp.bfloat16))
-    o_ref, lse_ref = jax.block_until_ready(reference(qkv))
+    o_ref, lse_ref, _ = jax.block_until_ready(reference(qkv))
     for name in names:
       fn = jax.jit(lambda qkv, tuning=VARIANTS[name]: forward_mosaic(
           qkv, Masks(), config, jnp.bfloat16, tuning))

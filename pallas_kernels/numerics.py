@@ -24,6 +24,10 @@ import jax.numpy as jnp
 from jax import lax
 
 INT8_MAX = 127.0
+# The largest finite float8_e4m3fn: every FP8 operand is scaled to reach it
+# (`Config.fp8`), and the kernels' conversion saturates there
+# (cvt.rn.satfinite.e4m3x2.f32).
+E4M3_MAX = 448.0
 UINT8_MAX = 255.0  # P's levels where it is quantized unsigned
 LOG2_UINT8_MAX = math.log2(UINT8_MAX)  # the exponent at which unsigned P is 255
 LOG2_E = math.log2(math.e)
@@ -56,14 +60,15 @@ def round_to_int8(x: jax.Array, *, nonnegative: bool = False) -> jax.Array:
   return jnp.round(x).astype(jnp.int32).astype(jnp.int8)
 
 
-def inverse_scale(amax: jax.Array) -> jax.Array:
-  """127 / amax, and 0 for all-zero tiles so they quantize to zeros (and for
-  NaN ones, whose NaN scale carries them)."""
+def inverse_scale(amax: jax.Array, levels: float = INT8_MAX) -> jax.Array:
+  """levels / amax, and 0 for all-zero tiles so they quantize to zeros (and
+  for NaN ones, whose NaN scale carries them)."""
   safe = jnp.where(amax > 0, amax, 1.0)
-  return jnp.where(amax > 0, INT8_MAX / safe, 0.0)
+  return jnp.where(amax > 0, levels / safe, 0.0)
 
 
-def abs_max(x: jax.Array, axis: int | None = None) -> jax.Array:
+def abs_max(x: jax.Array, axis: int | tuple[int, ...] | None = None, *,
+            keepdims: bool = False) -> jax.Array:
   """max |x| of fp32 `x` over `axis`; NaN where any element is NaN or infinite.
 
   int8 has no NaN, so a non-finite input survives quantization only through
@@ -73,7 +78,7 @@ def abs_max(x: jax.Array, axis: int | None = None) -> jax.Array:
   vectorized reductions and Triton's `maxnumf` skip NaN.
   """
   bits = lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(0x7FFFFFFF)
-  amax = lax.bitcast_convert_type(jnp.max(bits, axis=axis), jnp.float32)
+  amax = lax.bitcast_convert_type(jnp.max(bits, axis=axis, keepdims=keepdims), jnp.float32)
   return jnp.where(amax < jnp.inf, amax, jnp.nan)
 
 
@@ -96,6 +101,47 @@ def quantize_rows(x: jax.Array, *, nonnegative: bool = False) -> tuple[jax.Array
   row_amax = abs_max(x, axis=-1)
   x8 = round_to_int8(x * inverse_scale(row_amax)[..., None], nonnegative=nonnegative)
   return x8, row_amax / INT8_MAX
+
+
+def to_e4m3(x: jax.Array) -> jax.Array:
+  """fp32 -> float8_e4m3fn, rounded to nearest even and saturated at
+  +-E4M3_MAX, as the kernels' cvt.rn.satfinite does (a plain cast would make
+  values past 448 NaN); NaN stays NaN."""
+  return jnp.clip(x, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+
+
+def quantize_e4m3(x: jax.Array, axis: int | tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+  """FP8 E4M3 with one fp32 scale per group: the groups are what remains of
+  `x` after reducing over `axis` (scale = amax / E4M3_MAX, kept with its
+  reduced axes; NaN for a group that holds a NaN or an infinity).
+
+  E4M3 keeps 3 mantissa bits at every magnitude within 2**-6..448 of its
+  scale, so the scale's group sets only the range: FP8 copies of
+  probabilities, gradients and keys take one scale per block (or channel)
+  where INT8 needs one per row to keep its relative step."""
+  amax = abs_max(x, axis=axis, keepdims=True)
+  return to_e4m3(x * inverse_scale(amax, E4M3_MAX)), amax / E4M3_MAX
+
+
+def ds_row_bound(row_max: jax.Array, lse: jax.Array, delta: jax.Array, do: jax.Array,
+                 v: jax.Array) -> jax.Array:
+  """b_i >= max_j |dS_ij|, per query row (B, H, Tq), from what the forward
+  and the pre-pass know: b_i = m_i * (||dO_i|| * max_j ||V_j|| + |Delta_i|).
+
+  dS_ij = P_ij (dP_ij - Delta_i) with |dP_ij| <= ||dO_i|| ||V_j||
+  (Cauchy-Schwarz) and P_ij <= m_i = exp2(row_max_i - lse_i), the row's
+  largest probability (capped at 1 as `log2_p` caps P). So the FP8 dS
+  operands, dS / b_i scaled to E4M3_MAX, need no per-step maximum; without
+  m_i the bound is loose by 1 / m_i, which doubles dQ's and dK's error at
+  sigma 1 (docs/algorithm.md). `do` (B, Tq, H, D) and `v` (B, Tk, Hkv, D) as
+  the backward's dP takes them; rows that see no key get 0 (lse = +inf).
+  """
+  m = jnp.exp2(log2_p(row_max - lse))
+  norm = lambda x: jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=-1))
+  do_norm = jnp.swapaxes(norm(do), 1, 2)  # (B, H, Tq)
+  v_norm = jnp.max(norm(v), axis=1)  # (B, Hkv): over the head's keys
+  v_norm = jnp.repeat(v_norm, do.shape[2] // v.shape[2], axis=1)[..., None]
+  return m * (do_norm * v_norm + jnp.abs(delta))
 
 
 def spread_nan(x: jax.Array, axis: int = -1) -> jax.Array:
@@ -285,6 +331,39 @@ def folded_softmax_step(blocks: Sequence[tuple[jax.Array, jax.Array]],
   l_new = alpha * l + functools.reduce(jnp.add, row_sums)
   p = ps[0] if len(ps) == 1 else jnp.concatenate(ps, axis=-1)
   return p, alpha, m_new, e_new, l_new
+
+
+def fp8_softmax_step(blocks: Sequence[tuple[jax.Array, jax.Array]], m: jax.Array,
+                     l: jax.Array):
+  """One step of the online softmax for FP8 P.V: P = E4M3_MAX * exp2(S - m),
+  m the running row maximum, so the largest P of a row is exactly E4M3_MAX
+  and no P exceeds it; no per-step scale: P's FP8 conversion needs none, and
+  V's per-channel scale waits for the end, so the fp32 accumulator runs
+  across steps and is only rescaled by alpha.
+
+  `blocks`: each key block's `block_scores` (top, S - top). `m` starts at
+  NOTHING_SEEN, `l` at 0. Returns (P, alpha, m, l): P fp32, the blocks'
+  keys concatenated, before its FP8 conversion; l the row sums of that P
+  (unconverted), which `finalize_fp8_rows` divides by.
+  """
+  top = functools.reduce(jnp.maximum, [t for t, _ in blocks])
+  m_new = jnp.maximum(m, top)
+  alpha = jnp.exp2(m - m_new)
+  # (t - m_new) is -inf for a block whose row sees no key, and m_new finite.
+  ps = [E4M3_MAX * jnp.exp2(from_top + (t - m_new)[..., None]) for t, from_top in blocks]
+  l_new = alpha * l + functools.reduce(jnp.add, [jnp.sum(p, axis=-1) for p in ps])
+  p = ps[0] if len(ps) == 1 else jnp.concatenate(ps, axis=-1)
+  return p, alpha, m_new, l_new
+
+
+def finalize_fp8_rows(acc: jax.Array, m: jax.Array, l: jax.Array, v_scale: jax.Array):
+  """O = acc * v_scale / l, the base-2 log-sum-exp and the row maxima from
+  `fp8_softmax_step`'s state; `v_scale` V's per-channel scale, broadcastable
+  to acc. Rows that saw no key give O = 0 and lse = +inf."""
+  empty = l == 0
+  l_safe = jnp.where(empty, 1.0, l)
+  lse = jnp.where(empty, jnp.inf, m + jnp.log2(l_safe) - math.log2(E4M3_MAX))
+  return acc / l_safe[..., None] * v_scale, lse, m
 
 
 def finalize_folded_rows(acc: jax.Array, e: jax.Array, l: jax.Array, *, levels: float):

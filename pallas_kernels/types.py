@@ -16,6 +16,12 @@ import jax
 # The precision of the backward's dS products, dQ = dS.K and dK = dS^T.Q.
 DsPrecision = Literal["int8", "bf16"]
 DS_PRECISIONS: tuple[DsPrecision, ...] = get_args(DsPrecision)
+# The numerics mode: "int8", the paper's (six of seven products in INT8), or
+# "int8_fp8": Q.K^T in INT8, the products whose 8-bit operand is a
+# probability or a gradient (P.V, P^T.dO, dS.K, dS^T.Q) in FP8 E4M3 with
+# scales known before the loop (docs/algorithm.md).
+Quantization = Literal["int8", "int8_fp8"]
+QUANTIZATIONS: tuple[Quantization, ...] = get_args(Quantization)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +35,9 @@ class Config:
   `QuantizedQKV.q16` and `k16`; Q is then quantized per token,
   `q_per_token`). `window` (left, right): query i sees only
   keys i - left .. i + right (jax.nn's `local_window_size`), besides
-  causality.
+  causality. `quantization`: the numerics mode (`Quantization`); with
+  "int8_fp8" and ds_precision="bf16", dS.K and dS^T.Q run in 16 bits and
+  P.V and P^T.dO in FP8.
   """
 
   scale: float
@@ -39,6 +47,19 @@ class Config:
   block_kv: int
   ds_precision: DsPrecision = "int8"
   window: tuple[int, int] | None = None
+  quantization: Quantization = "int8"
+
+  @property
+  def fp8(self) -> bool:
+    """Whether P.V and P^T.dO (and, with INT8 dS, dS.K and dS^T.Q) are FP8."""
+    return self.quantization == "int8_fp8"
+
+  @property
+  def keeps_qk16(self) -> bool:
+    """Whether the backward reads Q and the smoothed K in the inputs' dtype
+    (`QuantizedQKV.q16`, `k16`): the 16-bit dS products take them as they
+    are, the FP8 ones as the sources of their FP8 copies."""
+    return self.ds_precision == "bf16" or self.fp8
 
   @property
   def banded(self) -> bool:
@@ -148,16 +169,19 @@ class QuantizedQKV(NamedTuple):
   q8: jax.Array  # (B, H, Tq, D) int8
   # The transposed layouts of Q and K feed the backward only: None in a
   # forward that no backward follows (`Backend.quantize`'s for_backward=False).
-  q8_t: jax.Array | None  # Layouts.backward; None with `Config.q_per_token` (unused)
+  q8_t: jax.Array | None  # Layouts.backward; None where unused (`Config.q_per_token`, fp8)
   q_scale: jax.Array  # (B, H, Tq) fp32: each row's, or its block's (`Config.q_per_token`)
   q_mean: jax.Array | None  # (B, H, Tq // block_q, D) fp32, Q-smoothing only
   k8: jax.Array  # (B, Hkv, Tk, D) int8
   k8_t: jax.Array | None  # Layouts.backward
   k_scale: jax.Array  # (B, Hkv, Tk) fp32
+  # 8-bit V^T: int8 per block_kv rows, or with `Config.fp8` float8_e4m3fn per
+  # channel (the P.V product's fp32 accumulator then runs across steps).
   v8_t: jax.Array  # Layouts.forward
-  v_scale: jax.Array  # (B, Hkv, Tk) fp32
-  # ds_precision="bf16" only: Q and the smoothed K in the inputs' dtype and
-  # layout (B, T, H, D), the second operands of dS.K and dS^T.Q.
+  v_scale: jax.Array  # (B, Hkv, Tk) fp32 per token; with `Config.fp8` (B, Hkv, D) per channel
+  # `Config.keeps_qk16` only: Q and the smoothed K in the inputs' dtype and
+  # layout (B, T, H, D), the second operands of dS.K and dS^T.Q in 16 bits,
+  # or the sources of their FP8 copies.
   q16: jax.Array | None = None
   k16: jax.Array | None = None
   # The portable forward's P.V accumulator start per V block, (B, Hkv,
@@ -171,10 +195,15 @@ class Prepass(NamedTuple):
   """Output of the backward pre-pass, from O and dO (B, Tq, H, D)."""
 
   delta: jax.Array  # (B, H, Tq) fp32: rowsum(dO * O)
-  do8_t: jax.Array  # psi(dO) per block_q rows, transposed: Layouts.backward
+  # psi(dO) per block_q rows, transposed: Layouts.backward (float8_e4m3fn
+  # with `Config.fp8`).
+  do8_t: jax.Array
   do_scale: jax.Array  # (B, H, Tq) fp32, per token
   # As `QuantizedQKV.v_start`, for the portable dK/dV's P^T.dO; TOKENS only.
   do_start: jax.Array | None = None
+  # `Config.fp8` only: b_i >= max_j |dS_ij| per query row, (B, H, Tq) fp32
+  # (`numerics.ds_row_bound`): the FP8 dS operands' scale, known before the loops.
+  ds_bound: jax.Array | None = None
 
 
 class Backend(Protocol):
@@ -200,8 +229,10 @@ class Backend(Protocol):
     ...
 
   def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config,
-              out_dtype) -> tuple[jax.Array, jax.Array]:
-    """O (B, Tq, H, D) and the base-2 log-sum-exp `lse` (B, H, Tq)."""
+              out_dtype) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """O (B, Tq, H, D), the base-2 log-sum-exp `lse` (B, H, Tq), and with
+    `Config.fp8` each row's largest base-2 score (B, H, Tq) (else None): the
+    backward's bound on dS (`numerics.ds_row_bound`) takes it."""
     ...
 
   def prepass(self, o: jax.Array, do: jax.Array, config: Config,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import numerics as nm
-from pallas_kernels.types import Backend, Config, DsPrecision, Masks
+from pallas_kernels.types import Backend, Config, DsPrecision, Masks, Quantization
 from sagebwd_jax import arguments, implementations, residual
 from sagebwd_jax.implementations import Implementation
 from sagebwd_jax.sagebwd import sagebwd_attention
@@ -45,6 +45,7 @@ def dot_product_attention(
     implementation: Implementation | Backend | Sequence[Implementation | Backend] | None = None,
     return_residual: bool = False,
     ds_precision: DsPrecision = "int8",
+    quantization: Quantization = "int8",
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """SageBwd attention: INT8 forward and backward, drop-in for jax.nn's.
 
@@ -119,6 +120,16 @@ def dot_product_attention(
       dK lose the INT8 dS error, and every output some of the scores', at
       the cost of the two products' speed and of saving Q and K for the
       backward. The Hopper backend then runs its portable kernels.
+    quantization: the numerics mode. "int8" (default): the paper's, six of
+      the seven products in INT8. "int8_fp8": Q.K^T stays INT8 with
+      K-smoothing; P.V, P^T.dO, dS.K and dS^T.Q take FP8 E4M3 operands with
+      fp32 accumulation and scales known before each loop (V per channel,
+      dS against a per-row bound; docs/algorithm.md), the FP8 tensor cores'
+      form; dO.V^T stays 16-bit. About 2x the INT8 mode's error at sigma 1
+      and within 1.2x of it from sigma 3 (README, Accuracy). With
+      ds_precision="bf16", dS.K and dS^T.Q run in 16 bits instead. Only
+      "reference" implements it so far: the kernel backends raise
+      NotImplementedError (so on a GPU, name implementation="reference").
 
   Returns:
     The attention output, shaped and typed like `query` (and the residual
@@ -160,7 +171,8 @@ def dot_product_attention(
       block_q=arguments.block("block_q", block_q, arguments.DEFAULT_BLOCK, q_len),
       block_kv=arguments.block("block_kv", block_kv, arguments.DEFAULT_BLOCK, kv_len),
       ds_precision=arguments.ds_precision(ds_precision),
-      window=arguments.window(local_window_size))
+      window=arguments.window(local_window_size),
+      quantization=arguments.quantization(quantization))
   case = _Case(config, scale, bool(smooth_k), q_lengths, kv_lengths, q_seg, kv_seg)
 
   # Tokens past a length are zeroed before anything reads them, so they

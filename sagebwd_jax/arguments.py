@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.types import DS_PRECISIONS, DsPrecision
+from pallas_kernels.types import DS_PRECISIONS, QUANTIZATIONS, DsPrecision, Quantization
 
 # Head dims the kernels run as they are; smaller ones are zero-padded up to
 # the next of these inside the op.
@@ -116,6 +116,12 @@ def scale(scale) -> float | jax.Array | None:
 def ds_precision(value) -> DsPrecision:
   if not isinstance(value, str) or value not in DS_PRECISIONS:
     raise ValueError(f"ds_precision must be one of {DS_PRECISIONS}; got {value!r}")
+  return value
+
+
+def quantization(value) -> Quantization:
+  if not isinstance(value, str) or value not in QUANTIZATIONS:
+    raise ValueError(f"quantization must be one of {QUANTIZATIONS}; got {value!r}")
   return value
 
 

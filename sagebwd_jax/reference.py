@@ -13,6 +13,7 @@ the query blocks and scans over key blocks, like the forward and dQ kernels.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ from pallas_kernels.layouts import arrange, to_layout
 from pallas_kernels.types import (Backend, Config, Layouts, Masks, Numerics, Prepass,
                                   QuantizedQKV, TransposedLayout)
 from sagebwd_jax.saturated_rows import where_saturated
-from sagebwd_jax.score_tiles import ScoreTiles, blocks, int8_einsum
+from sagebwd_jax.score_tiles import ScoreTiles, blocks, fp8_einsum, int8_einsum
 
 _f32 = jnp.float32
 
@@ -102,13 +103,21 @@ class ReferenceBackend:
     if k_mean is not None:
       k_heads = k_heads - k_mean[:, :, None, :]
     k8, k_scale = _quantize_blocks(blocks(k_heads, config.block_kv))
-    v8, v_scale = _quantize_blocks(blocks(_heads(v).astype(_f32), config.block_kv))
-    k_scale, v_scale = (_per_token(x, config.block_kv) for x in (k_scale, v_scale))
+    k8, k_scale = _unblock(k8), _per_token(k_scale, config.block_kv)
+    v_heads = _heads(v).astype(_f32)
+    if config.fp8:  # per channel, over the head's tokens
+      v8, v_scale = nm.quantize_e4m3(v_heads, axis=-2)
+      v_scale = v_scale[..., 0, :]
+    else:
+      v8, v_scale = _quantize_blocks(blocks(v_heads, config.block_kv))
+      v8, v_scale = _unblock(v8), _per_token(v_scale, config.block_kv)
 
-    q8, k8, v8 = _unblock(q8), _unblock(k8), _unblock(v8)
-    # Per-token Q goes with 16-bit dS, where dK = dS^T.Q is a 16-bit product:
-    # Q8 enters Q.K^T only, and no kernel reads it transposed.
-    q8_t = None if config.q_per_token or not for_backward else _transposed(q8)
+    q8 = _unblock(q8)
+    # Per-token Q goes with 16-bit dS, where dK = dS^T.Q is a 16-bit product,
+    # and FP8 dS^T.Q takes an FP8 copy of Q: Q8 enters Q.K^T only, and no
+    # kernel reads it transposed.
+    q8_t = (None if config.q_per_token or config.fp8 or not for_backward
+            else _transposed(q8))
     qkv = QuantizedQKV(q8=q8, q8_t=q8_t, q_scale=q_scale, q_mean=q_mean,
                        k8=k8, k8_t=_transposed(k8) if for_backward else None, k_scale=k_scale,
                        v8_t=_transposed(v8), v_scale=v_scale)
@@ -124,10 +133,29 @@ class ReferenceBackend:
       raise ValueError(f"p_block={p_block} must be a multiple of block_kv={config.block_kv} "
                        f"that divides the padded key length {kv_len}")
     blocks_per_step = p_block // config.block_kv
-    levels = nm.UINT8_MAX if numerics.unsigned_p else nm.INT8_MAX
     tiles = ScoreTiles(qkv, masks, config)
     shape = (batch, num_kv_heads, num_heads // num_kv_heads, q_len // config.block_q,
              config.block_q)
+    heads = lambda x: x.reshape(batch, num_heads, q_len, *x.shape[5:])
+    out = lambda o: jnp.swapaxes(heads(o), 1, 2).astype(out_dtype)
+    init = (jnp.zeros((*shape, head_dim), _f32), jnp.full(shape, nm.NOTHING_SEEN, _f32),
+            jnp.zeros(shape, _f32))
+
+    if config.fp8:
+      def fp8_step(carry, j):
+        acc, m, l = carry
+        p, alpha, m, l = nm.fp8_softmax_step(
+            [tiles.block_scores(j * blocks_per_step + i) for i in range(blocks_per_step)], m, l)
+        keys = jax.lax.dynamic_slice_in_dim(qkv.v8_t, j * p_block, p_block, axis=-1)
+        pv = fp8_einsum("bhgiqk,bhdk->bhgiqd", nm.to_e4m3(p), keys)
+        return (acc * alpha[..., None] + pv, m, l), None
+
+      (acc, m, l), _ = jax.lax.scan(fp8_step, init, jnp.arange(kv_len // p_block))
+      v_scale = qkv.v_scale[:, :, None, None, None, :]  # per channel
+      o, lse, row_max = nm.finalize_fp8_rows(acc, m, l, v_scale)
+      return out(o), heads(lse), heads(row_max)
+
+    levels = nm.UINT8_MAX if numerics.unsigned_p else nm.INT8_MAX
     # (B, Hkv, 1, 1, 1, blocks): each block's factor broadcasts to its tiles' rows.
     log2_v_scale, inv_v_scale = (x[:, :, None, None, None, :] for x in nm.folded_v_scales(
         qkv.v_scale[..., ::config.block_kv], blocks_per_step))
@@ -144,17 +172,20 @@ class ReferenceBackend:
       pv = int8_einsum("bhgiqk,bhdk->bhgiqd", p, keys)
       return (acc * alpha[..., None] + pv.astype(_f32), m, e, l), None
 
-    init = (jnp.zeros((*shape, head_dim), _f32), jnp.full(shape, nm.NOTHING_SEEN, _f32),
-            jnp.full(shape, -jnp.inf, _f32), jnp.zeros(shape, _f32))
+    init = (init[0], init[1], jnp.full(shape, -jnp.inf, _f32), init[2])
     (acc, _, e, l), _ = jax.lax.scan(kv_step, init, jnp.arange(kv_len // p_block))
     o, lse = nm.finalize_folded_rows(acc, e, l, levels=levels)
-    o = o.reshape(batch, num_heads, q_len, head_dim)
-    return jnp.swapaxes(o, 1, 2).astype(out_dtype), lse.reshape(batch, num_heads, q_len)
+    return out(o), heads(lse), None
 
   def prepass(self, o, do, config: Config,
               layout: TransposedLayout = TransposedLayout.TOKENS) -> Prepass:
     delta = jnp.sum(_heads(do).astype(_f32) * _heads(o).astype(_f32), axis=-1)
-    do8, do_scale = _quantize_blocks(blocks(_heads(do).astype(_f32), config.block_q))
+    do_blocks = blocks(_heads(do).astype(_f32), config.block_q)
+    if config.fp8:
+      do8, do_scale = nm.quantize_e4m3(do_blocks, axis=(-2, -1))
+      do_scale = do_scale[..., 0, 0]
+    else:
+      do8, do_scale = _quantize_blocks(do_blocks)
     do8_t = _transposed(_unblock(do8))
     return Prepass(delta=delta, do8_t=to_layout(do8_t, layout),
                    do_scale=_per_token(do_scale, config.block_q))
@@ -176,8 +207,11 @@ class ReferenceBackend:
     do_scale = rows(prepass.do_scale[..., None])[..., 0, 0]
     do_blocks = rows(_heads(do))
     v_heads = _heads(v)
-    if config.ds_precision == "bf16":
+    if config.keeps_qk16:
       q16, k16_heads = rows(_heads(qkv.q16)), _heads(qkv.k16)
+    if config.fp8:
+      fp8 = _Fp8Operands.of(q16, k16_heads, do_scale, rows(prepass.ds_bound[..., None])[..., 0],
+                            config)
 
     def kv_step(dq, j):
       s = tiles.scores(j)
@@ -186,18 +220,23 @@ class ReferenceBackend:
       dp = jnp.einsum("bhgiqd,bhkd->bhgiqk", do_blocks, tiles.kv_block(v_heads, j, axis=-2),
                       preferred_element_type=_f32)
       ds = p * (dp - delta[..., None])
-      # dV = P^T.dO: P^T quantized per key (a row of the dK/dV kernel's tile).
-      if unsigned_p_t:
-        pq_t, log2_p_scale = nm.unsigned_rows(jnp.swapaxes(log2_p, -1, -2))
-        p8_t, p_scale = jnp.round(pq_t), jnp.exp2(log2_p_scale)
-        # dS^T from P^T in its 0..255 units: its per-row scale absorbs them.
-        ds_t = pq_t * (jnp.swapaxes(dp, -1, -2) - delta[..., None, :])
-      else:
-        p8_t, p_scale = nm.quantize_rows(jnp.swapaxes(p, -1, -2), nonnegative=True)
-        ds_t = jnp.swapaxes(ds, -1, -2)
-      dv_tiles = int8_einsum("bhgikq,bhgiqd->bhgikd", p8_t, do8)
-      dv = jnp.sum(nm.dequantize(dv_tiles, p_scale[..., None], do_scale[..., None, None]),
-                   axis=(2, 3))
+      # dV = P^T.dO
+      if config.fp8:
+        # P^T to E4M3_MAX, with dO's block scale over its head's largest.
+        p8_t = nm.to_e4m3(jnp.swapaxes(p, -1, -2) * fp8.p_factor)
+        dv = jnp.sum(fp8_einsum("bhgikq,bhgiqd->bhgikd", p8_t, do8), axis=(2, 3)) * fp8.dv_scale
+      else:  # P^T quantized per key (a row of the dK/dV kernel's tile)
+        if unsigned_p_t:
+          pq_t, log2_p_scale = nm.unsigned_rows(jnp.swapaxes(log2_p, -1, -2))
+          p8_t, p_scale = jnp.round(pq_t), jnp.exp2(log2_p_scale)
+          # dS^T from P^T in its 0..255 units: its per-row scale absorbs them.
+          ds_t = pq_t * (jnp.swapaxes(dp, -1, -2) - delta[..., None, :])
+        else:
+          p8_t, p_scale = nm.quantize_rows(jnp.swapaxes(p, -1, -2), nonnegative=True)
+          ds_t = jnp.swapaxes(ds, -1, -2)
+        dv_tiles = int8_einsum("bhgikq,bhgiqd->bhgikd", p8_t, do8)
+        dv = jnp.sum(nm.dequantize(dv_tiles, p_scale[..., None], do_scale[..., None, None]),
+                     axis=(2, 3))
 
       if config.ds_precision == "bf16":  # dS in the inputs' dtype
         # Rounded explicitly: XLA may drop an f32 -> bf16 -> f32 round trip
@@ -211,6 +250,18 @@ class ReferenceBackend:
         dk_tiles = jnp.einsum("bhgikq,bhgiqd->bhgikd", jnp.swapaxes(ds16, -1, -2), q16,
                               preferred_element_type=_f32) * (config.scale * nm.LOG2_E)
         return dq, (jnp.sum(dk_tiles, axis=(2, 3)), dv)
+
+      if config.fp8:
+        # dS / b_i to E4M3_MAX, with the other operand's block scale over
+        # its head's largest folded in; the row bound and those largest
+        # scales multiply the sums after the loop.
+        ds_q = nm.to_e4m3(ds * (fp8.ds_factor * tiles.block_scale(fp8.k_fold, j)))
+        dq = dq + fp8_einsum("bhgiqk,bhkd->bhgiqd", ds_q,
+                             tiles.kv_block(fp8.k8, j, axis=-2))
+        ds_k = nm.to_e4m3(jnp.swapaxes(ds * (fp8.ds_factor * fp8.q_fold), -1, -2))
+        dk = jnp.sum(fp8_einsum("bhgikq,bhgiqd->bhgikd", ds_k, fp8.q8),
+                     axis=(2, 3)) * fp8.dk_scale
+        return dq, (dk, dv)
 
       k_scale = tiles.block_scale(qkv.k_scale, j)
       ds8, ds_scale = nm.quantize_rows(ds)
@@ -231,6 +282,8 @@ class ReferenceBackend:
 
     dq0 = jnp.zeros((*tiles.q8.shape[:-1], head_dim), _f32)
     dq, (dk, dv) = jax.lax.scan(kv_step, dq0, jnp.arange(tiles.num_kv_blocks))
+    if config.fp8 and config.ds_precision == "int8":
+      dq = dq * fp8.dq_scale
     # S was formed from Q * scale * log2(e): dQ takes `scale` once, dK ln 2.
     dq = jnp.swapaxes(dq.reshape(batch, num_heads, q_len, head_dim), 1, 2) * config.scale
     # Scan outputs are (key block, B, Hkv, row, D).
@@ -239,6 +292,55 @@ class ReferenceBackend:
     dk = kv_seq(dk) * nm.LN_2
     dv = kv_seq(dv)
     return dq, dk, dv
+
+
+class _Fp8Operands(NamedTuple):
+  """The FP8 backward's second operands and the factors that scale its first
+  ones (`Config.fp8`), in the score tiles' layout (B, Hkv, G, query block,
+  row, ...), all known before the loop over key blocks.
+
+  dV = P^T.dO8: P^T to E4M3_MAX, each query block's dO scale over its head's
+  largest folded in (`p_factor`); `dv_scale` = that largest / E4M3_MAX.
+  dK = dS^T.Q': Q' = Q * scale * log2(e) * b_i in E4M3 per block_q rows
+  (`q8`), dS / b_i to E4M3_MAX with Q''s block scale over its head's largest
+  (`q_fold`); `dk_scale` = that largest / E4M3_MAX. dQ = dS.K': K' the
+  smoothed K in E4M3 per block_kv rows (`k8`), dS / b_i to E4M3_MAX with K''s
+  block scale over its head's largest (`k_fold`, per key); `dq_scale` =
+  b_i times that largest / E4M3_MAX, per query row. `ds_factor` =
+  E4M3_MAX / b_i (0 where b_i is 0: dS is then 0 too).
+  """
+
+  p_factor: jax.Array
+  dv_scale: jax.Array
+  q8: jax.Array
+  q_fold: jax.Array
+  dk_scale: jax.Array
+  k8: jax.Array
+  k_fold: jax.Array
+  dq_scale: jax.Array
+  ds_factor: jax.Array
+
+  @classmethod
+  def of(cls, q16: jax.Array, k16_heads: jax.Array, do_scale: jax.Array, ds_bound: jax.Array,
+         config: Config) -> "_Fp8Operands":
+    """From Q (score tiles' rows), the smoothed K (B, Hkv, Tk, D), dO's block
+    scales (B, Hkv, G, query block) and the row bound (..., row). A "head's
+    largest" is over its key/value head's group: dK and dV sum over it."""
+    safe = lambda x: jnp.where(x > 0, x, 1.0)
+    do_top = jnp.max(do_scale, axis=(2, 3), keepdims=True)  # (B, Hkv, 1, 1)
+    q8, q_scale = nm.quantize_e4m3(
+        q16.astype(_f32) * (config.scale * nm.LOG2_E) * ds_bound[..., None], axis=(-2, -1))
+    q_top = jnp.max(q_scale, axis=(2, 3), keepdims=True)  # (B, Hkv, 1, 1, 1, 1)
+    k8, k_scale = nm.quantize_e4m3(blocks(k16_heads.astype(_f32), config.block_kv),
+                                   axis=(-2, -1))
+    k_top = jnp.max(k_scale, axis=2, keepdims=True)  # (B, Hkv, 1, 1, 1)
+    return cls(
+        p_factor=(nm.inverse_scale(do_top, nm.E4M3_MAX) * do_scale)[..., None, None],
+        dv_scale=do_top / nm.E4M3_MAX,
+        q8=q8, q_fold=q_scale / safe(q_top), dk_scale=q_top[..., 0, 0] / nm.E4M3_MAX,
+        k8=_unblock(k8), k_fold=_per_token((k_scale / safe(k_top))[..., 0, 0], config.block_kv),
+        dq_scale=(ds_bound * k_top / nm.E4M3_MAX)[..., None],
+        ds_factor=nm.inverse_scale(ds_bound, nm.E4M3_MAX)[..., None])
 
 
 def full_precision_attention(

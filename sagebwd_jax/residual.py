@@ -51,10 +51,12 @@ def _backward(config, backend, smooth_k, residuals, cotangent):
   # One quantization with K as the values too: the forward then gives P.K;
   # the backward, with dO = g q and zero V and O (so dS = 0), P^T.(g q) as dV.
   qkv = quantize(query, key, key, masks, config, backend, smooth_k)
-  p_k, lse_2 = attend(qkv, masks, config, backend, query.dtype)
+  p_k, lse_2, row_max = attend(qkv, masks, config, backend, query.dtype)
   dq = g * p_k.astype(jnp.float32)
   (do,) = opaque((g * query.astype(jnp.float32)).astype(query.dtype))
   pre = prepass(qkv, jnp.zeros_like(query), do, config, backend)
+  if config.fp8:  # dS = 0 here (V = 0): its bound only has to be given
+    pre = pre._replace(ds_bound=nm.ds_row_bound(row_max, lse_2, pre.delta, do, jnp.zeros_like(key)))
   dk = backend.backward(qkv, jnp.zeros_like(key), lse_2, do, pre, masks, config)[2]
   return dq.astype(query.dtype), dk.astype(key.dtype), jnp.zeros_like(value), None
 

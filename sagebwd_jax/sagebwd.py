@@ -2,8 +2,9 @@
 
 forward:  K-smoothing -> quantize Q, K, V -> INT8 attention -> residuals
 backward: Delta and psi(dO) (Delta recomputed where logits saturate) ->
+          [quantization="int8_fp8": dS's row bound] ->
           recomputed P -> INT8 dV, dQ, dK (dP in bf16; dQ, dK too with
-          ds_precision="bf16")
+          ds_precision="bf16"; with "int8_fp8", P.V, dV, dQ, dK in FP8)
 
 Which code runs each stage is the `backend` (Triton or Mosaic GPU kernels, or
 the pure-JAX reference); this file only wires the stages together. Sequences
@@ -103,10 +104,11 @@ def quantize(q, k, v, masks: Masks, config: Config, backend: Backend,
   k_mean = key_mean(k, masks.kv_ids) if smooth_k else None
   qkv = backend.quantize(q, k, v, k_mean, config, for_backward=for_backward,
                          layouts=backend.layouts(q, k, masks, config))
-  if config.ds_precision == "bf16":
-    # dS.K and dS^T.Q in 16 bits: their second operands unquantized. K is the
-    # smoothed one, as in the int8 product: rows of dS sum to zero only up to
-    # the forward's error, and the mean would multiply that remainder.
+  if config.keeps_qk16 and for_backward:
+    # dS.K and dS^T.Q in 16 bits, or in FP8 from copies the backward makes:
+    # their second operands unquantized. K is the smoothed one, as in the
+    # int8 product: rows of dS sum to zero only up to the forward's error,
+    # and the mean would multiply that remainder.
     k16 = k if k_mean is None else (k.astype(jnp.float32) - k_mean[:, None]).astype(k.dtype)
     qkv = qkv._replace(q16=q, k16=k16)
   return qkv._replace(k_scale=nm.spread_nan(qkv.k_scale), v_scale=nm.spread_nan(qkv.v_scale))
@@ -114,15 +116,16 @@ def quantize(q, k, v, masks: Masks, config: Config, backend: Backend,
 
 @_stage
 def attend(qkv: QuantizedQKV, masks: Masks, config: Config, backend: Backend,
-           out_dtype) -> tuple[jax.Array, jax.Array]:
-  """The INT8 forward: the output and the base-2 log-sum-exp (B, H, T)."""
+           out_dtype) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """The 8-bit forward: the output, the base-2 log-sum-exp (B, H, T) and, with
+  FP8 products, the rows' largest scores (else None)."""
   return backend.forward(qkv, masks, config, out_dtype)
 
 
 def _forward(q, k, v, masks, config, backend, smooth_k, for_backward=True):
   qkv = quantize(q, k, v, masks, config, backend, smooth_k, for_backward)
-  o, lse = attend(qkv, masks, config, backend, q.dtype)
-  return o, (qkv, v, o, lse, masks)
+  o, lse, row_max = attend(qkv, masks, config, backend, q.dtype)
+  return o, (qkv, v, o, lse, row_max, masks)
 
 
 def prepass(qkv: QuantizedQKV, o, do, config: Config, backend: Backend) -> Prepass:
@@ -142,11 +145,13 @@ def prepass(qkv: QuantizedQKV, o, do, config: Config, backend: Backend) -> Prepa
 @_stage
 def _backward(config, backend, smooth_k, residuals, do):
   del smooth_k  # rows of dS sum to zero: the smoothing mean has no gradient term
-  qkv, v, o, lse, masks = residuals
+  qkv, v, o, lse, row_max, masks = residuals
   (do,) = opaque(do)
   pre = prepass(qkv, o, do, config, backend)
   new_delta, lse = backend.saturated_rows(qkv, v, lse, do, pre.delta, masks, config)
   pre = pre._replace(delta=new_delta)
+  if config.fp8:
+    pre = pre._replace(ds_bound=nm.ds_row_bound(row_max, lse, new_delta, do, v))
   dq, dk, dv = backend.backward(qkv, v, lse, do, pre, masks, config)
   dq, dk, dv = _head_group_nan(qkv, lse, do, dq, dk, dv)
   # q, k and v share one dtype (the op checks it), which o carries too.
@@ -162,7 +167,7 @@ def _head_group_nan(qkv: QuantizedQKV, lse, do, dq, dk, dv):
   query, its lse or a cotangent row dK and dV."""
   batch, kv_heads = dk.shape[0], dk.shape[2]
   group = lambda bad: jnp.any(bad.reshape(batch, kv_heads, -1), axis=-1)[:, None, :, None]
-  bad_kv = group(jnp.isnan(qkv.k_scale) | jnp.isnan(qkv.v_scale))
+  bad_kv = group(jnp.isnan(qkv.k_scale)) | group(jnp.isnan(qkv.v_scale))
   bad_do = ~jnp.all(jnp.isfinite(jnp.swapaxes(do, 1, 2)), axis=-1)
   bad_q = bad_kv | group(jnp.isnan(qkv.q_scale) | jnp.isnan(lse) | bad_do)
   nan = lambda x, bad: jnp.where(bad, jnp.nan, x)

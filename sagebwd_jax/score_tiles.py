@@ -30,6 +30,13 @@ def int8_einsum(subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
   return product.astype(jnp.int32)
 
 
+def fp8_einsum(subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
+  """A product of float8_e4m3fn operands in fp32, as the FP8 tensor cores
+  accumulate it (each product of two E4M3 values is exact in fp32)."""
+  return jnp.einsum(subscripts, a.astype(_f32), b.astype(_f32),
+                    precision=jax.lax.Precision.HIGHEST)
+
+
 def group(x: jax.Array, num_kv_heads: int) -> jax.Array:
   """Split the head axis (axis 1) into (kv head, group member)."""
   return x.reshape(x.shape[0], num_kv_heads, x.shape[1] // num_kv_heads, *x.shape[2:])

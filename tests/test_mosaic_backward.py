@@ -115,7 +115,7 @@ def _gpu_case(batch, seq, heads, kv_heads, head_dim, causal, *, seed=0, sigma=2.
                              sigma=sigma)
   config = mosaic_config(head_dim, causal)
   qkv = HOPPER.quantize(q, k, v, key_mean(k, None), config, layouts=MOSAIC_LAYOUTS)
-  o, lse = HOPPER.forward(qkv, Masks(), config, jnp.bfloat16)
+  o, lse, _ = HOPPER.forward(qkv, Masks(), config, jnp.bfloat16)
   delta, do8_t, do_scale, _ = backward_prepass(o, do, block_q=config.block_q,
                                                launch=LaunchConfig(), layout=REGISTER_B)
   with jax.default_device(CPU):

@@ -131,7 +131,7 @@ def test_unsigned_p_t_backward_against_fp64(causal):
 
   def grads(backend):
     qkv = backend.quantize(q, k, v, None, config)
-    o, lse = backend.forward(qkv, Masks(), config, jnp.float32)
+    o, lse, _ = backend.forward(qkv, Masks(), config, jnp.float32)
     return backward_stage(backend, qkv, v, o, lse, do, Masks(), config)
 
   unsigned = grads(ReferenceBackend(Numerics(unsigned_p_t=True)))

@@ -69,8 +69,8 @@ def test_quantization_pass_forms_the_reference_int8_tensors(head_dim, smooth_q, 
 @pytest.mark.parametrize("layout", [TOKENS, REGISTER_B])
 def test_backward_prepass_matches_reference_rules(layout):
   _, _, o, do = gaussian_qkv(jax.random.key(1), 2, 128, 128, 2, 2, 64)
-  delta, do8_t, do_scale, do_start = backward_prepass(o, do, block_q=64,
-                                                      launch=TRITON.dq_launch, layout=layout)
+  delta, do8_t, do_scale, do_start, _ = backward_prepass(o, do, block_q=64,
+                                                         launch=TRITON.dq_launch, layout=layout)
   expected = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), -1)
   np.testing.assert_allclose(delta, jnp.swapaxes(expected, 1, 2), rtol=1e-5, atol=1e-5)
   blocks = np.asarray(do, np.float32).reshape(2, 2, 64, 2, 64)  # (B, block, row, H, D)
@@ -92,8 +92,8 @@ def test_forward_matches_reference_with_unsigned_p(causal, smooth_q, ids):
   config = kernel_config(causal=causal, smooth_q=smooth_q)
   masks = _masks(128, 128) if ids else Masks()
   qkv = REFERENCE.quantize(q, k, v, key_mean(k, None), config)
-  o, lse = TRITON.forward(qkv, masks, config, jnp.float32)
-  o_ref, lse_ref = REFERENCE.forward(qkv, masks, config, jnp.float32)
+  o, lse, _ = TRITON.forward(qkv, masks, config, jnp.float32)
+  o_ref, lse_ref, _ = REFERENCE.forward(qkv, masks, config, jnp.float32)
   assert float(metrics.relative_l2(o, o_ref)) <= TOLERANCE
   seen = np.isfinite(np.asarray(lse_ref))
   np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), seen)
@@ -109,8 +109,8 @@ def test_forward_at_large_logits_matches_reference(sigma):
                             dtype=jnp.float32)
   config = kernel_config(scale=128**-0.5)
   qkv = REFERENCE.quantize(q, k, v, key_mean(k, None), config)
-  o, lse = TRITON.forward(qkv, Masks(), config, jnp.float32)
-  o_ref, lse_ref = REFERENCE.forward(qkv, Masks(), config, jnp.float32)
+  o, lse, _ = TRITON.forward(qkv, Masks(), config, jnp.float32)
+  o_ref, lse_ref, _ = REFERENCE.forward(qkv, Masks(), config, jnp.float32)
   # O: the GPU's approximate exp2 may flip a few roundings of P; a row whose
   # largest P is not 255 moves lse by its log.
   assert float(metrics.relative_l2(o, o_ref)) <= 1e-3
@@ -127,7 +127,7 @@ def test_backward_matches_reference_fp32(causal, smooth_q, ids, heads, seq):
   config = kernel_config(causal=causal, smooth_q=smooth_q, block_kv=32)
   masks = _masks(seq, seq) if ids else Masks()
   qkv = REFERENCE.quantize(q, k, v, key_mean(k, None), config)
-  o, lse = REFERENCE.forward(qkv, masks, config, jnp.float32)
+  o, lse, _ = REFERENCE.forward(qkv, masks, config, jnp.float32)
   ours = backward_stage(TRITON, qkv, v, o, lse, do, masks, config)
   # The kernels multiply fp32 dO.V^T in fp32; on a GPU, XLA's default would
   # be TF32, whose rounding alone moves dK by about the tolerance here.
@@ -156,10 +156,10 @@ def test_other_launches_match_reference(causal, window, smooth_q, ids, seq, conv
   config = kernel_config(causal=causal, smooth_q=smooth_q, window=window)
   masks = _masks(seq, seq) if ids else Masks()
   qkv = REFERENCE.quantize(q, k, v, key_mean(k, None), config)
-  o, lse = backend.forward(qkv, masks, config, jnp.float32)
+  o, lse, _ = backend.forward(qkv, masks, config, jnp.float32)
   ours = backward_stage(backend, qkv, v, o, lse, do, masks, config)
   with jax.default_matmul_precision("highest"):  # not TF32 on a GPU (above)
-    o_ref, lse_ref = REFERENCE.forward(qkv, masks, config, jnp.float32)
+    o_ref, lse_ref, _ = REFERENCE.forward(qkv, masks, config, jnp.float32)
     ref = backward_stage(REFERENCE, qkv, v, o, lse, do, masks, config)
   assert float(metrics.relative_l2(o, o_ref)) <= TOLERANCE
   for name, a, b in zip(("dQ", "dK", "dV"), ours, ref):

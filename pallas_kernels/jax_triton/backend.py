@@ -67,12 +67,12 @@ class TritonBackend:
 
   def quantize(self, q, k, v, k_mean, config: Config, *, for_backward: bool = True,
                layouts: Layouts = Layouts()) -> QuantizedQKV:
-    _check_blocks(config)
+    _check_config(config)
     return quantize_qkv(q, k, v, k_mean, config, self.forward_launch, for_backward, layouts)
 
   def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype):
-    _check_blocks(config)
-    return forward(qkv, masks, config, out_dtype, self.forward_launch)
+    _check_config(config)
+    return *forward(qkv, masks, config, out_dtype, self.forward_launch), None
 
   def prepass(self, o, do, config: Config,
               layout: TransposedLayout = TransposedLayout.TOKENS) -> Prepass:
@@ -83,19 +83,18 @@ class TritonBackend:
   def saturated_rows(self, qkv: QuantizedQKV, v, lse, do, delta, masks: Masks,
                      config: Config):
     """One kernel (`saturated_rows`); the Mosaic backend borrows it."""
-    _check_blocks(config)
+    _check_config(config)
     return saturated_rows(qkv, v, lse, do, delta, masks, config, self.dq_launch)
 
   def backward(self, qkv: QuantizedQKV, v, lse, do, prepass: Prepass, masks: Masks,
                config: Config):
-    _check_blocks(config)
+    _check_config(config)
     for name in ("q8_t", "k8_t"):
       check_layout(name, getattr(qkv, name), TransposedLayout.TOKENS)
     check_layout("do8_t", prepass.do8_t, TransposedLayout.TOKENS)
-    delta, do8_t, do_scale, do_start = prepass
-    dk, dv = backward_dkdv(qkv, v, lse, delta, do, do8_t, do_scale, masks, config,
-                           self.dkdv_launch, do_start)
-    dq = backward_dq(qkv, v, lse, delta, do, masks, config, self.dq_launch)
+    dk, dv = backward_dkdv(qkv, v, lse, prepass.delta, do, prepass.do8_t, prepass.do_scale,
+                           masks, config, self.dkdv_launch, prepass.do_start)
+    dq = backward_dq(qkv, v, lse, prepass.delta, do, masks, config, self.dq_launch)
     return dq, dk, dv
 
 

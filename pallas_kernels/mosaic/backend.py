@@ -116,7 +116,7 @@ class MosaicBackend:
     q_len, head_dim = qkv.q8.shape[2:]
     if not self._runs_forward(masks, config, q_len, qkv.k8.shape[2], head_dim, out_dtype):
       return self.fallback.forward(qkv, masks, config, out_dtype)
-    return forward.forward_mosaic(qkv, masks, config, out_dtype, self.forward_mosaic)
+    return *forward.forward_mosaic(qkv, masks, config, out_dtype, self.forward_mosaic), None
 
   def prepass(self, o, do, config: Config,
               layout: TransposedLayout = TransposedLayout.TOKENS) -> Prepass:
@@ -132,8 +132,7 @@ class MosaicBackend:
     if not self._runs_backward(masks, config, q_len, qkv.k8.shape[2], head_dim, v.dtype):
       return self.fallback.backward(qkv, v, lse, do, prepass, masks, config)
     check_layout("do8_t", prepass.do8_t, TransposedLayout.REGISTER_B)
-    delta, do8_t, do_scale, _ = prepass
-    dk, dv = backward_dkdv_mosaic(qkv, v, lse, delta, do, do8_t, do_scale, masks, config,
-                                  self.dkdv_tuning)
-    dq = backward_dq_mosaic(qkv, v, lse, delta, do, masks, config, self.dq_tuning)
+    dk, dv = backward_dkdv_mosaic(qkv, v, lse, prepass.delta, do, prepass.do8_t,
+                                  prepass.do_scale, masks, config, self.dkdv_tuning)
+    dq = backward_dq_mosaic(qkv, v, lse, prepass.delta, do, masks, config, self.dq_tuning)
     return dq, dk, dv

@@ -17,7 +17,7 @@ def supports(masks: Masks, config: Config, head_dim: int) -> bool:
   """Whether the Mosaic kernels take this case (else the portable ones run).
   Their Q scales are per block (`Config.q_per_token` is not)."""
   return (masks.q_ids is None and masks.kv_ids is None and not config.smooth_q
-          and not config.q_per_token and head_dim in HEAD_DIMS
+          and not config.q_per_token and not config.fp8 and head_dim in HEAD_DIMS
           and config.block_q == BLOCK and config.block_kv == BLOCK)
 
 
@@ -28,10 +28,11 @@ def check_supported(qkv: QuantizedQKV, masks: Masks, config: Config, name: str,
   head_dim = qkv.q8.shape[-1]
   if not supports(masks, config, head_dim):
     raise NotImplementedError(
-        f"{name}: needs no masks, smooth_q=False, ds_precision='int8', "
+        f"{name}: needs no masks, smooth_q=False, ds_precision='int8', quantization='int8', "
         f"block_q=block_kv=64, D in {HEAD_DIMS}; "
         f"got masks={masks.q_ids is not None or masks.kv_ids is not None}, "
         f"smooth_q={config.smooth_q}, ds_precision={config.ds_precision!r}, "
+        f"quantization={config.quantization!r}, "
         f"blocks=({config.block_q}, {config.block_kv}), D={head_dim}")
   q_len, kv_len = qkv.q8.shape[2], qkv.k8.shape[2]
   if q_len % multiple or kv_len % multiple:
