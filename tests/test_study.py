@@ -39,7 +39,7 @@ def test_named_grids_and_h200_scale():
   assert 20e6 <= params_besides_embeddings(cfg) <= 40e6 and 1024 <= cfg.seq_len <= 2048
   assert len(h200.grad_accums) >= 3  # the tokens grid's settings
   named = grids(h200)
-  assert list(named) == ["tokens", "qknorm", "smoothing", "ds"]
+  assert list(named) == ["tokens", "qknorm", "smoothing", "ds", "fp8"]
   for grid in named.values():
     for gap in grid.comparisons:
       assert grid.cells[gap.cell] != grid.cells[gap.baseline]
@@ -47,7 +47,7 @@ def test_named_grids_and_h200_scale():
   assert {c.steps * c.tokens_per_step for c in (run_config(h200, Cell(setting=s), 0, "o", [])
                                                   for s in range(3))} == {200 * 32768}
   outs = [cfg.out for _, cfg in runs]
-  assert len(outs) == len(set(outs)) == 26
+  assert len(outs) == len(set(outs)) == 30  # fp8 adds its own two cells only
   for _, cfg in runs:
     check(cfg)
     assert cfg.steps >= 200  # issue 19: a few hundred steps per cell
@@ -333,11 +333,11 @@ def test_cli_help_list_and_errors(tmp_path, capsys):
     study.main(["--help"])
   text = capsys.readouterr().out
   for grid, finding in (("tokens", "(iii)"), ("qknorm", "(i)"), ("smoothing", "(iv)"),
-                        ("ds", "(ii)")):
+                        ("ds", "(ii)"), ("fp8", "int8_fp8")):
     assert f"- {grid}:" in text and finding in text
   study.main(["--scale", "cpu", "--list", "--out", str(tmp_path)])
   lines = capsys.readouterr().out.splitlines()
-  assert lines[-1] == "22 runs of 11 cells, 0.0M tokens; 22 runs, 0.0M tokens left"
+  assert lines[-1] == "24 runs of 12 cells, 0.0M tokens; 24 runs, 0.0M tokens left"
   assert lines[1] == ("sage-tps64-s0: 6 steps x 64 tokens = 0.0M, lr 0.003, telemetry every -, "
                       "checkpoint every -: absent")
   with pytest.raises(SystemExit):

@@ -191,7 +191,7 @@ def test_model_flags_are_llama_fields_with_its_choices():
   them by name), and the flags' choices are LlamaConfig's Literals."""
   from typing import get_args
 
-  from pallas_kernels.types import DS_PRECISIONS
+  from pallas_kernels.types import DS_PRECISIONS, QUANTIZATIONS
   from sagebwd_jax.flax.attention import AttentionImpl
   from sagebwd_jax.flax.llama import LlamaConfig, Remat
   _, groups = field_docs()
@@ -199,6 +199,7 @@ def test_model_flags_are_llama_fields_with_its_choices():
   assert model <= {f.name for f in dataclasses.fields(LlamaConfig)}, model
   assert CHOICES["attention"] == get_args(AttentionImpl)
   assert CHOICES["ds_precision"] == DS_PRECISIONS
+  assert CHOICES["quantization"] == QUANTIZATIONS
   assert CHOICES["remat"] == get_args(Remat)
 
 

@@ -64,6 +64,8 @@ class Config:
   smooth_q: bool = False
   # Precision of the backward's dS.K and dS^T.Q: int8 (SageBwd's) or bf16 (16-bit; sage, reference).
   ds_precision: Literal["int8", "bf16"] = "int8"
+  # Numerics mode: int8 (the paper's) or int8_fp8 (INT8 Q.K^T, FP8 P and dS products; sage, reference).
+  quantization: Literal["int8", "int8_fp8"] = "int8"
   # Compute dtype; parameters and optimizer state stay float32.
   dtype: Literal["bfloat16", "float32"] = "bfloat16"
   # Stack the blocks' parameters and run them under jax.lax.scan: the step compiles one block, whatever --n-layers (checkpoints are the same either way).

@@ -116,7 +116,8 @@ def _train(cfg: Config, mesh, main: bool, log, ds: data.Dataset) -> dict:
   del model
   log(f"model: {count_params(state['params']) / 1e6:.2f}M parameters, "
       f"attention={cfg.attention}, qk_norm={cfg.qk_norm}, smooth_k={cfg.smooth_k}, "
-      f"smooth_q={cfg.smooth_q}, ds_precision={cfg.ds_precision}, compute {cfg.dtype}")
+      f"smooth_q={cfg.smooth_q}, ds_precision={cfg.ds_precision}, "
+      f"quantization={cfg.quantization}, compute {cfg.dtype}")
   n_decay = sum(x.size for x, d in zip(jax.tree.leaves(state["params"]),
                                         jax.tree.leaves(optim.decay_mask(state["params"]))) if d)
   log(f"weight decay {cfg.weight_decay} on {n_decay / 1e6:.2f}M parameters (linear layers' "

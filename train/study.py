@@ -2,7 +2,7 @@
 paper's four findings on pre-training, each gap with a 95% interval over
 seeds, paired by seed.
 
-    python -m train.study                          # the four grids at H200 scale
+    python -m train.study                          # every grid at H200 scale
     python -m train.study tokens ds --seeds 3      # two of them, three seeds
     python -m train.study --scale cpu --list       # the plan, without running
     python -m train.study --jobs 4                 # four runs at a time on one GPU
@@ -25,6 +25,9 @@ share runs once):
 - ds: SageBwd with its INT8 dS products and with them in 16 bits
   (`--ds-precision bf16`) against full precision at the largest setting.
   Finding (ii): the error comes mainly from dS.
+- fp8: `--quantization int8_fp8` (FP8 P and dS products) beside SageBwd's
+  INT8 and full precision at the second and the largest setting (the
+  `tokens` grid's runs there): the mode trains as well as both (issue 48).
 
 Every run is an ordinary run folder, <out>/<cell>-s<seed> (`python -m
 train.plot` draws it), trained by `train.loop.train` in a fresh process of

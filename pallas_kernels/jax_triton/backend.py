@@ -98,7 +98,11 @@ class TritonBackend:
     return dq, dk, dv
 
 
-def _check_blocks(config: Config) -> None:
+def _check_config(config: Config) -> None:
+  if config.fp8:
+    raise NotImplementedError(
+        "the Triton kernels have no quantization='int8_fp8' (FP8 products) yet; "
+        "implementation='reference' computes it in plain JAX")
   if max(config.block_q, config.block_kv) > MAX_BLOCK:
     raise NotImplementedError(
         f"block_q={config.block_q}, block_kv={config.block_kv}: the Triton kernels take "

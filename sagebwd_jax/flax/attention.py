@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sagebwd_jax.api import DsPrecision, dot_product_attention
+from sagebwd_jax.api import DsPrecision, Quantization, dot_product_attention
 from sagebwd_jax.arguments import MAX_HEAD_DIM, ds_precision as check_ds_precision
+from sagebwd_jax.arguments import quantization as check_quantization
 from sagebwd_jax.sharding import check_split, shard_attention
 
 AttentionImpl = Literal["sage", "full", "reference"]
@@ -86,6 +87,7 @@ class Attention(nnx.Module):
       smooth_k: bool = True,
       smooth_q: bool = False,
       ds_precision: DsPrecision = "int8",
+      quantization: Quantization = "int8",
       dtype: Any = jnp.bfloat16,
       param_dtype: Any = jnp.float32,
       kernel_init: nnx.Initializer = nnx.initializers.lecun_normal(),
@@ -116,6 +118,8 @@ class Attention(nnx.Module):
       smooth_k, smooth_q: SageBwd smoothing options (ignored by "full").
       ds_precision: "int8" or "bf16" dS.K and dS^T.Q in SageBwd's backward
         (`sagebwd_jax.dot_product_attention`; ignored by "full").
+      quantization: "int8" (the paper's) or "int8_fp8" (FP8 P and dS
+        products; `sagebwd_jax.dot_product_attention`; ignored by "full").
       dtype: compute dtype of projections and attention.
       param_dtype: dtype of the parameters.
       kernel_init: initializer of the q/k/v projections.
@@ -151,6 +155,7 @@ class Attention(nnx.Module):
     self.implementation = implementation
     self.smooth_k, self.smooth_q = smooth_k, smooth_q
     self.ds_precision = check_ds_precision(ds_precision)
+    self.quantization = check_quantization(quantization)
     self.dtype = dtype
 
     def linear(fan_in: int, fan_out: int, init: nnx.Initializer) -> nnx.Linear:
@@ -240,4 +245,5 @@ class Attention(nnx.Module):
     return dot_product_attention(
         q, k, v, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
         smooth_k=self.smooth_k, smooth_q=self.smooth_q, ds_precision=self.ds_precision,
+        quantization=self.quantization,
         implementation="reference" if self.implementation == "reference" else None)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sagebwd_jax.api import DsPrecision, dot_product_attention
+from sagebwd_jax.api import DsPrecision, Quantization, dot_product_attention
 from sagebwd_jax.implementations import Implementation
 
 AttentionFn = Callable[..., jax.Array]
@@ -38,12 +38,13 @@ def make_attention_fn(
     implementation: Implementation | Sequence[Implementation] | None = None,
     is_causal: bool = False,
     ds_precision: DsPrecision = "int8",
+    quantization: Quantization = "int8",
 ) -> AttentionFn:
   """Returns a Flax-compatible attention function backed by SageBwd.
 
   Args:
-    smooth_k, smooth_q, block_q, block_kv, implementation, ds_precision: forwarded to
-      `sagebwd_jax.dot_product_attention`.
+    smooth_k, smooth_q, block_q, block_kv, implementation, ds_precision,
+      quantization: forwarded to `sagebwd_jax.dot_product_attention`.
     is_causal: always apply a causal mask. Linen's module has no `is_causal`
       argument, so this is how a linen model asks for causal attention.
 
@@ -137,7 +138,7 @@ def make_attention_fn(
     out = dot_product_attention(
         query, key, value, is_causal=causal, segment_ids=segment_ids, smooth_k=smooth_k,
         smooth_q=smooth_q, block_q=block_q, block_kv=block_kv,
-        implementation=implementation, ds_precision=ds_precision)
+        implementation=implementation, ds_precision=ds_precision, quantization=quantization)
     return out.reshape(*batch_shape, *out.shape[1:])
 
   return sagebwd_attention_fn

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.types import DsPrecision
+from pallas_kernels.types import DsPrecision, Quantization
 from sagebwd_jax.arguments import MAX_HEAD_DIM
 from sagebwd_jax.flax.attention import IMPLEMENTATIONS, Attention, AttentionImpl, KVCache, RMSNorm
 
@@ -68,6 +68,7 @@ class LlamaConfig:
   smooth_k: bool = True
   smooth_q: bool = False
   ds_precision: DsPrecision = "int8"
+  quantization: Quantization = "int8"
   dtype: Any = jnp.bfloat16
   param_dtype: Any = jnp.float32
   scan_layers: bool = False
@@ -141,7 +142,8 @@ class Block(nnx.Module):
         config.dim, config.n_heads, num_kv_heads=config.kv_heads, causal=True,
         qk_norm=config.qk_norm, norm_eps=config.norm_eps, rope_theta=config.rope_theta,
         implementation=config.attention, smooth_k=config.smooth_k,
-        smooth_q=config.smooth_q, ds_precision=config.ds_precision, dtype=config.dtype,
+        smooth_q=config.smooth_q, ds_precision=config.ds_precision,
+        quantization=config.quantization, dtype=config.dtype,
         param_dtype=config.param_dtype,
         kernel_init=nnx.initializers.normal(_STD),
         out_kernel_init=nnx.initializers.normal(_residual_std(config)), mesh=mesh,
