@@ -12,8 +12,13 @@ XLA's compiled estimate (arguments + outputs + temporaries).
 
 Implementations (--impls): sage_triton (implementation="triton", the
 default on GPUs other than Hopper), sage_mosaic ("mosaic", the default on an
-H100/H200), cudnn and xla (jax.nn.dot_product_attention, BF16), pallas_mha
-(jax.experimental.pallas.ops.gpu.attention.mha, imported only when asked for).
+H100/H200), sage_mosaic_fp8 ("mosaic" with quantization="int8_fp8": its
+Mosaic forward, the pure-JAX reference's backward), cudnn and xla
+(jax.nn.dot_product_attention, BF16), cudnn_fp8 (cuDNN's FP8 attention through
+jax's private `jax._src.cudnn.fused_attention_stablehlo`, the path Transformer
+Engine takes: E4M3 inputs, unit scales, no backward at D=64), pallas_mha
+(jax.experimental.pallas.ops.gpu.attention.mha). The last two are imported
+only when asked for.
 """
 
 from __future__ import annotations
@@ -31,12 +36,12 @@ import jax.numpy as jnp
 import benchmarks
 import sagebwd_jax
 
-IMPLEMENTATIONS = ("sage_triton", "sage_mosaic", "cudnn", "xla", "pallas_mha")
+IMPLEMENTATIONS = ("sage_triton", "sage_mosaic", "sage_mosaic_fp8", "cudnn", "cudnn_fp8", "xla",
+                   "pallas_mha")
 
 
 def implementations() -> dict:
-  """{name: attn(q, k, v, causal)} for every name in IMPLEMENTATIONS
-  (sage_triton = implementation="triton", sage_mosaic = "mosaic")."""
+  """{name: attn(q, k, v, causal)} for every name in IMPLEMENTATIONS."""
 
   def mha(q, k, v, causal):
     # Deprecated by jax: imported only when this implementation runs.
@@ -46,9 +51,22 @@ def implementations() -> dict:
                                   block_q_dq=64, block_kv_dq=64)
     return pallas_mha.mha(q, k, v, None, sm_scale=d**-0.5, causal=causal, block_sizes=sizes)
 
+  def cudnn_fp8(q, k, v, causal):
+    from jax._src.cudnn import fused_attention_stablehlo as fused  # private: only when asked
+    one = jnp.ones((1, 1, 1, 1), jnp.float32)
+    e4m3 = jnp.float8_e4m3fn
+    mask = fused.MaskType.CAUSAL if causal else fused.MaskType.NO_MASK
+    o, _, _ = fused.dot_product_attention(
+        q.astype(e4m3), k.astype(e4m3), v.astype(e4m3), scale=q.shape[-1]**-0.5,
+        mask_type=mask, use_fp8=True, fp8_params={key: one for key in fused.fp8_params_keys})
+    return o.astype(q.dtype)
+
   return {
       "sage_mosaic": lambda q, k, v, causal: sagebwd_jax.dot_product_attention(
           q, k, v, is_causal=causal, implementation="mosaic"),
+      "sage_mosaic_fp8": lambda q, k, v, causal: sagebwd_jax.dot_product_attention(
+          q, k, v, is_causal=causal, implementation="mosaic", quantization="int8_fp8"),
+      "cudnn_fp8": cudnn_fp8,
       "sage_triton": lambda q, k, v, causal: sagebwd_jax.dot_product_attention(
           q, k, v, is_causal=causal, implementation="triton"),
       "cudnn": lambda q, k, v, causal: jax.nn.dot_product_attention(

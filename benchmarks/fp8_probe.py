@@ -31,6 +31,8 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
+import triton
+import triton.language as tl
 
 import benchmarks
 from benchmarks.attention import time_call
@@ -125,9 +127,8 @@ _CHAINS = {
 _ITERS, _ELEMS, _WARPS = 2048, 1024, 4
 
 
-def _chain_kernel(x_ptr, o_ptr, ASM: "tl.constexpr", CONSTRAINTS: "tl.constexpr",
-                  ITERS: "tl.constexpr", ELEMS: "tl.constexpr", FLOAT: "tl.constexpr"):
-  import triton.language as tl
+def _chain_kernel(x_ptr, o_ptr, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr,
+                  ITERS: tl.constexpr, ELEMS: tl.constexpr, FLOAT: tl.constexpr):
   offs = tl.program_id(0) * ELEMS + tl.arange(0, ELEMS)
   x = tl.load(x_ptr + offs)
   if FLOAT:
@@ -145,7 +146,6 @@ def _sm_clock_hz() -> float:
 
 def rates() -> None:
   import jax_triton
-  import triton
   kernel = triton.jit(_chain_kernel)
   device = jax.devices()[0]
   sms = device.core_count

@@ -2,17 +2,21 @@
 
     python -m benchmarks.mosaic_forward [--seq 4096] [--variants all]
 
-B=4, T=4096, H=16, D=128 by default, causal and not. Both SageBwd forwards are
+B=4, T=4096, H=16, D=128 by default, causal and not. Both INT8 forwards are
 timed on the same quantized values (the quantization pass is timed apart, in
 the layouts of each: `quantize_pass` TOKENS, `quantize_pass_mosaic` with V^T
 REGISTER_B); cuDNN on the bf16 inputs. TOPS = 4*B*H*T*T*D / time (halved when causal). Each
 Mosaic variant's O and lse are checked against `ReferenceBackend(MOSAIC_NUMERICS)`
-run on the same device (relative L2). Writes
+run on the same device (relative L2). Then quantization="int8_fp8": its
+quantization (the reference's XLA pass: Q, K int8, V^T E4M3 per channel
+REGISTER_B; `quantize_fp8_xla`) and the Mosaic FP8 forward (`mosaic_fp8`),
+checked against the reference's FP8 forward in 128-key steps. Writes
 mosaic_forward.csv to --out (default $OUT, else nothing).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -23,8 +27,8 @@ from benchmarks.variants import Rows, parse_args, random_inputs, rel_l2
 from pallas_kernels.jax_triton.backend import TritonBackend
 from pallas_kernels.jax_triton.forward import forward
 from pallas_kernels.mosaic.backend import MOSAIC_NUMERICS
-from pallas_kernels.mosaic.forward import ForwardTuning, forward_mosaic
-from pallas_kernels.types import Config, Layouts, Masks, TransposedLayout
+from pallas_kernels.mosaic.forward import KV_STEP, ForwardTuning, forward_mosaic
+from pallas_kernels.types import Config, Layouts, Masks, Numerics, TransposedLayout
 from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import key_mean
 
@@ -68,11 +72,26 @@ def main():
       fn = jax.jit(lambda qkv, tuning=VARIANTS[name]: forward_mosaic(
           qkv, Masks(), config, jnp.bfloat16, tuning))
       try:
-        o, lse = jax.block_until_ready(fn(qkv_mosaic))
+        o, lse, _ = jax.block_until_ready(fn(qkv_mosaic))
         record(name, time_call(fn, qkv_mosaic), o_rel_l2=rel_l2(o, o_ref),
                lse_rel_l2=rel_l2(lse, lse_ref))
       except Exception as e:  # report and go on with the other variants
         table.failed(name, causal, e)
+    fp8 = dataclasses.replace(config, quantization="int8_fp8")
+    reference_fp8 = ReferenceBackend(Numerics(p_block=KV_STEP))
+    quantize_fp8 = jax.jit(lambda q, k, v: reference_fp8.quantize(
+        q, k, v, key_mean(k, None), fp8, for_backward=False, layouts=mosaic_layouts))
+    qkv_fp8 = jax.block_until_ready(quantize_fp8(q, k, v))
+    record("quantize_fp8_xla", time_call(quantize_fp8, q, k, v))
+    o_ref, lse_ref, _ = jax.block_until_ready(jax.jit(lambda qkv: reference_fp8.forward(
+        qkv, Masks(), fp8, jnp.bfloat16))(qkv_fp8))
+    fn = jax.jit(lambda qkv: forward_mosaic(qkv, Masks(), fp8, jnp.bfloat16))
+    try:
+      o, lse, _ = jax.block_until_ready(fn(qkv_fp8))
+      record("mosaic_fp8", time_call(fn, qkv_fp8), o_rel_l2=rel_l2(o, o_ref),
+             lse_rel_l2=rel_l2(lse, lse_ref))
+    except Exception as e:
+      table.failed("mosaic_fp8", causal, e)
     table.ratios(causal, ref_row)
 
   print("\n| impl | causal | ms | TOPS | x cuDNN | O rel L2 vs reference | lse rel L2 |")

@@ -127,9 +127,11 @@ def dot_product_attention(
       dS against a per-row bound; docs/algorithm.md), the FP8 tensor cores'
       form; dO.V^T stays 16-bit. About 2x the INT8 mode's error at sigma 1
       and within 1.2x of it from sigma 3 (README, Accuracy). With
-      ds_precision="bf16", dS.K and dS^T.Q run in 16 bits instead. Only
-      "reference" implements it so far: the kernel backends raise
-      NotImplementedError (so on a GPU, name implementation="reference").
+      ds_precision="bf16", dS.K and dS^T.Q run in 16 bits instead. Its
+      kernels so far: the Hopper forward ("mosaic"); the rest runs in
+      "reference" (pure JAX), and "triton" raises NotImplementedError. The
+      default is then ("mosaic", "reference") on an H100/H200 and
+      "reference" elsewhere.
 
   Returns:
     The attention output, shaped and typed like `query` (and the residual
@@ -158,7 +160,8 @@ def dot_product_attention(
     query, key, value = query[None], key[None], value[None]
   batch, q_len, num_heads, _ = query.shape
   kv_len = key.shape[1]
-  names = implementations.resolve(implementation)
+  quantization = arguments.quantization(quantization)
+  names = implementations.resolve(implementation, quantization)
   implementations.check_no_auto_sharding(names, query, key, value)
   q_lengths = arguments.lengths("query_seq_lengths", query_seq_lengths, batch, q_len)
   kv_lengths = arguments.lengths("key_value_seq_lengths", key_value_seq_lengths, batch,
@@ -172,7 +175,7 @@ def dot_product_attention(
       block_kv=arguments.block("block_kv", block_kv, arguments.DEFAULT_BLOCK, kv_len),
       ds_precision=arguments.ds_precision(ds_precision),
       window=arguments.window(local_window_size),
-      quantization=arguments.quantization(quantization))
+      quantization=quantization)
   case = _Case(config, scale, bool(smooth_k), q_lengths, kv_lengths, q_seg, kv_seg)
 
   # Tokens past a length are zeroed before anything reads them, so they

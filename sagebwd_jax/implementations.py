@@ -24,11 +24,17 @@ FULL_PRECISION = ("cudnn", "xla")
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
-def resolve(implementation) -> tuple[str | Backend, ...]:
-  """`implementation` as the names (or backend objects) to try, in order."""
+def resolve(implementation, quantization: str = "int8") -> tuple[str | Backend, ...]:
+  """`implementation` as the names (or backend objects) to try, in order.
+
+  The default with quantization="int8_fp8": the Hopper backend (its FP8
+  forward) on an H100/H200, the reference elsewhere: no Triton kernel has
+  FP8 products yet."""
   if implementation is None:
     if not on_gpu():
       return ("reference",)
+    if quantization == "int8_fp8":
+      return ("mosaic", "reference") if hopper() else ("reference",)
     return ("mosaic", "triton") if hopper() else ("triton",)
   names = ((implementation,) if isinstance(implementation, str) or is_backend(implementation)
            else tuple(implementation) if isinstance(implementation, Sequence) else None)
@@ -57,7 +63,9 @@ def backend(implementation: str, causal: bool) -> Backend:
       raise NotImplementedError(
           f"implementation='mosaic' needs an NVIDIA Hopper GPU (compute capability 9.0); "
           f"{where}. Use implementation='triton' (Triton's interpreter without a GPU).")
-    return MosaicBackend.tuned(_triton_backend(causal))
+    # FP8 products: the Mosaic forward, the reference for the rest (no
+    # Triton kernel has them).
+    return MosaicBackend.tuned(_triton_backend(causal), fp8_fallback=ReferenceBackend())
   raise ValueError(f"implementation must be one of {SAGE} or None; got {implementation!r}")
 
 

@@ -21,11 +21,14 @@ import pytest
 
 from benchmarks.accuracy import (FP8_OVER_INT8, FP8_OVER_INT8_FROM_SIGMA_3, FP8_OVER_PER_TENSOR,
                                  per_tensor_fp8)
-from conftest import gaussian_qkv, kernel_config, oracle64, rel_l2, sage
+from conftest import (CPU, MOSAIC_LAYOUTS, gaussian_qkv, kernel_config, mosaic_config, oracle64,
+                      rel_l2, sage)
 from pallas_kernels import numerics as nm
-from pallas_kernels.types import QUANTIZATIONS, Masks
+from pallas_kernels.mosaic import forward as mosaic_forward
+from pallas_kernels.types import QUANTIZATIONS, Masks, Numerics
 from sagebwd_jax import dot_product_attention
 from sagebwd_jax.reference import ReferenceBackend
+from sagebwd_jax.sagebwd import key_mean
 
 
 def _e4m3(x: np.ndarray) -> np.ndarray:
@@ -189,3 +192,52 @@ def test_flax_and_train_pass_it_on(monkeypatch):
                       lambda *a, **kw: seen.append(kw["quantization"]) or real(*a, **kw))
   model(jnp.zeros((1, 64), jnp.int32))
   assert seen and set(seen) == {"int8_fp8"}
+
+
+# (batch, Tq, Tk, heads, kv_heads, head_dim, causal): GQA, MHA, MQA, one step
+# per ring slot, more steps than slots, Tq not a whole CTA tile.
+GPU_FORWARD_CASES = [
+    (1, 256, 256, 2, 1, 128, False),
+    (1, 256, 256, 2, 2, 64, True),
+    (2, 1024, 1024, 4, 2, 128, True),
+    (2, 1024, 1024, 4, 1, 64, False),
+    (2, 192, 512, 4, 2, 128, False),
+    (1, 2048, 2048, 2, 2, 128, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_FORWARD_CASES, ids=str)
+def test_gpu_mosaic_forward_matches_reference(case):
+  """The Hopper FP8 forward against the reference in its 128-key steps: the
+  same E4M3 values but where the kernel's one-FMA exponent rounds a P across
+  an E4M3 boundary (and fp32 sums in another order), bf16 O."""
+  batch, q_len, kv_len, heads, kv_heads, head_dim, causal = case
+  q, k, v, _ = gaussian_qkv(jax.random.key(12), batch, q_len, kv_len, heads, kv_heads,
+                            head_dim, sigma=2.0)
+  config = mosaic_config(head_dim, causal, quantization="int8_fp8")
+  reference = ReferenceBackend(Numerics(p_block=mosaic_forward.KV_STEP))
+  with jax.default_device(CPU):
+    q, k, v = (jax.device_put(x, CPU) for x in (q, k, v))
+    qkv = reference.quantize(q, k, v, key_mean(k, None), config, layouts=MOSAIC_LAYOUTS)
+    o_ref, lse_ref, m_ref = reference.forward(qkv, Masks(), config, jnp.bfloat16)
+  run = jax.jit(lambda qkv: mosaic_forward.forward_mosaic(qkv, Masks(), config, jnp.bfloat16))
+  o, lse, m = run(jax.device_put(qkv, jax.devices("gpu")[0]))
+  assert rel_l2(o, o_ref) < 1e-2
+  assert rel_l2(lse, lse_ref) < 1e-5
+  np.testing.assert_allclose(np.asarray(m), np.asarray(m_ref), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_op_error_within_the_references(causal):
+  """On the GPU the op (the Hopper FP8 forward, the reference's backward) is
+  within 1.1x of the reference's error against fp64 (issue 48's bar)."""
+  q, k, v, do = gaussian_qkv(jax.random.key(13), 2, 1024, 1024, 4, 2, 128)
+  exact = oracle64(q, k, v, do, is_causal=causal)
+  ours = sage(q, k, v, do, is_causal=causal, quantization="int8_fp8")
+  reference = sage(q, k, v, do, is_causal=causal, quantization="int8_fp8",
+                   implementation="reference")
+  for name, got, want, truth in zip(("O", "dQ", "dK", "dV"), (ours[0], *ours[1]),
+                                    (reference[0], *reference[1]), (exact[0], *exact[1])):
+    assert rel_l2(got, truth) <= 1.1 * rel_l2(want, truth), name

@@ -54,12 +54,13 @@ def _abstract_qkv(q_len, kv_len, head_dim, config, quantize_layouts=MOSAIC_LAYOU
                                                             layouts=quantize_layouts))
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int8_fp8"])
 @pytest.mark.parametrize("tuning", sorted(TUNINGS))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_lowers_for_cuda(head_dim, causal, tuning):
+def test_lowers_for_cuda(head_dim, causal, tuning, quantization):
   """Lowered, with no XLA layout pass around the kernel (V8^T arrives REGISTER_B)."""
-  config = mosaic_config(head_dim, causal)
+  config = mosaic_config(head_dim, causal, quantization=quantization)
   fn = lambda qkv: forward_mosaic(qkv, Masks(), config, jnp.bfloat16, TUNINGS[tuning])
   assert_lowers_to_mosaic_gpu(fn, _abstract_qkv(512, 512, head_dim, config))
 
@@ -155,7 +156,8 @@ def _check(o, lse, o_ref, lse_ref, tolerance=backend_tolerance(jnp.zeros((), jnp
 
 def _run(qkv, config, tuning=ForwardTuning()):
   qkv = jax.device_put(qkv, jax.devices("gpu")[0])
-  return jax.jit(lambda qkv: forward_mosaic(qkv, Masks(), config, jnp.bfloat16, tuning))(qkv)
+  return jax.jit(lambda qkv: forward_mosaic(qkv, Masks(), config, jnp.bfloat16,
+                                            tuning)[:2])(qkv)
 
 
 # (batch, Tq, Tk, heads, kv_heads, head_dim, causal): GQA, MHA, MQA, one step

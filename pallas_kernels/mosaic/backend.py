@@ -13,7 +13,9 @@ P per row of each 128-key step to 0..255; the dK/dV and dQ kernels when
 `backward_takes` accepts it (the same, with queries and keys in whole CTA
 tiles of 128), quantizing P^T per key row to 0..255 (`MOSAIC_NUMERICS`: both).
 Anything else runs in the fallback, call by call (`reference_numerics` says
-which numerics a call gets). The Mosaic kernels compile for an sm_90 GPU only.
+which numerics a call gets). With quantization="int8_fp8" the forward runs
+in Mosaic GPU (FP8 P.V) where `forward.takes` accepts it, and everything else
+in `fp8_fallback`. The Mosaic kernels compile for an sm_90 GPU only.
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ def backward_takes(masks: Masks, config: Config, q_len: int, kv_len: int, head_d
                    dtype, tuning: BackwardTuning = BackwardTuning()) -> bool:
   """Whether the Mosaic backward kernels run this case (`dtype`: V's, which the
   backward's dO.V^T wgmma takes as is). Their dS products are INT8 only:
-  ds_precision="bf16" runs in the fallback."""
+  ds_precision="bf16" and quantization="int8_fp8" run in the fallback."""
   cta_rows = tuning.compute_wgs * common.BLOCK
-  return (common.supports(masks, config, head_dim)
+  return (common.supports(masks, config, head_dim) and not config.fp8
           and config.ds_precision == "int8" and config.window is None
           and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
           and q_len % cta_rows == 0 and kv_len % cta_rows == 0
@@ -55,21 +57,34 @@ class MosaicBackend:
 
   `fallback` runs the quantization pass, the backward pre-pass and every case
   `forward.takes` or `backward_takes` refuses (the op passes the portable
-  backend). `forward_mosaic=None` keeps the fallback's forward.
+  backend); `fp8_fallback` does so for quantization="int8_fp8", whose only
+  Mosaic kernel is the forward (the op passes the reference; None: such
+  calls raise NotImplementedError). `forward_mosaic=None` keeps the
+  fallback's forward.
   """
 
   fallback: Backend
   forward_mosaic: forward.ForwardTuning | None = forward.ForwardTuning()
   dkdv_tuning: BackwardTuning = BackwardTuning()
   dq_tuning: BackwardTuning = BackwardTuning()
+  fp8_fallback: Backend | None = None
 
   @classmethod
-  def tuned(cls, fallback: Backend) -> "MosaicBackend":
+  def tuned(cls, fallback: Backend, fp8_fallback: Backend | None = None) -> "MosaicBackend":
     """The launches `python -m benchmarks.attention` and
     `python -m benchmarks.mosaic_backward` measured fastest on an H200
     (docs/performance.md)."""
     return cls(fallback, forward_mosaic=forward.ForwardTuning(),
-               dkdv_tuning=BackwardTuning(), dq_tuning=BackwardTuning())
+               dkdv_tuning=BackwardTuning(), dq_tuning=BackwardTuning(),
+               fp8_fallback=fp8_fallback)
+
+  def _fallback(self, config: Config) -> Backend:
+    if not config.fp8:
+      return self.fallback
+    if self.fp8_fallback is None:
+      raise NotImplementedError("the Hopper backend was given no fp8_fallback for "
+                                "quantization='int8_fp8' (its only FP8 kernel is the forward)")
+    return self.fp8_fallback
 
   def _runs_forward(self, masks: Masks, config: Config, q_len: int, kv_len: int,
                     head_dim: int, dtype) -> bool:
@@ -98,7 +113,7 @@ class MosaicBackend:
   def reference_numerics(self, q, k, masks: Masks, config: Config) -> Numerics:
     """`MOSAIC_NUMERICS` for each direction whose Mosaic kernels will run,
     the fallback's for the rest."""
-    numerics = self.fallback.reference_numerics(q, k, masks, config)
+    numerics = self._fallback(config).reference_numerics(q, k, masks, config)
     runs_forward, runs_backward = self._runs(q, k, masks, config)
     if runs_forward:
       numerics = dataclasses.replace(numerics, p_block=MOSAIC_NUMERICS.p_block,
@@ -109,28 +124,28 @@ class MosaicBackend:
 
   def quantize(self, q, k, v, k_mean, config: Config, *, for_backward: bool = True,
                layouts: Layouts = Layouts()) -> QuantizedQKV:
-    return self.fallback.quantize(q, k, v, k_mean, config, for_backward=for_backward,
-                                  layouts=layouts)
+    return self._fallback(config).quantize(q, k, v, k_mean, config, for_backward=for_backward,
+                                           layouts=layouts)
 
   def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype):
     q_len, head_dim = qkv.q8.shape[2:]
     if not self._runs_forward(masks, config, q_len, qkv.k8.shape[2], head_dim, out_dtype):
-      return self.fallback.forward(qkv, masks, config, out_dtype)
-    return *forward.forward_mosaic(qkv, masks, config, out_dtype, self.forward_mosaic), None
+      return self._fallback(config).forward(qkv, masks, config, out_dtype)
+    return forward.forward_mosaic(qkv, masks, config, out_dtype, self.forward_mosaic)
 
   def prepass(self, o, do, config: Config,
               layout: TransposedLayout = TransposedLayout.TOKENS) -> Prepass:
-    return self.fallback.prepass(o, do, config, layout)
+    return self._fallback(config).prepass(o, do, config, layout)
 
   def saturated_rows(self, qkv: QuantizedQKV, v, lse, do, delta, masks: Masks,
                      config: Config):
-    return self.fallback.saturated_rows(qkv, v, lse, do, delta, masks, config)
+    return self._fallback(config).saturated_rows(qkv, v, lse, do, delta, masks, config)
 
   def backward(self, qkv: QuantizedQKV, v, lse, do, prepass: Prepass, masks: Masks,
                config: Config):
     q_len, head_dim = qkv.q8.shape[2:]
     if not self._runs_backward(masks, config, q_len, qkv.k8.shape[2], head_dim, v.dtype):
-      return self.fallback.backward(qkv, v, lse, do, prepass, masks, config)
+      return self._fallback(config).backward(qkv, v, lse, do, prepass, masks, config)
     check_layout("do8_t", prepass.do8_t, TransposedLayout.REGISTER_B)
     dk, dv = backward_dkdv_mosaic(qkv, v, lse, prepass.delta, do, prepass.do8_t,
                                   prepass.do_scale, masks, config, self.dkdv_tuning)

@@ -17,16 +17,16 @@ def supports(masks: Masks, config: Config, head_dim: int) -> bool:
   """Whether the Mosaic kernels take this case (else the portable ones run).
   Their Q scales are per block (`Config.q_per_token` is not)."""
   return (masks.q_ids is None and masks.kv_ids is None and not config.smooth_q
-          and not config.q_per_token and not config.fp8 and head_dim in HEAD_DIMS
+          and not config.q_per_token and head_dim in HEAD_DIMS
           and config.block_q == BLOCK and config.block_kv == BLOCK)
 
 
 def check_supported(qkv: QuantizedQKV, masks: Masks, config: Config, name: str,
                     multiple: int = BLOCK):
-  """Raises unless the Mosaic kernels take this case (`supports`, sequence
-  lengths in whole tiles of `multiple` tokens)."""
+  """Raises unless the Mosaic backward kernels take this case (`supports`,
+  INT8 products, sequence lengths in whole tiles of `multiple` tokens)."""
   head_dim = qkv.q8.shape[-1]
-  if not supports(masks, config, head_dim):
+  if not supports(masks, config, head_dim) or config.fp8:
     raise NotImplementedError(
         f"{name}: needs no masks, smooth_q=False, ds_precision='int8', quantization='int8', "
         f"block_q=block_kv=64, D in {HEAD_DIMS}; "

@@ -33,6 +33,15 @@ docs/algorithm.md gives the algorithm and
 `sagebwd_jax.reference.ReferenceBackend(backend.MOSAIC_NUMERICS)`
 computes the same values in plain JAX.
 
+With FP8 products (`Config.fp8`, quantization="int8_fp8") the step differs
+after S: P = 448 * exp2(S - m), m the running row maximum, is one FMA per
+score, f * c_h + b_h (b_h = log2 448 - m - 1.5 * 2**23 * c_h: rounding b_h
+at that scale moves the exponent by under one int8 step of S, far below
+E4M3's), converted to E4M3 in pairs (`registers.pack_e4m3`) and added by
+FP8 wgmmas into the fp32 output accumulator, rescaled by exp2(m_prev - m)
+first; V^T arrives in E4M3 per channel, whose scales multiply O once at the
+end. The kernel also returns m, the backward's bound on dS needs it.
+
 The two warpgroups take turns on the tensor cores (a schedule barrier): one
 runs its softmax while the other's products run. Causal: the query blocks of a
 CTA see the same key steps (128 query rows against 128-key steps), the last
@@ -43,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.experimental.pallas as pl
@@ -59,6 +69,7 @@ from pallas_kernels.types import Config, Masks, QuantizedQKV, TransposedLayout
 KV_STEP = 2 * BLOCK  # keys per step: two quantization blocks
 # The least f an S accumulator can read as (1.5 * 2**23 - 2**22).
 _LOWEST_F = float(2**23)
+_LOG2_E4M3_MAX = math.log2(nm.E4M3_MAX)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +80,8 @@ class ForwardTuning(pipeline.Tuning):
 
 def takes(masks: Masks, config: Config, q_len: int, kv_len: int, head_dim: int,
           dtype) -> bool:
-  """Whether `forward_mosaic` computes this case (else the fallback does)."""
+  """Whether `forward_mosaic` computes this case (else the fallback does):
+  either quantization."""
   return (supports(masks, config, head_dim)
           and q_len % BLOCK == 0 and kv_len % KV_STEP == 0
           and (not config.causal or q_len == kv_len) and config.window is None
@@ -107,6 +119,32 @@ def _softmax(f, scales, m, e, l):
   return bits, alpha, m_new, e_new, l_new
 
 
+def _fp8_softmax(f, cs, m, l):
+  """One step's online softmax for FP8 P.V (`numerics.fp8_softmax_step` on
+  the biased scores f of each half, with c_h = `cs`): P = 448 * exp2(S - m)
+  per half, fp32, the factor alpha for the old accumulator, the new (m, l)."""
+  bcast = lambda x: lax.broadcast_in_dim(x, (BLOCK, BLOCK), [0])
+  tops = [(jnp.max(x, axis=1) - nm.ROUND_MAGIC_F32) * c for x, c in zip(f, cs)]
+  m_new = jnp.maximum(m, functools.reduce(jnp.maximum, tops))
+  alpha = jnp.exp2(m - m_new)
+  ps, l_new = [], l * alpha
+  for x, c in zip(f, cs):
+    p = jnp.exp2(x * c + bcast((_LOG2_E4M3_MAX - m_new) - nm.ROUND_MAGIC_F32 * c))
+    l_new = l_new + jnp.sum(p, axis=1)
+    ps.append(p)
+  return ps, alpha, m_new, l_new
+
+
+def _finalize_fp8(acc, m, l, v_scale):
+  """O and lse from the FP8 step's state (`numerics.finalize_fp8_rows`), V's
+  per-channel scale (D,) applied here, with a reciprocal per row."""
+  empty = l == 0
+  l_safe = jnp.where(empty, 1.0, l)
+  lse = jnp.where(empty, jnp.inf, m + jnp.log2(l_safe) - _LOG2_E4M3_MAX)
+  o = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+  return o * lax.broadcast_in_dim(v_scale, acc.shape, [1]), lse
+
+
 def _finalize(acc, e, l):
   """O and lse from the running state: `numerics.finalize_folded_rows`, with
   a reciprocal per row."""
@@ -116,10 +154,12 @@ def _finalize(acc, e, l):
   return acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0]), lse
 
 
-def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v_scale, inv_v_scale, *, causal: bool,
+def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scales: tuple, *, fp8: bool, causal: bool,
                   out_dtype, tuning: ForwardTuning):
   """q8 (B, H, Tq, D); k8 (B, Hkv, Tk / 64, 64, D); v8_t REGISTER_B (B, Hkv,
-  Tk / 64, D, 64); Q's and K's scales per token, V's folded ones per block.
+  Tk / 64, D, 64); Q's and K's scales per token; `v_scales`: V's folded
+  ones per block (log2, reciprocal), or with `fp8` its per-channel scale
+  (B, Hkv, D). Returns O, lse and, with `fp8`, the rows' maxima.
   Where Tq is not whole CTA tiles, the last CTA's last warpgroup computes the
   last query block again (the same values, stored twice) rather than pad Q."""
   batch, heads, q_len, head_dim = q8.shape
@@ -132,14 +172,17 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v_scale, inv_v_scale, *, 
   ring = pipeline.Ring(min(tuning.max_concurrent_steps, num_steps))
   halves = KV_STEP // BLOCK
   row = plgpu.Layout.WGMMA.reduce(1)
-  vt_transforms = smem_transforms(BLOCK, jnp.int8)
+  v_dtype = v8_t.dtype
+  vt_transforms = smem_transforms(BLOCK, v_dtype)
+  row_outputs = 2 if fp8 else 1  # lse, and with FP8 the row maxima
 
-  def kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, lsv_ref, isv_ref, o_ref, lse_ref, scoped):
+  def kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, *refs):
+    vs_refs, (o_ref, *row_refs), scoped = refs[:len(v_scales)], refs[len(v_scales):-1], refs[-1]
     b, h, t = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_seq")
     if causal:  # the longest query tiles launch first (shorter tail)
       t = num_q_tiles - 1 - t
     wg = lax.axis_index("wg")
-    (q_smem, k_smem, vt_smem, o_smem, lse_smem), (k_bars, v_bars, q_bars), consumed, sched = (
+    (q_smem, k_smem, vt_smem, o_smem, row_smem), (k_bars, v_bars, q_bars), consumed, sched = (
         scoped)
     k_consumed, v_consumed = consumed
     kvh = lax.div(h, jnp.array(group, h.dtype))
@@ -158,12 +201,12 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v_scale, inv_v_scale, *, 
       plgpu.barrier_wait(q_bars.at[wg])
 
       def step_scales(j):
-        """Per half: (c_h, log2 v_scale_h, 1 / v_scale_h)."""
+        """Per half: (c_h, log2 v_scale_h, 1 / v_scale_h), or c_h with FP8."""
         out = []
         for half in range(halves):
           blk = j * halves + half
           c = positive_scale(q_scale * ks_ref[b, kvh, blk * BLOCK])
-          out.append((c, lsv_ref[b, kvh, blk], isv_ref[b, kvh, blk]))
+          out.append(c if fp8 else (c, vs_refs[0][b, kvh, blk], vs_refs[1][b, kvh, blk]))
         return tuple(out)
 
       magic = plgpu.layout_cast(jnp.full((BLOCK, BLOCK), nm.ROUND_MAGIC_I32, jnp.int32),
@@ -185,23 +228,32 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v_scale, inv_v_scale, *, 
         return s
 
       def finish_step(j, s, state, scales, *, masked: bool):
-        """Softmax and P.V of step j from its S; returns the new (acc, m, e, l)."""
-        acc, m, e, l = state
+        """Softmax and P.V of step j from its S; returns the new state."""
         slot = ring.slot(j)
         f = [lax.bitcast_convert_type(x, jnp.float32) for x in s]
         if masked:
           f = [_causal_mask(x, q_base, j * KV_STEP + half * BLOCK) for half, x in enumerate(f)]
-        bits, alpha, m, e, l = _softmax(f, scales, m, e, l)
+        if fp8:
+          acc, m, l = state
+          p, alpha, m, l = _fp8_softmax(f, scales, m, l)
+          a_tiles = tuple(registers.pack_e4m3(x) for x in p)
+        else:
+          acc, m, e, l = state
+          bits, alpha, m, e, l = _softmax(f, scales, m, e, l)
+          a_tiles = tuple(registers.pack(x) for x in bits)
         schedule.arrive()  # softmax done: let the other warpgroup issue
         plgpu.barrier_wait(v_bars.at[slot])
         schedule.wait()
-        pv = registers.dot_from_registers(
-            tuple(registers.pack(x) for x in bits),
-            tuple(vt_smem.at[slot, i] for i in range(halves)), vt_transforms, head_dim,
-            unsigned_a=True)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        b_tiles = tuple(vt_smem.at[slot, i] for i in range(halves))
+        if fp8:
+          acc = registers.fp8_dot_from_registers(acc, a_tiles, b_tiles, vt_transforms)
+        else:
+          pv = registers.dot_from_registers(a_tiles, b_tiles, vt_transforms, head_dim,
+                                            unsigned_a=True)
+          acc = acc + pv.astype(jnp.float32)
         plgpu.barrier_arrive(v_consumed.at[slot])
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv.astype(jnp.float32)
-        return acc, m, e, l
+        return (acc, m, l) if fp8 else (acc, m, e, l)
 
       def kv_step(j, carry, *, masked: bool):
         """S, softmax and P.V of step j, one after the other."""
@@ -212,7 +264,8 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v_scale, inv_v_scale, *, 
       full_row = lambda value: plgpu.layout_cast(jnp.full((BLOCK,), value, jnp.float32), row)
       state = (plgpu.layout_cast(jnp.full((BLOCK, head_dim), 0.0, jnp.float32),
                                  plgpu.Layout.WGMMA),
-               full_row(nm.NOTHING_SEEN), full_row(-jnp.inf), full_row(0.0))
+               full_row(nm.NOTHING_SEEN), *(() if fp8 else (full_row(-jnp.inf),)),
+               full_row(0.0))
       carry = (state, step_scales(0))
       schedule.lead_in(wg)
       # With causality the last step holds the diagonal.
@@ -223,13 +276,23 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v_scale, inv_v_scale, *, 
       else:
         state, _ = lax.fori_loop(0, steps, functools.partial(kv_step, masked=False), carry)
       schedule.lead_out(wg)
-      acc, _, e, l = state
-      o, lse = _finalize(acc, e, l)
+      if fp8:
+        acc, m, l = state
+        v_scale = plgpu.load(vs_refs[0].at[b, kvh], layout=plgpu.Layout.WGMMA.reduce(0),
+                             optimized=False)
+        o, lse = _finalize_fp8(acc, m, l, v_scale)
+        rows = (lse, m)
+      else:
+        acc, _, e, l = state
+        o, lse = _finalize(acc, e, l)
+        rows = (lse,)
       o_smem.at[wg][...] = o.astype(out_dtype)
-      lse_smem.at[wg][...] = lse
+      for i, x in enumerate(rows):
+        row_smem.at[wg, i][...] = x
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[b, pl.ds(q_base, BLOCK), h])
-      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q_base, BLOCK)])
+      for i, ref in enumerate(row_refs):
+        plgpu.copy_smem_to_gmem(row_smem.at[wg, i], ref.at[b, h, pl.ds(q_base, BLOCK)])
       plgpu.wait_smem_to_gmem(0)
 
     def producer():
@@ -248,10 +311,10 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v_scale, inv_v_scale, *, 
       plgpu.SMEM((wgs, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),
       plgpu.SMEM((ring.slots, halves, BLOCK, head_dim), i8,
                  transforms=smem_transforms(head_dim, i8)),
-      plgpu.SMEM((ring.slots, halves, head_dim, BLOCK), i8, transforms=vt_transforms),
+      plgpu.SMEM((ring.slots, halves, head_dim, BLOCK), v_dtype, transforms=vt_transforms),
       plgpu.SMEM((wgs, BLOCK, head_dim), out_dtype,
                  transforms=smem_transforms(head_dim, out_dtype)),
-      plgpu.SMEM((wgs, BLOCK), jnp.float32),
+      plgpu.SMEM((wgs, row_outputs, BLOCK), jnp.float32),
   )
   barriers = (
       (plgpu.Barrier(num_barriers=ring.slots), plgpu.Barrier(num_barriers=ring.slots),
@@ -260,20 +323,22 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v_scale, inv_v_scale, *, 
       plgpu.Barrier(num_arrivals=wgs),
   )
   out_type = (jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), out_dtype),
-              jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32))
+              *(jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32),) * row_outputs)
   return pipeline.kernel(
       kernel, tuning=tuning, scratch=scratch, barriers=barriers, out_type=out_type,
       grid=(heads, num_q_tiles, batch), grid_names=("heads", "q_seq", "batch"),
-      name="sagebwd_forward_mosaic",
-  )(q8, q_scale, k8, k_scale, v8_t, log2_v_scale, inv_v_scale)
+      name="sagebwd_forward_fp8_mosaic" if fp8 else "sagebwd_forward_mosaic",
+  )(q8, q_scale, k8, k_scale, v8_t, *v_scales)
 
 
 def forward_mosaic(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
                    tuning: ForwardTuning = ForwardTuning()):
-  """O (B, Tq, H, D) in `out_dtype` and the base-2 log-sum-exp (B, H, Tq).
+  """O (B, Tq, H, D) in `out_dtype`, the base-2 log-sum-exp (B, H, Tq), and
+  with `Config.fp8` the rows' largest base-2 scores (B, H, Tq), else None.
 
   For the cases `takes` accepts, V8^T REGISTER_B (`types.Layouts`); P is
-  quantized as `backend.MOSAIC_NUMERICS` says.
+  quantized as `backend.MOSAIC_NUMERICS` says, or with FP8 products to E4M3
+  against the running maximum.
   """
   batch, heads, q_len, head_dim = qkv.q8.shape
   kv_heads, kv_len = qkv.k8.shape[1], qkv.k8.shape[2]
@@ -287,7 +352,11 @@ def forward_mosaic(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
   check_layout("v8_t", qkv.v8_t, TransposedLayout.REGISTER_B)
   # Splitting the token axis in blocks moves no byte (a bitcast).
   k8 = qkv.k8.reshape(batch, kv_heads, kv_len // BLOCK, BLOCK, head_dim)
-  log2_v_scale, inv_v_scale = nm.folded_v_scales(qkv.v_scale[..., ::BLOCK], KV_STEP // BLOCK)
-  return _forward_call(qkv.q8, qkv.q_scale, k8, qkv.k_scale, qkv.v8_t, log2_v_scale,
-                       inv_v_scale, causal=config.causal, out_dtype=jnp.dtype(out_dtype),
-                       tuning=tuning)
+  if config.fp8:
+    v_scales = (qkv.v_scale,)
+  else:
+    v_scales = nm.folded_v_scales(qkv.v_scale[..., ::BLOCK], KV_STEP // BLOCK)
+  out = _forward_call(qkv.q8, qkv.q_scale, k8, qkv.k_scale, qkv.v8_t, v_scales,
+                      fp8=config.fp8, causal=config.causal, out_dtype=jnp.dtype(out_dtype),
+                      tuning=tuning)
+  return out if config.fp8 else (*out, None)

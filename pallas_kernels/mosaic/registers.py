@@ -16,6 +16,11 @@ and as a two's-complement byte for -128 <= x <= 127: three byte permutes pack
 four of them. jax 0.11.2's wgmma has no unsigned A operand; `dot_from_registers`
 issues its instructions as `.u8.s8` when asked (see `_WgmmaRewrite`), so P may
 use all 256 levels.
+
+FP8 (`Config.fp8`): fp32 values in the same places, two conversions to an
+E4M3 pair and one move pack four (`pack_e4m3`, round to nearest even,
+saturated at 448 as `numerics.to_e4m3`), and `fp8_dot_from_registers` adds
+the products into a running fp32 accumulator (no merge instruction).
 """
 
 from __future__ import annotations
@@ -41,12 +46,14 @@ mgpu_wgmma = importlib.import_module("jax.experimental.mosaic.gpu.wgmma")
 ROWS = 64  # rows of a wgmma M tile: one warpgroup's query block
 
 
-def _pack_low_bytes(x: fa.FragmentedArray) -> fa.FragmentedArray:
-  """int32 WGMMA-layout tile -> int8 WGMMA_8BIT tile of each value's low byte."""
+def _pack_words(x: fa.FragmentedArray, asm: str, element_type: ir.Type,
+                is_signed: bool | None) -> fa.FragmentedArray:
+  """A WGMMA-layout tile -> the WGMMA_8BIT tile of its 8-bit forms: `asm`
+  makes one 32-bit word of four values (operands $1..$4, in register order)."""
   i32 = ir.IntegerType.get_signless(32)
-  i8 = ir.IntegerType.get_signless(8)
   shape = fa.WGMMA_LAYOUT_8BIT.registers_shape(x.shape)
   packed = np.empty(shape, dtype=object)
+  constraint = "r" if isinstance(x.mlir_dtype, ir.IntegerType) else "f"
 
   def element(vec, i):
     return llvm.extractelement(vec, llvm.ConstantOp(i32, ir.IntegerAttr.get(i32, i)).result)
@@ -55,13 +62,28 @@ def _pack_low_bytes(x: fa.FragmentedArray) -> fa.FragmentedArray:
     lo = x.registers[(idx[0], 2 * idx[1], *idx[2:])]
     hi = x.registers[(idx[0], 2 * idx[1] + 1, *idx[2:])]
     word = llvm.inline_asm(
-        i32, [element(lo, 0), element(lo, 1), element(hi, 0), element(hi, 1)],
-        "{ .reg .b32 t0, t1; prmt.b32 t0, $1, $2, 0x0040; prmt.b32 t1, $3, $4, 0x0040;"
-        " prmt.b32 $0, t0, t1, 0x5410; }",
-        "=r,r,r,r,r", has_side_effects=False)
-    packed[idx] = vector.bitcast(ir.VectorType.get((4,), i8),
+        i32, [element(lo, 0), element(lo, 1), element(hi, 0), element(hi, 1)], asm,
+        "=r," + ",".join([constraint] * 4), has_side_effects=False)
+    packed[idx] = vector.bitcast(ir.VectorType.get((4,), element_type),
                                  vector.broadcast(ir.VectorType.get((1,), i32), word))
-  return fa.FragmentedArray(_registers=packed, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=True)
+  return fa.FragmentedArray(_registers=packed, _layout=fa.WGMMA_LAYOUT_8BIT,
+                            _is_signed=is_signed)
+
+
+def _pack_low_bytes(x: fa.FragmentedArray) -> fa.FragmentedArray:
+  """int32 WGMMA-layout tile -> int8 WGMMA_8BIT tile of each value's low byte."""
+  return _pack_words(
+      x, "{ .reg .b32 t0, t1; prmt.b32 t0, $1, $2, 0x0040; prmt.b32 t1, $3, $4, 0x0040;"
+      " prmt.b32 $0, t0, t1, 0x5410; }", ir.IntegerType.get_signless(8), True)
+
+
+def _pack_e4m3(x: fa.FragmentedArray) -> fa.FragmentedArray:
+  """fp32 WGMMA-layout tile -> float8_e4m3fn WGMMA_8BIT tile. cvt's first
+  source goes to the upper byte of its pair."""
+  return _pack_words(
+      x, "{ .reg .b16 lo, hi; cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;"
+      " cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3; mov.b32 $0, {lo, hi}; }",
+      ir.Float8E4M3FNType.get(), None)
 
 
 class _WgmmaRewrite:
@@ -116,6 +138,52 @@ def pack(bits: jax.Array) -> jax.Array:
     return _pack_low_bytes(x)
 
   return packed(bits)
+
+
+def pack_e4m3(p: jax.Array) -> jax.Array:
+  """(64, 64) fp32, WGMMA layout -> the (64, 64) float8_e4m3fn register A
+  operand of a wgmma (WGMMA_8BIT layout), columns in `layouts.permute_keys`
+  order as `pack`'s."""
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA,),
+      return_type=plgpu.ShapeDtypeStruct(p.shape, jnp.float8_e4m3fn,
+                                         layout=plgpu.Layout.WGMMA_8BIT))
+  def packed(ctx, x):
+    del ctx
+    return _pack_e4m3(x)
+
+  return packed(p)
+
+
+def fp8_dot_from_registers(acc: jax.Array, a_tiles: tuple[jax.Array, ...], b_tiles: tuple,
+                           transforms: tuple) -> jax.Array:
+  """acc + sum over i of A_i.B_i in fp32, by FP8 wgmmas that add into `acc`.
+
+  `acc`: (64, n) fp32, WGMMA layout. `a_tiles[i]`: (64, 64) E4M3 from
+  `pack_e4m3`; `b_tiles[i]`: a shared-memory (n, 64) E4M3 tile of B^T as
+  `dot_from_registers` takes it (REGISTER_B). Issues every product, then
+  waits for them.
+  """
+  swizzle = transforms[-1].swizzle
+  count = len(a_tiles)
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA, (plgpu.Layout.WGMMA_8BIT,) * count,
+                 (plgpu.RefType(transforms),) * count),
+      return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=plgpu.Layout.WGMMA))
+  def product(ctx, start, a_regs, tiles):
+    del ctx
+    out = mgpu.WGMMAAccumulator.from_registers(start)
+    for a, tile in zip(a_regs, tiles):
+      out = mgpu.wgmma(out, a, mgpu_utils.memref_transpose(tile, (1, 0, 3, 2)),
+                       swizzle=swizzle)
+    void = ir.Type.parse("!llvm.void")
+    llvm.inline_asm(void, [], "wgmma.commit_group.sync.aligned;", "", has_side_effects=True)
+    llvm.inline_asm(void, [], "wgmma.wait_group.sync.aligned 0;", "", has_side_effects=True)
+    return out.value
+
+  return product(acc, tuple(a_tiles), tuple(b_tiles))
 
 
 def dot_from_registers(a_tiles: tuple[jax.Array, ...], b_tiles: tuple, transforms: tuple,
