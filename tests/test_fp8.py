@@ -224,7 +224,7 @@ def test_gpu_mosaic_forward_matches_reference(case):
   run = jax.jit(lambda qkv: mosaic_forward.forward_mosaic(qkv, Masks(), config, jnp.bfloat16))
   o, lse, m = run(jax.device_put(qkv, jax.devices("gpu")[0]))
   assert rel_l2(o, o_ref) < 1e-2
-  assert rel_l2(lse, lse_ref) < 1e-5
+  assert rel_l2(lse, lse_ref) < 1e-4
   np.testing.assert_allclose(np.asarray(m), np.asarray(m_ref), rtol=1e-5, atol=1e-5)
 
 
