@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import pathlib
 import tempfile
+import time
 
 NONE = "none"  # --compile-cache none: no cache
 _SUFFIX = "-cache"  # jax's LRUCache names its entries <key>-cache; so do we
@@ -55,6 +56,13 @@ class AtomicFileCache:
     self._path = pathlib.Path(path)
     self._path.mkdir(parents=True, exist_ok=True)
     self.lookups = self.hits = self.writes = 0
+    # What a process killed mid-write left: a day old, no writer is on it.
+    for tmp in self._path.glob(".*.tmp"):
+      try:
+        if time.time() - tmp.stat().st_mtime > 86400:
+          tmp.unlink()
+      except OSError:
+        pass
 
   def get(self, key: str) -> bytes | None:
     self.lookups += 1
