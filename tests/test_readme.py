@@ -47,7 +47,7 @@ INTERNAL = re.compile(r"\bissue \d+|\bdeleted Pallas|\bthen Pallas|\bSPEC\b", re
 
 def test_user_facing_text_speaks_of_the_code_as_it_is():
   """No internal history in the guides or in `python -m train --help`
-  (docs/performance.md keeps its dated log); one way to run the commands
+  (docs/performance-log.md keeps its dated log); one way to run the commands
   (the activated venv); the first screen says what the op is for today."""
   from train.config import parser
   root = README.parent

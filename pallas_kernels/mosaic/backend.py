@@ -67,7 +67,7 @@ class MosaicBackend:
   def tuned(cls, fallback: Backend) -> "MosaicBackend":
     """The launches `python -m benchmarks.attention` and
     `python -m benchmarks.mosaic_backward` measured fastest on an H200
-    (docs/performance.md)."""
+    (docs/performance-log.md)."""
     return cls(fallback, forward_mosaic=forward.ForwardTuning(),
                dkdv_tuning=BackwardTuning(), dq_tuning=BackwardTuning())
 
