@@ -18,10 +18,18 @@ attention, and whether that grows with the call sites of a program.
     #     each in a fresh process: trace, lower, compile and the kernels'
     #     lowerings apart
     python -m benchmarks.compile_time --part step [--preset small --seq-len 2048 --batch-size 8]
+    # (d) the same train step cold and warm, as `python -m train` meets it
+    #     with its persistent compilation cache: cold in a fresh process with
+    #     an empty cache (jax's, and Triton's own), warm in a second fresh
+    #     process once the first has filled it; with the first and second
+    #     step's time (a kernel that compiles or loads on its first call shows
+    #     there)
+    python -m benchmarks.compile_time --part cache [--preset small --seq-len 2048 --batch-size 8]
 
 The op runs its default implementation: the GPU's kernels on a GPU, the
 pure-JAX reference on the CPU. Each figure is one measurement (compile times
-vary by some 10% between runs); JAX's persistent compilation cache is off.
+vary by some 10% between runs); JAX's persistent compilation cache is off
+but in (d).
 """
 
 from __future__ import annotations
@@ -55,6 +63,8 @@ class Timing:
   compile_s: float | None  # None: lowered for another platform, not compiled
   alarm: bool = False  # XLA's slow-operation alarm fired while compiling
   kernels: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+  steps_s: list[float] = dataclasses.field(default_factory=list)  # (d): first, second step
+  cache_hits: int | None = None  # (d): programs loaded from the persistent cache
 
 
 @contextlib.contextmanager
@@ -157,19 +167,54 @@ def chain(n: int, cuda: bool) -> Timing:
                  platforms=("cuda",) if cuda else None)
 
 
-def train_step(attention: str, preset: str, seq: int, batch: int) -> Timing:
+def train_step(attention: str, preset: str, seq: int, batch: int,
+               cache: str | None = None) -> Timing:
   """`python -m train --preset <preset> --attention <attention>`'s train step at
-  `batch` x `seq` tokens (one micro-batch), built as `train` builds it."""
-  from train import data, optim, sharding
+  `batch` x `seq` tokens (one micro-batch), built as `train` builds it. With
+  `cache`, through `python -m train`'s persistent compilation cache in that
+  folder, and the first two steps run and timed."""
+  from train import compile_cache, data, optim, sharding
   from train.config import preset as preset_config
   from train.loop import Batches
   from train.step import build_model, make_steps
+  if cache is not None:
+    compile_cache.enable(cache)
   cfg = preset_config(preset, seq_len=seq, batch_size=batch, grad_accum=1, attention=attention)
   mesh = sharding.make_mesh(cfg.mesh)
   ds = data.load(cfg.data, cfg.val_fraction, cfg.seq_len)
   cfg = dataclasses.replace(cfg, vocab_size=cfg.vocab_size or ds.vocab_size)
   state, step, _ = make_steps(build_model(cfg, cfg.vocab_size, mesh), optim.optimizer(cfg), mesh)
-  return measure(step, state, Batches(ds, cfg, mesh).train(0))
+  batches = Batches(ds, cfg, mesh)
+  if cache is None:
+    return measure(step, state, batches.train(0))
+  compiled: list = []
+  timing = measure(_Keep(step, compiled), state, batches.train(0))
+  for i in range(2):
+    batch_i = batches.train(i)
+    t0 = time.perf_counter()
+    state, metrics = compiled[0](state, batch_i)
+    jax.block_until_ready(metrics)
+    timing.steps_s.append(time.perf_counter() - t0)
+  timing.cache_hits = compile_cache.active().hits
+  return timing
+
+
+class _Keep:
+  """`jitted` for `measure`, keeping the executable its `.lower().compile()`
+  makes in `out`."""
+
+  def __init__(self, jitted, out: list):
+    self.jitted, self.out = jitted, out
+
+  def trace(self, *args):
+    return _Keep(self.jitted.trace(*args), self.out)
+
+  def lower(self, **kw):
+    return _Keep(self.jitted.lower(**kw), self.out)
+
+  def compile(self):
+    self.out.append(self.jitted.compile())
+    return self.out[-1]
 
 
 def _as_on_an_h200() -> None:
@@ -186,10 +231,13 @@ def _as_on_an_h200() -> None:
 _PARTS = {"chain": chain, "step": train_step}
 
 
-def _child(part: str, **kwargs) -> Timing:
+def _child(part: str, env: dict[str, str] | None = None, **kwargs) -> Timing:
   """`_PARTS[part](**kwargs)` in a fresh process: no kernel lowered or
-  compiled before."""
-  env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
+  compiled before (but from the persistent cache where `kwargs` names one);
+  `env`: more environment variables."""
+  env = {**os.environ, **(env or {})}
+  if kwargs.get("cache") is None:
+    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
   command = [sys.executable, "-m", "benchmarks.compile_time", "--one",
              json.dumps(dict(part=part, **kwargs))]
   proc = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -246,6 +294,32 @@ def report_step(preset: str, seq: int, batch: int) -> None:
   _print_kernels(timings["sage"], "with --attention sage")
 
 
+def report_cache(preset: str, seq: int, batch: int) -> None:
+  print(f"`python -m train --preset {preset}`'s train step, batch {batch} x T={seq}, on "
+        f"{jax.default_backend()}, through train's persistent compilation cache: cold (a "
+        f"fresh process, empty caches), then warm (a second fresh process, the caches the "
+        f"first filled):")
+  print("| attention | run | trace s | lower s | compile s | all three | first step s | "
+        "second step s | programs from the cache |\n|---|---|---|---|---|---|---|---|---|")
+  totals = {}
+  for attention in ("sage", "full"):
+    with tempfile.TemporaryDirectory(prefix="compile-cache-") as root:
+      # Triton keeps its own compiled kernels (~/.triton/cache): empty for the cold run too.
+      env = {"TRITON_CACHE_DIR": os.path.join(root, "triton")}
+      for run in ("cold", "warm"):
+        t = _child("step", env=env, attention=attention, preset=preset, seq=seq, batch=batch,
+                   cache=os.path.join(root, "jax"))
+        totals[attention, run] = _total(t)
+        first, second = (t.steps_s + [None, None])[:2]
+        print(f"| {attention} | {run} | {_seconds(t.trace_s)} | {_seconds(t.lower_s)} | "
+              f"{_seconds(t.compile_s)} | {_seconds(_total(t))} | {_seconds(first)} | "
+              f"{_seconds(second)} | {t.cache_hits} |", flush=True)
+  for attention in ("sage", "full"):
+    print(f"{attention}: warm / cold (trace + lower + compile, what `python -m train` "
+          f"reports as compiling the train step): "
+          f"{totals[attention, 'warm'] / totals[attention, 'cold']:.2f}")
+
+
 def _total(t: Timing) -> float:
   return t.trace_s + t.lower_s + (t.compile_s or 0.0)
 
@@ -260,9 +334,11 @@ def _print_kernels(t: Timing, where: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
   parser = benchmarks.parser(__doc__, "benchmarks.compile_time")
-  parser.add_argument("--part", choices=("op", "chain", "step", "all"), default="all",
+  parser.add_argument("--part", choices=("op", "chain", "step", "cache", "all"), default="all",
                       help="(a) op: the op against jax.nn; (b) chain: n chained calls; "
-                           "(c) step: train's train step (not in all)")
+                           "(c) step: train's train step; (d) cache: train's train step "
+                           "cold and warm through the persistent compilation cache "
+                           "(c and d are not in all)")
   parser.add_argument("--calls", default="1,2,4,12", help="chain: the values of n")
   parser.add_argument("--cuda", action="store_true",
                       help="chain: lower for CUDA with the H200's kernels, without a GPU")
@@ -281,6 +357,8 @@ def main(argv: list[str] | None = None) -> None:
     report_chain([int(n) for n in args.calls.split(",")], args.cuda)
   if args.part == "step":
     report_step(args.preset, args.seq_len, args.batch_size)
+  if args.part == "cache":
+    report_cache(args.preset, args.seq_len, args.batch_size)
 
 
 if __name__ == "__main__":

@@ -3,10 +3,12 @@
     python -m benchmarks.train_step [--preset small --seq-len 8192 --batch-size 2 --steps 20]
 
 Runs `python -m train` once per `--attention` (sage, full) with the same
-flags, in temporary run folders and without checkpoints, and prints each
+flags, in temporary run folders, without checkpoints and without the
+persistent compilation cache (each compiles from scratch), and prints each
 one's median step time (the first step, which compiles, excluded), the speed
 ratio, both runs' training losses per step and the largest difference
-between them. Extra flags after `--` go to `train` unchanged.
+between them. Extra flags after `--` go to `train` unchanged (`--
+--compile-cache DIR` uses a cache).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def run(attention: str, args: argparse.Namespace, extra: list[str], root: str) -
   cmd = [sys.executable, "-m", "train", "--preset", args.preset, "--seq-len", str(args.seq_len),
          "--batch-size", str(args.batch_size), "--grad-accum", "1", "--steps", str(args.steps),
          "--warmup", str(min(args.steps, 10)), "--eval-every", str(args.steps),
-         "--ckpt-every", "0",
+         "--ckpt-every", "0", "--compile-cache", "none",
          "--attention", attention, "--out", out, *extra]
   subprocess.run(cmd, check=True)
   with open(os.path.join(out, "metrics.jsonl")) as f:

@@ -76,11 +76,11 @@ def check_trivial(name: str, x, is_trivial: Callable[[np.ndarray], bool], trivia
 
 # The quantization blocks' default, both sides: 64 x 64 blocks keep every
 # Table 1 error within its bar, 128-row blocks of dO push dV's past it
-# (docs/performance.md, "Figures moved out of the code").
+# (docs/performance-log.md, "Figures the code's comments quoted").
 DEFAULT_BLOCK = 64
 # The smallest block chosen by default. Compiled on an H200, the portable
 # kernels gave a wrong dQ with 16 x 16 blocks while 32 and up passed
-# (tests/attention_suite.py::test_block_sizes_all_accurate; docs/performance.md);
+# (tests/attention_suite.py::test_block_sizes_all_accurate; docs/performance-log.md);
 # `dot_product_attention` refuses 16 on a GPU until that is fixed.
 MIN_DEFAULT_BLOCK = 32
 

@@ -46,7 +46,7 @@ def opaque(*arrays: jax.Array) -> tuple[jax.Array, ...]:
   A loss may close over constants: `jnp.sum(out)` makes dO a broadcast 1, a
   test fixes dO or the keys. XLA would then evaluate the quantization and
   everything after it that reads only constants while compiling, in its
-  slow evaluator (seconds per reduction at T=1024, docs/performance.md),
+  slow evaluator (seconds per reduction at T=1024, docs/performance-log.md),
   to save no run time: every stage reads these arrays once anyway.
   """
   return jax.lax.optimization_barrier(arrays)

@@ -20,7 +20,7 @@ import tempfile
 os.environ.setdefault("JAX_NUMPY_RANK_PROMOTION", "raise")
 # Triton's interpreter (the Triton kernels' tests without a GPU) multiplies
 # tiles with numpy, where OpenBLAS's threads, contending with XLA's on two
-# cores, made each product many times slower (docs/performance.md). Read when numpy loads.
+# cores, made each product many times slower (docs/performance-log.md). Read when numpy loads.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # pytest-xdist workers share one GPU (`pytest -m gpu -n 4`: compiling, not the
 # GPU, bounds the GPU suite): each takes memory as it needs it instead of
@@ -37,7 +37,7 @@ def _has_gpu_plugin() -> bool:
 # Where jax has no GPU, compiling is most of the suite's time, and LLVM's
 # optimization of the CPU code most of each compile. No test checks the
 # speed of the CPU code, and XLA's own passes (fusion, layout) still run, so
-# the suite compiles at LLVM -O0: a fifth less time (docs/performance.md).
+# the suite compiles at LLVM -O0: a fifth less time (docs/performance-log.md).
 # The variable reaches the subprocesses the tests start. With a GPU plugin
 # the flag, which would also set the GPU's LLVM level, stays off; a level
 # the caller set is left alone.
@@ -202,7 +202,8 @@ def check_quantization_pass(backend, reference, head_dim: int, smooth_q: bool,
   add the Q-smoothing means in another order). `ds_precision="bf16"`
   quantizes Q per token. The reference runs on the CPU: XLA:GPU divides fp32
   to within an ulp, not correctly rounded (127 / amax differs in many
-  values on the H200: docs/performance.md), which moves int8 values by one. Returns (ours, ref)."""
+  values on the H200: docs/performance-log.md), which moves int8 values by
+  one. Returns (ours, ref)."""
   from sagebwd_jax.sagebwd import key_mean
   layouts = Layouts() if layouts is None else layouts
   q, k, v, _ = gaussian_qkv(jax.random.key(0), 2, 128, 192, 4, 2, head_dim, sigma=2.0)

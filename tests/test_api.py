@@ -214,7 +214,7 @@ def test_properties(implementation, case):
       assert cosine(x, ref) >= 0.99, f"{name}: cosine {cosine(x, ref):.5f}"
   # dQ and dK vanish exactly for one visible key and are tiny for nearly
   # one-hot softmax, where the quantized forward's O (hence Delta) leaves an
-  # error of a share of dO.V (docs/performance.md); bound the error on the
+  # error of a share of dO.V (docs/performance-log.md); bound the error on the
   # natural gradient scale |dV|, and require cosine where the exact gradient
   # is of that scale.
   scale = np.linalg.norm(np.asarray(want_grads[2], np.float64))

@@ -18,7 +18,7 @@ pytest.importorskip("triton", reason="the Triton kernels need the package triton
 class TestTritonInterpret(AttentionTestBase):
   implementation = "triton"
   # The interpreter runs a kernel's Python body once per program and tile
-  # (docs/performance.md): Table 1 at T=4096 alone would take minutes. Its accuracy is the
+  # (docs/performance-log.md): Table 1 at T=4096 alone would take minutes. Its accuracy is the
   # reference's with unsigned P and P^T (which test_matches_reference_backend
   # ties these kernels to, case by case); the GPU suite runs Table 1 through
   # them.

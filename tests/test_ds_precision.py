@@ -36,7 +36,7 @@ def test_bf16_ds_lowers_every_error(dtype):
                                        (int8[0], *int8[1]), (exact[0], *exact[1])):
     ours, before = rel_l2(ours, truth), rel_l2(before, truth)
     # dQ, dK: at sigma 1 INT8 dS is over half of the error's variance
-    # (docs/performance.md); O, dV: per-token Q scales only.
+    # (docs/performance-log.md); O, dV: per-token Q scales only.
     assert ours < (0.7 if name in ("dQ", "dK") else 1.0) * before, (name, ours, before)
 
 

@@ -349,7 +349,7 @@ def test_llama_decode_with_the_cache_gives_the_full_forwards_logits():
   each layer's key/value cache (the op on the cache with its length as
   key_value_seq_lengths): the logits of the whole sequence in one forward, up
   to SageBwd's int8 blocks, which span the tokens seen so far (the bar's
-  margin, and what a position off by one gives: docs/performance.md)."""
+  margin, and what a position off by one gives: docs/performance-log.md)."""
   model = Llama(LlamaConfig(**TINY, dtype=jnp.float32), rngs=nnx.Rngs(0))
   tokens = jax.random.randint(jax.random.key(5), (B, 24), 0, TINY["vocab_size"])
   want = model(tokens)

@@ -124,7 +124,7 @@ def test_training_on_8_devices_matches_one_device(tmp_path):
   attention agrees at any learning rate; SageBwd's int8 rounding can flip
   where parameters differ in the last bit, as the gradient all-reduce sums in
   another order, and --lr 1e-3 keeps their effect within the bars below:
-  docs/performance.md.)"""
+  docs/performance-log.md.)"""
   corpus = str(data.stdlib_dir() / "json")
   flags = ["-m", "train", "--dim", "128", "--n-layers", "1", "--n-heads", "2",
            "--n-kv-heads", "2", "--ffn-dim", "128", "--seq-len", "32", "--batch-size", "8",

@@ -36,7 +36,7 @@ TRITON = TritonBackend.tuned(causal=False, interpret=not ON_GPU)
 REFERENCE = ReferenceBackend(TRITON)  # with the numerics TRITON declares
 # Kernel against reference on the same int8 tensors, fp32 results: contracted
 # multiply-adds (and, compiled, the GPU's approximate exp2) move a few P and dS
-# roundings (docs/performance.md: by how much); a wrong tile, scale or mask is
+# roundings (docs/performance-log.md: by how much); a wrong tile, scale or mask is
 # off by far more than this.
 TOLERANCE = 2e-3
 
@@ -245,7 +245,7 @@ def test_forward_alone_writes_no_transposed_layouts():
 def test_forward_keeps_three_programs_per_sm(tmp_path, causal):
   """The forward at its default launch (4 warps, 64 x 64 tiles) fits three
   programs per SM in registers: one 128-thread warpgroup per program hides
-  its latencies only with others beside it (docs/performance.md: what two
+  its latencies only with others beside it (docs/performance-log.md: what two
   programs cost)."""
   try:
     sass.tool("cuobjdump")

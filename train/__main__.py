@@ -13,25 +13,56 @@ import os
 import sys
 import time
 
-from train.config import from_args, to_json
+from train.config import GPU_PRESETS, parse, to_json
 
 
-def _summary(result: dict, seconds: float, png: str) -> str:
+def _summary(result: dict, seconds: float, png: str, cache=None) -> str:
   fmt = lambda x: "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"
   mfu = "" if result.get("mfu") is None else f", MFU {result['mfu']:.1%}"
+  cached = ("" if cache is None else
+            f"; compile cache: {cache.hits} programs loaded, {cache.writes} written")
   speed = ("" if result["tokens_per_s"] is None else
            f"; {result['tokens_per_s']:,.0f} tokens/s{mfu} ({result['compile_s']:.0f}s of "
-           f"compilation not counted)")
+           f"compilation not counted{cached})")
   return (f"done in {seconds:.0f}s: step {result['step']}, loss {fmt(result['loss'])}, "
           f"val_loss {fmt(result['val_loss'])}{speed}; plot {png}")
 
 
+def _refuse_gpu_presets_without_a_gpu(preset: str, cfg) -> None:
+  """SystemExit with one line when `preset` is sized for GPUs and jax sees
+  none (before the data, the run folder or the compile cache is touched)."""
+  import jax
+  if preset not in GPU_PRESETS or jax.default_backend() != "cpu":
+    return
+  from train.flops import cpu_refusal, measured_flops
+  raise SystemExit(f"error: {cpu_refusal(cfg, preset, measured_flops(cfg.dtype))}")
+
+
+def _compile_cache(flag: str | None, log) -> None:
+  """jax's persistent compilation cache as --compile-cache asks
+  (train/compile_cache.py); one line says where."""
+  from train import compile_cache
+  path = compile_cache.resolve(flag)
+  if path is None:
+    compile_cache.disable()
+    return
+  try:
+    compile_cache.enable(path)
+  except ValueError as e:
+    if flag is not None:
+      raise SystemExit(f"error: {e}")
+    log(f"warning: {e}")  # the default folder: run without the cache
+    compile_cache.disable()
+    return
+  log(f"compile cache: {path} (--compile-cache DIR moves it, --compile-cache none turns it off)")
+
+
 def main(argv: list[str] | None = None) -> None:
   try:
-    cfg, print_config = from_args(argv)
+    cfg, preset, options = parse(argv)
   except ValueError as e:
     raise SystemExit(f"error: {e}")
-  if print_config:
+  if options["print_config"]:
     from train.rundir import RunError, resolve
     try:
       print(to_json(dataclasses.replace(cfg, out=resolve(cfg))))
@@ -43,6 +74,12 @@ def main(argv: list[str] | None = None) -> None:
     initialize_distributed(cfg.coordinator, cfg.num_processes, cfg.process_id)
   except ValueError as e:
     raise SystemExit(f"error: {e}")
+  if not options["allow_cpu"]:
+    _refuse_gpu_presets_without_a_gpu(preset, cfg)
+  import jax
+  _compile_cache(options["compile_cache"],
+                 (lambda line: print(line, file=sys.stderr)) if jax.process_index() == 0
+                 else (lambda line: None))
   from train.loop import train  # after argument parsing: jax is slow to import
   from train.plot import plot
   from train.rundir import RunError
@@ -52,14 +89,14 @@ def main(argv: list[str] | None = None) -> None:
     result = train(cfg)
   except (RunError, ValueError) as e:
     raise SystemExit(f"error: {e}")
-  import jax
   if jax.process_index() != 0:
     return  # process 0 writes the plot and the summary
   try:
     png = plot([result["run_dir"]], os.path.join(result["run_dir"], "loss.png"))
   except ValueError as e:
     raise SystemExit(f"error: plotting the run: {e}")
-  print(_summary(result, time.perf_counter() - t0, png), file=sys.stderr)
+  from train.compile_cache import active
+  print(_summary(result, time.perf_counter() - t0, png, active()), file=sys.stderr)
 
 
 if __name__ == "__main__":

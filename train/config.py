@@ -149,6 +149,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                 keep=3),
 }
 
+# Presets sized for GPUs: without one, `python -m train` refuses them unless
+# given --allow-cpu (a step of either takes minutes to hours on a CPU).
+GPU_PRESETS = ("small", "gpu")
+
 # The values each Literal field takes. The model flags' Literals are
 # LlamaConfig's (tests/test_train.py ties them), spelled out because this
 # module is read by processes that import no jax (the study's parent), and
@@ -317,6 +321,12 @@ def parser() -> argparse.ArgumentParser:
                      help="the settings to start from (listed at the end; default tiny)")
       g.add_argument("--print-config", action="store_true",
                      help="print the resolved configuration as JSON and exit")
+      g.add_argument("--compile-cache", metavar="DIR", default=None,
+                     help="jax's persistent compilation cache: compiled steps are kept "
+                          "here, so a second run or a resume of the same model starts "
+                          "without compiling them again (default $JAX_COMPILATION_CACHE_DIR "
+                          "where set, else ~/.cache/sagebwd-jax/jax-cache; 'none': off; "
+                          "safe for runs sharing it at the same time)")
     kind = str(f.type).split(" |")[0]
     kw = dict(default=argparse.SUPPRESS,  # absent flags keep the preset's value
               help=helps[f.name].rstrip(".") + _limits(f.name))
@@ -328,6 +338,10 @@ def parser() -> argparse.ArgumentParser:
       g.add_argument(flag(f.name), nargs="+", metavar="PATH", **kw)
     else:
       g.add_argument(flag(f.name), type={"int": int, "float": float}.get(kind, str), **kw)
+  sections["devices"].add_argument(
+      "--allow-cpu", action="store_true",
+      help=f"run the {' and '.join(GPU_PRESETS)} presets where jax sees no GPU; without it "
+           f"they stop at once there, with the step time they would take")
   return p
 
 
@@ -358,20 +372,29 @@ def scale_schedule(cfg: Config, preset_steps: int, given) -> tuple[Config, str |
                + "; give them to choose other values")
 
 
-def from_args(argv: list[str] | None = None) -> tuple[Config, bool]:
-  """(the configuration the flags ask for, whether --print-config was given).
+# The flags that are not fields of Config (config.json does not record them).
+OPTIONS = ("print_config", "compile_cache", "allow_cpu")
+
+
+def parse(argv: list[str] | None = None) -> tuple[Config, str, dict[str, Any]]:
+  """(the configuration the flags ask for, --preset's name, the OPTIONS given).
 
   Prints to stderr which schedule fields followed --steps (`scale_schedule`).
   ValueError, naming the flag, for anything out of range."""
   args = vars(parser().parse_args(argv))
-  print_config = args.pop("print_config")
+  options = {k: args.pop(k) for k in OPTIONS}
   name = args.pop("preset")
-  cfg = preset(name, **args)
-  cfg, note = scale_schedule(cfg, preset(name).steps, given=args)
+  cfg, note = scale_schedule(preset(name, **args), preset(name).steps, given=args)
   check(cfg)
   if note:
     print(note, file=sys.stderr)
-  return cfg, print_config
+  return cfg, name, options
+
+
+def from_args(argv: list[str] | None = None) -> tuple[Config, bool]:
+  """(the configuration the flags ask for, whether --print-config was given)."""
+  cfg, _, options = parse(argv)
+  return cfg, options["print_config"]
 
 
 def to_json(cfg: Config) -> str:

@@ -43,7 +43,7 @@ class TritonBackend:
   def tuned(cls, *, causal: bool, interpret: bool = False) -> "TritonBackend":
     """The default launches (interpreted or not), as `python -m benchmarks.tune`
     and the causal forward's register count chose them on an H200
-    (docs/performance.md): the forward at 3 pipeline stages, 2 when causal
+    (docs/performance-log.md): the forward at 3 pipeline stages, 2 when causal
     (the causal forward keeps three programs per SM only at 2), dK/dV at 3,
     dQ at 2; dK/dV 128 keys at 8 warps: each warpgroup keeps whole 64-key
     rows (64 keys at 8 warps split every tile's columns between the

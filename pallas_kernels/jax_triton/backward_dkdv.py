@@ -96,7 +96,7 @@ def _q_step(dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, 
   p8_t = tiles.unsigned_byte(pq_t)
 
   # dV and dK in column halves: an int32 product of half the width is live
-  # at a time, registers that otherwise spill (docs/performance.md).
+  # at a time, registers that otherwise spill (docs/performance-log.md).
   dv_scale = p_scale[:, None] * tl.load(do_scale_ptr + i * BLOCK_Q)
   dv_lo = _dv_half(dv_lo, p8_t, dv_scale, do8_t_ptr, dv_start_ptr, i, rows, lo, TQ, TILE_KV, D)
   dv_hi = _dv_half(dv_hi, p8_t, dv_scale, do8_t_ptr, dv_start_ptr, i, rows, hi, TQ, TILE_KV, D)

@@ -106,7 +106,7 @@ def _forward_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_p
                                                       LEFT, RIGHT)
     # The band's masked blocks first, as straight-line steps: after the
     # pipelined loop a second pass of the step held more registers, a
-    # program per SM (docs/performance.md). Each step quantizes P against its
+    # program per SM (docs/performance-log.md). Each step quantizes P against its
     # own block's top (numerics.folded_softmax_step), so the order changes no
     # P tile of the reference's ascending one, but a block's whose top lies
     # E_FLOOR below the row's maximum so far (P < 2**-52 of the row's).

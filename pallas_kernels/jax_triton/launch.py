@@ -59,7 +59,7 @@ def _specializer_without_torch() -> None:
   where it is installed, only to give torch.Tensor a fast path (a tensor
   still specializes through its `data_ptr` without it). A JAX program passes
   no torch tensors, and that import was most of the op's first Triton
-  lowering on the H200 (docs/performance.md, seventeenth session). Where
+  lowering on the H200 (docs/performance-log.md, seventeenth session). Where
   torch is already imported, nothing changes.
   """
   if "torch" in sys.modules:

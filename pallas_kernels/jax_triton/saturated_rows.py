@@ -2,7 +2,7 @@
 rule) in one launch: a program per (query block, batch, query head) reads its
 rows' lse and returns at once unless one of them saturates, so training pays
 one near-empty launch per backward where a `lax.cond` would block the host on
-its predicate (docs/performance.md). A program with a saturated row walks
+its predicate (docs/performance-log.md). A program with a saturated row walks
 the key blocks its queries see, as dQ does, with the online maximum and sum
 of the forward and the 16-bit dP = dO.V^T of the backward, and replaces
 those rows' Delta and lse; it copies the others as given."""

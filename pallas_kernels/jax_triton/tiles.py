@@ -192,7 +192,7 @@ def row_top(x, c, SMOOTH_Q: tl.constexpr):
     return x_top, x_top
   # A sum over the column's one key, not a reshape: the sum keeps x_top's row
   # layout, the reshape's layout conversion held registers that cost a
-  # program per SM (docs/performance.md).
+  # program per SM (docs/performance-log.md).
   return x_top, tl.sum(x_top[:, None] * c, axis=1)
 
 

@@ -73,7 +73,7 @@ class MosaicBackend:
   def tuned(cls, fallback: Backend, fp8_fallback: Backend | None = None) -> "MosaicBackend":
     """The launches `python -m benchmarks.attention` and
     `python -m benchmarks.mosaic_backward` measured fastest on an H200
-    (docs/performance.md)."""
+    (docs/performance-log.md)."""
     return cls(fallback, forward_mosaic=forward.ForwardTuning(),
                dkdv_tuning=BackwardTuning(), dq_tuning=BackwardTuning(),
                fp8_fallback=fp8_fallback)

@@ -39,7 +39,7 @@ class BackwardTuning(pipeline.Tuning):
   """Launch settings of a Mosaic backward kernel: blocks of 64 keys (dK/dV) or
   queries (dQ) per CTA, the ring of the other side's 64-token tiles, the
   schedule barrier. `python -m benchmarks.mosaic_backward` times them
-  (docs/performance.md)."""
+  (docs/performance-log.md)."""
 
 
 def magic(shape=TILE):
@@ -115,7 +115,7 @@ def merge(acc, product, row_scale):
   The product started fresh (`registers.dot_from_registers`), so no
   instruction set its accumulator: against a biased start (0x4B400000, read
   back by one add) this saves a move per element and step
-  (docs/performance.md, 2026-12-02)."""
+  (docs/performance-log.md, 2026-12-02)."""
   return acc + product.astype(jnp.float32) * lax.broadcast_in_dim(row_scale, acc.shape, [0])
 
 

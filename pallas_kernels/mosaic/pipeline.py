@@ -72,7 +72,7 @@ class Registers:
 
 
 # The forward's compute warpgroups run without spills at 232 (fourth session,
-# docs/performance.md); the backward's need all 240, so its producer keeps
+# docs/performance-log.md); the backward's need all 240, so its producer keeps
 # the least setmaxnreg allows.
 FORWARD_REGISTERS = Registers(producer=40)
 BACKWARD_REGISTERS = Registers(producer=24)
