@@ -345,9 +345,8 @@ def parser() -> argparse.ArgumentParser:
   return p
 
 
-# The fields a preset sets for its own --steps. Given --steps alone, they scale
-# with it (a 10-step smoke run keeps the preset's shape: the warmup's share,
-# the number of evaluations and of checkpoints).
+# The fields a preset sets for its own --steps. Given --steps alone they scale with it
+# (a 10-step smoke run keeps the preset's warmup share, evaluations and checkpoints).
 SCHEDULE_FIELDS = ("warmup", "eval_every", "ckpt_every", "telemetry_every")
 
 
