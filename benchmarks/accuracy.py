@@ -12,7 +12,7 @@ runs its pure-JAX reference (the kernels' int8 arithmetic), about a minute
 per sigma on two CPU cores.
 
 `--quantization int8_fp8` (FP8 P and dS products) prints instead, beside its
-relative L2: the INT8 mode's on the same inputs and the ratio (issue 48's
+relative L2: the INT8 mode's on the same inputs and the ratio (the mode's
 bars: at most 2.3x at sigma 1, 1.5x from sigma 3), and a per-tensor-scaled
 FP8 design without smoothing (`per_tensor_fp8`, cuDNN FP8's numerics) and the
 ratio (bar: at most 0.8x).
@@ -35,7 +35,7 @@ from sagebwd_jax import metrics
 PAPER = {1: (.0160, .0184, .0220, .0159), 3: (.0389, .0758, .0777, .0387),
          5: (.0603, .2014, .2007, .0605), 8: (.0972, .4666, .4699, .0973),
          10: (.1161, .6648, .6684, .1157)}
-# issue 48's bars for quantization="int8_fp8": its error over the INT8
+# The bars of quantization="int8_fp8": its error over the INT8
 # mode's (sigma 1, then sigma >= 3), and over the per-tensor FP8 design's.
 FP8_OVER_INT8 = {1: 2.3}
 FP8_OVER_INT8_FROM_SIGMA_3 = 1.5

@@ -1,4 +1,4 @@
-"""The two numbers issue 48's FP8 design hinges on, measured on the GPU.
+"""The two numbers the FP8 products' design hinges on, measured on the GPU.
 
     python -m benchmarks.fp8_probe [--part accumulation|rates|both]
 

@@ -1,8 +1,8 @@
-"""`quantization="int8_fp8"` (issue 48): INT8 Q.K^T, FP8 E4M3 P.V, P^T.dO, dS.K
+"""`quantization="int8_fp8"`: INT8 Q.K^T, FP8 E4M3 P.V, P^T.dO, dS.K
 and dS^T.Q, every FP8 scale known before the loop that uses it.
 
 The reference decides the mode's accuracy: against fp64 attention it must stay
-within issue 48's bars of the INT8 mode and beat per-tensor FP8 (cuDNN FP8's
+within the mode's bars of the INT8 mode and beat per-tensor FP8 (cuDNN FP8's
 numerics), and its FP8 operands must be what the design says (numpy, with
 ml_dtypes' E4M3 rounding); the kernel backends must refuse it so that the
 `implementation=` chain falls through; the Flax modules and `python -m train`
@@ -232,7 +232,7 @@ def test_gpu_mosaic_forward_matches_reference(case):
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_op_error_within_the_references(causal):
   """On the GPU the op (the Hopper FP8 forward, the reference's backward) is
-  within 1.1x of the reference's error against fp64 (issue 48's bar)."""
+  within 1.1x of the reference's error against fp64 (the mode's bar)."""
   q, k, v, do = gaussian_qkv(jax.random.key(13), 2, 1024, 1024, 4, 2, 128)
   exact = oracle64(q, k, v, do, is_causal=causal)
   ours = sage(q, k, v, do, is_causal=causal, quantization="int8_fp8")

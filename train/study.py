@@ -27,7 +27,7 @@ share runs once):
   Finding (ii): the error comes mainly from dS.
 - fp8: `--quantization int8_fp8` (FP8 P and dS products) beside SageBwd's
   INT8 and full precision at the second and the largest setting (the
-  `tokens` grid's runs there): the mode trains as well as both (issue 48).
+  `tokens` grid's runs there): the mode trains as well as both.
 
 Every run is an ordinary run folder, <out>/<cell>-s<seed> (`python -m
 train.plot` draws it), trained by `train.loop.train` in a fresh process of

@@ -139,7 +139,7 @@ def grids(scale: Scale) -> dict[str, Grid]:
   precision up to 260K tokens per step (falling behind at 2.1M), beyond every
   setting of these scales: so every SageBwd-minus-full gap is expected near 0.
   `fp8` puts quantization="int8_fp8" beside both at the second and the largest
-  setting (issue 48), sharing the `tokens` grid's runs there."""
+  setting, sharing the `tokens` grid's runs there."""
   settings = range(len(scale.grad_accums))
   sage, full = Cell(), Cell(attention="full")
   fp8_settings = sorted({min(1, len(settings) - 1), len(settings) - 1})
