@@ -38,7 +38,7 @@ def _e4m3(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("sigma", [1, 3])
-def test_errors_within_the_issue_bars(sigma):
+def test_errors_within_the_modes_bars(sigma):
   """Table 1's setting at T=512 (CI-sized; benchmarks.accuracy runs T=4096)."""
   q, k, v, do = gaussian_qkv(jax.random.key(sigma), 1, 512, 512, 1, 1, 128, sigma=sigma)
   exact = oracle64(q, k, v, do)
