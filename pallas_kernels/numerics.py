@@ -98,6 +98,28 @@ def quantize_rows(x: jax.Array, *, nonnegative: bool = False) -> tuple[jax.Array
   return x8, row_amax / INT8_MAX
 
 
+def ordered_sum(x: jax.Array, axis: int = -1) -> jax.Array:
+  """The sum over `axis` in one fixed order: a tree of elementwise adds, the
+  axis zero-padded to a power of two. The reference's sums that reach an
+  output take it.
+
+  A `jnp.sum` is an XLA reduction, and XLA:CPU picks its order (split,
+  vectorized, or handed to a library) by the array's whole shape: a batch
+  row's sum then rounds one way on one device and another way inside a
+  `shard_map` whose devices hold fewer rows (issue 49). Elementwise adds
+  leave XLA no such choice.
+  """
+  axis = axis % x.ndim
+  width = 1 << max(x.shape[axis] - 1, 0).bit_length()
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, width - x.shape[axis])
+  x = jnp.pad(x, pad)
+  while x.shape[axis] > 1:
+    half = x.shape[axis] // 2
+    x = lax.slice_in_dim(x, 0, half, axis=axis) + lax.slice_in_dim(x, half, 2 * half, axis=axis)
+  return jnp.squeeze(x, axis)
+
+
 def spread_nan(x: jax.Array, axis: int = -1) -> jax.Array:
   """x with every element along `axis` NaN where any of them is.
 
@@ -281,7 +303,7 @@ def folded_softmax_step(blocks: Sequence[tuple[jax.Array, jax.Array]],
   for (_, from_top), folded_top, inv in zip(blocks, folded_tops, inv_v_scales):
     p = levels * jnp.exp2(from_top + (folded_top - e_new)[..., None])
     ps.append(p)
-    row_sums.append(jnp.sum(p, axis=-1) * inv)
+    row_sums.append(ordered_sum(p) * inv)
   l_new = alpha * l + functools.reduce(jnp.add, row_sums)
   p = ps[0] if len(ps) == 1 else jnp.concatenate(ps, axis=-1)
   return p, alpha, m_new, e_new, l_new

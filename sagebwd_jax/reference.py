@@ -22,7 +22,7 @@ from pallas_kernels.layouts import arrange, to_layout
 from pallas_kernels.types import (Backend, Config, Layouts, Masks, Numerics, Prepass,
                                   QuantizedQKV, TransposedLayout)
 from sagebwd_jax.saturated_rows import where_saturated
-from sagebwd_jax.score_tiles import ScoreTiles, blocks, int8_einsum
+from sagebwd_jax.score_tiles import ScoreTiles, blocks, int8_einsum, sum_tiles, wide_einsum
 
 _f32 = jnp.float32
 
@@ -88,7 +88,7 @@ class ReferenceBackend:
     q_blocks = blocks(_heads(q).astype(_f32), config.block_q)
     q_mean = None
     if config.smooth_q:
-      q_mean = jnp.mean(q_blocks, axis=-2)
+      q_mean = nm.ordered_sum(q_blocks, axis=-2) / config.block_q
       q_blocks = q_blocks - q_mean[..., None, :]
       q_mean = q_mean * multiplier
     if config.q_per_token:
@@ -153,7 +153,7 @@ class ReferenceBackend:
 
   def prepass(self, o, do, config: Config,
               layout: TransposedLayout = TransposedLayout.TOKENS) -> Prepass:
-    delta = jnp.sum(_heads(do).astype(_f32) * _heads(o).astype(_f32), axis=-1)
+    delta = nm.ordered_sum(_heads(do).astype(_f32) * _heads(o).astype(_f32))
     do8, do_scale = _quantize_blocks(blocks(_heads(do).astype(_f32), config.block_q))
     do8_t = _transposed(_unblock(do8))
     return Prepass(delta=delta, do8_t=to_layout(do8_t, layout),
@@ -183,8 +183,7 @@ class ReferenceBackend:
       s = tiles.scores(j)
       log2_p = nm.log2_p(s - lse[..., None])
       p = jnp.exp2(log2_p)
-      dp = jnp.einsum("bhgiqd,bhkd->bhgiqk", do_blocks, tiles.kv_block(v_heads, j, axis=-2),
-                      preferred_element_type=_f32)
+      dp = wide_einsum("bhgiqd,bhkd->bhgiqk", do_blocks, tiles.kv_block(v_heads, j, axis=-2))
       ds = p * (dp - delta[..., None])
       # dV = P^T.dO: P^T quantized per key (a row of the dK/dV kernel's tile).
       if unsigned_p_t:
@@ -196,21 +195,19 @@ class ReferenceBackend:
         p8_t, p_scale = nm.quantize_rows(jnp.swapaxes(p, -1, -2), nonnegative=True)
         ds_t = jnp.swapaxes(ds, -1, -2)
       dv_tiles = int8_einsum("bhgikq,bhgiqd->bhgikd", p8_t, do8)
-      dv = jnp.sum(nm.dequantize(dv_tiles, p_scale[..., None], do_scale[..., None, None]),
-                   axis=(2, 3))
+      dv = sum_tiles(nm.dequantize(dv_tiles, p_scale[..., None], do_scale[..., None, None]))
 
       if config.ds_precision == "bf16":  # dS in the inputs' dtype
         # Rounded explicitly: XLA may drop an f32 -> bf16 -> f32 round trip
         # (excess precision), while the kernels' 16-bit dots do round.
         finfo = jnp.finfo(qkv.k16.dtype)
         ds16 = jax.lax.reduce_precision(ds, finfo.nexp, finfo.nmant).astype(qkv.k16.dtype)
-        dq = dq + jnp.einsum("bhgiqk,bhkd->bhgiqd", ds16,
-                             tiles.kv_block(k16_heads, j, axis=-2),
-                             preferred_element_type=_f32)
+        dq = dq + wide_einsum("bhgiqk,bhkd->bhgiqd", ds16,
+                              tiles.kv_block(k16_heads, j, axis=-2))
         # Q's multiplier, as the int8 Q scale carries it (ln 2 follows below).
-        dk_tiles = jnp.einsum("bhgikq,bhgiqd->bhgikd", jnp.swapaxes(ds16, -1, -2), q16,
-                              preferred_element_type=_f32) * (config.scale * nm.LOG2_E)
-        return dq, (jnp.sum(dk_tiles, axis=(2, 3)), dv)
+        dk_tiles = wide_einsum("bhgikq,bhgiqd->bhgikd", jnp.swapaxes(ds16, -1, -2),
+                               q16) * (config.scale * nm.LOG2_E)
+        return dq, (sum_tiles(dk_tiles), dv)
 
       k_scale = tiles.block_scale(qkv.k_scale, j)
       ds8, ds_scale = nm.quantize_rows(ds)
@@ -225,8 +222,8 @@ class ReferenceBackend:
       dk_tiles = nm.dequantize(dk_tiles, ds_t_scale[..., None],
                                tiles.q_scale[..., :1, None])
       if config.smooth_q:
-        dk_tiles = dk_tiles + jnp.sum(ds, axis=-2)[..., None] * tiles.q_mean[..., None, :]
-      dk = jnp.sum(dk_tiles, axis=(2, 3))
+        dk_tiles = dk_tiles + nm.ordered_sum(ds, axis=-2)[..., None] * tiles.q_mean[..., None, :]
+      dk = sum_tiles(dk_tiles)
       return dq, (dk, dv)
 
     dq0 = jnp.zeros((*tiles.q8.shape[:-1], head_dim), _f32)

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from pallas_kernels import numerics as nm
 from pallas_kernels.batching import batch_folded
 from pallas_kernels.types import Config, Masks, QuantizedQKV
-from sagebwd_jax.score_tiles import ScoreTiles
+from sagebwd_jax.score_tiles import ScoreTiles, wide_einsum
 
 
 def saturated(lse: jax.Array) -> jax.Array:
@@ -84,14 +84,13 @@ def recomputed_rows(qkv: QuantizedQKV, v: jax.Array, do: jax.Array, masks: Masks
   def kv_step(carry, j):
     m, l, d = carry
     s = tiles.scores(j)
-    # HIGHEST: fp32 inputs multiply in fp32 (not TF32 on a GPU), as the
-    # kernels' dP does; a one-hot row's dP - Delta then cancels.
-    dp = jnp.einsum("bhgiqd,bhkd->bhgiqk", do_rows, tiles.kv_block(v_heads, j, axis=-2),
-                    preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+    # As the backward's dP (fp32 inputs in fp32, not TF32 on a GPU): a one-hot
+    # row's dP - Delta then cancels.
+    dp = wide_einsum("bhgiqd,bhkd->bhgiqk", do_rows, tiles.kv_block(v_heads, j, axis=-2))
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     alpha = jnp.exp2(m - m_new)
     w = jnp.exp2(s - m_new[..., None])  # 0 where masked: m_new is finite
-    return (m_new, alpha * l + jnp.sum(w, axis=-1), alpha * d + jnp.sum(w * dp, axis=-1)), None
+    return (m_new, alpha * l + nm.ordered_sum(w), alpha * d + nm.ordered_sum(w * dp)), None
 
   shape = tiles.q_scale.shape
   init = (jnp.full(shape, nm.NOTHING_SEEN, jnp.float32), jnp.zeros(shape, jnp.float32),
