@@ -208,6 +208,13 @@ def log2_p(s_minus_lse: jax.Array) -> jax.Array:
   return jnp.minimum(s_minus_lse, 0.0)
 
 
+def saturation_threshold(dtype) -> float:
+  """The |lse| (base 2) above which a row takes the backward's own Delta and
+  lse, for inputs of `dtype`: `SATURATED_LSE_FP16` for fp16, else
+  `SATURATED_LSE`."""
+  return SATURATED_LSE_FP16 if jnp.dtype(dtype) == jnp.float16 else SATURATED_LSE
+
+
 def saturated_lse(m: jax.Array, l: jax.Array) -> jax.Array:
   """A saturated row's lse from its running maximum m and sum l (base 2):
   m + log2(l), less `SATURATED_MARGIN` * |m|."""
@@ -243,6 +250,14 @@ E_FLOOR_BELOW_MAX = 60.0
 # unless they tie, so the row is one-hot; training with QK-norm stays below
 # 2**6.
 SATURATED_LSE = 2.0**15
+# The same for fp16 inputs, from base-2 logits of 2**6, the top of QK-norm
+# training's range. Below 2**15 a row can be one-hot too (a causal row that
+# sees few keys, logits in the hundreds), and its rowsum(dO * O) is then off
+# by dO . (V - V's int8 value): with V near fp16's range, dQ = dS.K and dK
+# overflow fp16 to Inf where the exact gradient is small (issue 49). bf16
+# keeps 2**15: there the same error stays finite, and every row the pass
+# takes costs two more products (docs/algorithm.md, "Saturating logits").
+SATURATED_LSE_FP16 = 2.0**6
 # How far below its largest score a saturated row's lse is set, relative to
 # that score: P = exp2(min(S - lse, 0)) in every backward, so the row's top
 # key gets P = 1 exactly. Each kernel rounds S * c - lse its own way (an FMA

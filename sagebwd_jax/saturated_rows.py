@@ -10,7 +10,8 @@ which dQ = dS.K and dK = dS^T.Q then multiply by |K| and |Q|: the larger the
 logits, the larger the error, where the exact gradient is 0.
 
 Rows whose base-2 log-sum-exp exceeds `numerics.SATURATED_LSE` in magnitude
-(logits where one key takes the whole row unless keys tie) take instead
+(logits where one key takes the whole row unless keys tie; for fp16 inputs
+`SATURATED_LSE_FP16`, `numerics.saturation_threshold`) take instead
 sum_j P dP from the backward's own dP, with P normalized over the row in
 this pass (its own running maximum m and sum l), so a one-hot row's weight
 is exactly 1 whatever the rounding of the forward's lse; and they take
@@ -42,9 +43,10 @@ from pallas_kernels.types import Config, Masks, QuantizedQKV
 from sagebwd_jax.score_tiles import ScoreTiles, wide_einsum
 
 
-def saturated(lse: jax.Array) -> jax.Array:
-  """The rows (B, H, Tq) whose Delta and lse `where_saturated` recomputes."""
-  return jnp.isfinite(lse) & (jnp.abs(lse) > nm.SATURATED_LSE)
+def saturated(lse: jax.Array, dtype) -> jax.Array:
+  """The rows (B, H, Tq) whose Delta and lse `where_saturated` recomputes, for
+  inputs of `dtype`."""
+  return jnp.isfinite(lse) & (jnp.abs(lse) > nm.saturation_threshold(dtype))
 
 
 def where_saturated(qkv: QuantizedQKV, v: jax.Array, lse: jax.Array, do: jax.Array,
@@ -61,7 +63,7 @@ def where_saturated(qkv: QuantizedQKV, v: jax.Array, lse: jax.Array, do: jax.Arr
     # inside the select's fusion, vectorized differently under vmap: the
     # last bit of ~1% of rows then differs from a per-example call.
     lse = jax.lax.optimization_barrier(lse)
-    rows = saturated(lse)
+    rows = saturated(lse, v.dtype)
     new_delta, new_lse = jax.lax.cond(
         jnp.any(rows), lambda: recomputed_rows(qkv, v, do, masks, config),
         lambda: (jnp.zeros_like(delta), jnp.zeros_like(lse)))
