@@ -137,11 +137,33 @@ def ds_row_bound(row_max: jax.Array, lse: jax.Array, delta: jax.Array, do: jax.A
   the backward's dP takes them; rows that see no key get 0 (lse = +inf).
   """
   m = jnp.exp2(log2_p(row_max - lse))
-  norm = lambda x: jnp.sqrt(jnp.sum(jnp.square(x.astype(jnp.float32)), axis=-1))
+  norm = lambda x: jnp.sqrt(ordered_sum(jnp.square(x.astype(jnp.float32))))
   do_norm = jnp.swapaxes(norm(do), 1, 2)  # (B, H, Tq)
   v_norm = jnp.max(norm(v), axis=1)  # (B, Hkv): over the head's keys
   v_norm = jnp.repeat(v_norm, do.shape[2] // v.shape[2], axis=1)[..., None]
   return m * (do_norm * v_norm + jnp.abs(delta))
+
+
+def ordered_sum(x: jax.Array, axis: int = -1) -> jax.Array:
+  """The sum over `axis` in one fixed order: a tree of elementwise adds, the
+  axis zero-padded to a power of two. The reference's sums that reach an
+  output take it.
+
+  A `jnp.sum` is an XLA reduction, and XLA:CPU picks its order (split,
+  vectorized, or handed to a library) by the array's whole shape: a batch
+  row's sum then rounds one way on one device and another way inside a
+  `shard_map` whose devices hold fewer rows (issue 49). Elementwise adds
+  leave XLA no such choice.
+  """
+  axis = axis % x.ndim
+  width = 1 << max(x.shape[axis] - 1, 0).bit_length()
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, width - x.shape[axis])
+  x = jnp.pad(x, pad)
+  while x.shape[axis] > 1:
+    half = x.shape[axis] // 2
+    x = lax.slice_in_dim(x, 0, half, axis=axis) + lax.slice_in_dim(x, half, 2 * half, axis=axis)
+  return jnp.squeeze(x, axis)
 
 
 def spread_nan(x: jax.Array, axis: int = -1) -> jax.Array:
@@ -232,6 +254,13 @@ def log2_p(s_minus_lse: jax.Array) -> jax.Array:
   return jnp.minimum(s_minus_lse, 0.0)
 
 
+def saturation_threshold(dtype) -> float:
+  """The |lse| (base 2) above which a row takes the backward's own Delta and
+  lse, for inputs of `dtype`: `SATURATED_LSE_FP16` for fp16, else
+  `SATURATED_LSE`."""
+  return SATURATED_LSE_FP16 if jnp.dtype(dtype) == jnp.float16 else SATURATED_LSE
+
+
 def saturated_lse(m: jax.Array, l: jax.Array) -> jax.Array:
   """A saturated row's lse from its running maximum m and sum l (base 2):
   m + log2(l), less `SATURATED_MARGIN` * |m|."""
@@ -267,6 +296,14 @@ E_FLOOR_BELOW_MAX = 60.0
 # unless they tie, so the row is one-hot; training with QK-norm stays below
 # 2**6.
 SATURATED_LSE = 2.0**15
+# The same for fp16 inputs, from base-2 logits of 2**6, the top of QK-norm
+# training's range. Below 2**15 a row can be one-hot too (a causal row that
+# sees few keys, logits in the hundreds), and its rowsum(dO * O) is then off
+# by dO . (V - V's int8 value): with V near fp16's range, dQ = dS.K and dK
+# overflow fp16 to Inf where the exact gradient is small (issue 49). bf16
+# keeps 2**15: there the same error stays finite, and every row the pass
+# takes costs two more products (docs/algorithm.md, "Saturating logits").
+SATURATED_LSE_FP16 = 2.0**6
 # How far below its largest score a saturated row's lse is set, relative to
 # that score: P = exp2(min(S - lse, 0)) in every backward, so the row's top
 # key gets P = 1 exactly. Each kernel rounds S * c - lse its own way (an FMA
@@ -327,7 +364,7 @@ def folded_softmax_step(blocks: Sequence[tuple[jax.Array, jax.Array]],
   for (_, from_top), folded_top, inv in zip(blocks, folded_tops, inv_v_scales):
     p = levels * jnp.exp2(from_top + (folded_top - e_new)[..., None])
     ps.append(p)
-    row_sums.append(jnp.sum(p, axis=-1) * inv)
+    row_sums.append(ordered_sum(p) * inv)
   l_new = alpha * l + functools.reduce(jnp.add, row_sums)
   p = ps[0] if len(ps) == 1 else jnp.concatenate(ps, axis=-1)
   return p, alpha, m_new, e_new, l_new
@@ -351,7 +388,7 @@ def fp8_softmax_step(blocks: Sequence[tuple[jax.Array, jax.Array]], m: jax.Array
   alpha = jnp.exp2(m - m_new)
   # (t - m_new) is -inf for a block whose row sees no key, and m_new finite.
   ps = [E4M3_MAX * jnp.exp2(from_top + (t - m_new)[..., None]) for t, from_top in blocks]
-  l_new = alpha * l + functools.reduce(jnp.add, [jnp.sum(p, axis=-1) for p in ps])
+  l_new = alpha * l + functools.reduce(jnp.add, [ordered_sum(p) for p in ps])
   p = ps[0] if len(ps) == 1 else jnp.concatenate(ps, axis=-1)
   return p, alpha, m_new, l_new
 

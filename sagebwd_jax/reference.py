@@ -23,7 +23,7 @@ from pallas_kernels.layouts import arrange, to_layout
 from pallas_kernels.types import (Backend, Config, Layouts, Masks, Numerics, Prepass,
                                   QuantizedQKV, TransposedLayout)
 from sagebwd_jax.saturated_rows import where_saturated
-from sagebwd_jax.score_tiles import ScoreTiles, blocks, fp8_einsum, int8_einsum
+from sagebwd_jax.score_tiles import ScoreTiles, blocks, int8_einsum, sum_tiles, wide_einsum
 
 _f32 = jnp.float32
 
@@ -89,7 +89,7 @@ class ReferenceBackend:
     q_blocks = blocks(_heads(q).astype(_f32), config.block_q)
     q_mean = None
     if config.smooth_q:
-      q_mean = jnp.mean(q_blocks, axis=-2)
+      q_mean = nm.ordered_sum(q_blocks, axis=-2) / config.block_q
       q_blocks = q_blocks - q_mean[..., None, :]
       q_mean = q_mean * multiplier
     if config.q_per_token:
@@ -147,7 +147,7 @@ class ReferenceBackend:
         p, alpha, m, l = nm.fp8_softmax_step(
             [tiles.block_scores(j * blocks_per_step + i) for i in range(blocks_per_step)], m, l)
         keys = jax.lax.dynamic_slice_in_dim(qkv.v8_t, j * p_block, p_block, axis=-1)
-        pv = fp8_einsum("bhgiqk,bhdk->bhgiqd", nm.to_e4m3(p), keys)
+        pv = wide_einsum("bhgiqk,bhdk->bhgiqd", nm.to_e4m3(p), keys)
         return (acc * alpha[..., None] + pv, m, l), None
 
       (acc, m, l), _ = jax.lax.scan(fp8_step, init, jnp.arange(kv_len // p_block))
@@ -179,7 +179,7 @@ class ReferenceBackend:
 
   def prepass(self, o, do, config: Config,
               layout: TransposedLayout = TransposedLayout.TOKENS) -> Prepass:
-    delta = jnp.sum(_heads(do).astype(_f32) * _heads(o).astype(_f32), axis=-1)
+    delta = nm.ordered_sum(_heads(do).astype(_f32) * _heads(o).astype(_f32))
     do_blocks = blocks(_heads(do).astype(_f32), config.block_q)
     if config.fp8:
       do8, do_scale = nm.quantize_e4m3(do_blocks, axis=(-2, -1))
@@ -217,14 +217,13 @@ class ReferenceBackend:
       s = tiles.scores(j)
       log2_p = nm.log2_p(s - lse[..., None])
       p = jnp.exp2(log2_p)
-      dp = jnp.einsum("bhgiqd,bhkd->bhgiqk", do_blocks, tiles.kv_block(v_heads, j, axis=-2),
-                      preferred_element_type=_f32)
+      dp = wide_einsum("bhgiqd,bhkd->bhgiqk", do_blocks, tiles.kv_block(v_heads, j, axis=-2))
       ds = p * (dp - delta[..., None])
       # dV = P^T.dO
       if config.fp8:
         # P^T to E4M3_MAX, with dO's block scale over its head's largest.
         p8_t = nm.to_e4m3(jnp.swapaxes(p, -1, -2) * fp8.p_factor)
-        dv = jnp.sum(fp8_einsum("bhgikq,bhgiqd->bhgikd", p8_t, do8), axis=(2, 3)) * fp8.dv_scale
+        dv = sum_tiles(wide_einsum("bhgikq,bhgiqd->bhgikd", p8_t, do8)) * fp8.dv_scale
       else:  # P^T quantized per key (a row of the dK/dV kernel's tile)
         if unsigned_p_t:
           pq_t, log2_p_scale = nm.unsigned_rows(jnp.swapaxes(log2_p, -1, -2))
@@ -235,32 +234,29 @@ class ReferenceBackend:
           p8_t, p_scale = nm.quantize_rows(jnp.swapaxes(p, -1, -2), nonnegative=True)
           ds_t = jnp.swapaxes(ds, -1, -2)
         dv_tiles = int8_einsum("bhgikq,bhgiqd->bhgikd", p8_t, do8)
-        dv = jnp.sum(nm.dequantize(dv_tiles, p_scale[..., None], do_scale[..., None, None]),
-                     axis=(2, 3))
+        dv = sum_tiles(nm.dequantize(dv_tiles, p_scale[..., None], do_scale[..., None, None]))
 
       if config.ds_precision == "bf16":  # dS in the inputs' dtype
         # Rounded explicitly: XLA may drop an f32 -> bf16 -> f32 round trip
         # (excess precision), while the kernels' 16-bit dots do round.
         finfo = jnp.finfo(qkv.k16.dtype)
         ds16 = jax.lax.reduce_precision(ds, finfo.nexp, finfo.nmant).astype(qkv.k16.dtype)
-        dq = dq + jnp.einsum("bhgiqk,bhkd->bhgiqd", ds16,
-                             tiles.kv_block(k16_heads, j, axis=-2),
-                             preferred_element_type=_f32)
+        dq = dq + wide_einsum("bhgiqk,bhkd->bhgiqd", ds16,
+                              tiles.kv_block(k16_heads, j, axis=-2))
         # Q's multiplier, as the int8 Q scale carries it (ln 2 follows below).
-        dk_tiles = jnp.einsum("bhgikq,bhgiqd->bhgikd", jnp.swapaxes(ds16, -1, -2), q16,
-                              preferred_element_type=_f32) * (config.scale * nm.LOG2_E)
-        return dq, (jnp.sum(dk_tiles, axis=(2, 3)), dv)
+        dk_tiles = wide_einsum("bhgikq,bhgiqd->bhgikd", jnp.swapaxes(ds16, -1, -2),
+                               q16) * (config.scale * nm.LOG2_E)
+        return dq, (sum_tiles(dk_tiles), dv)
 
       if config.fp8:
         # dS / b_i to E4M3_MAX, with the other operand's block scale over
         # its head's largest folded in; the row bound and those largest
         # scales multiply the sums after the loop.
         ds_q = nm.to_e4m3(ds * (fp8.ds_factor * tiles.block_scale(fp8.k_fold, j)))
-        dq = dq + fp8_einsum("bhgiqk,bhkd->bhgiqd", ds_q,
+        dq = dq + wide_einsum("bhgiqk,bhkd->bhgiqd", ds_q,
                              tiles.kv_block(fp8.k8, j, axis=-2))
         ds_k = nm.to_e4m3(jnp.swapaxes(ds * (fp8.ds_factor * fp8.q_fold), -1, -2))
-        dk = jnp.sum(fp8_einsum("bhgikq,bhgiqd->bhgikd", ds_k, fp8.q8),
-                     axis=(2, 3)) * fp8.dk_scale
+        dk = sum_tiles(wide_einsum("bhgikq,bhgiqd->bhgikd", ds_k, fp8.q8)) * fp8.dk_scale
         return dq, (dk, dv)
 
       k_scale = tiles.block_scale(qkv.k_scale, j)
@@ -276,8 +272,8 @@ class ReferenceBackend:
       dk_tiles = nm.dequantize(dk_tiles, ds_t_scale[..., None],
                                tiles.q_scale[..., :1, None])
       if config.smooth_q:
-        dk_tiles = dk_tiles + jnp.sum(ds, axis=-2)[..., None] * tiles.q_mean[..., None, :]
-      dk = jnp.sum(dk_tiles, axis=(2, 3))
+        dk_tiles = dk_tiles + nm.ordered_sum(ds, axis=-2)[..., None] * tiles.q_mean[..., None, :]
+      dk = sum_tiles(dk_tiles)
       return dq, (dk, dv)
 
     dq0 = jnp.zeros((*tiles.q8.shape[:-1], head_dim), _f32)

@@ -10,7 +10,8 @@ which dQ = dS.K and dK = dS^T.Q then multiply by |K| and |Q|: the larger the
 logits, the larger the error, where the exact gradient is 0.
 
 Rows whose base-2 log-sum-exp exceeds `numerics.SATURATED_LSE` in magnitude
-(logits where one key takes the whole row unless keys tie) take instead
+(logits where one key takes the whole row unless keys tie; for fp16 inputs
+`SATURATED_LSE_FP16`, `numerics.saturation_threshold`) take instead
 sum_j P dP from the backward's own dP, with P normalized over the row in
 this pass (its own running maximum m and sum l), so a one-hot row's weight
 is exactly 1 whatever the rounding of the forward's lse; and they take
@@ -39,12 +40,13 @@ import jax.numpy as jnp
 from pallas_kernels import numerics as nm
 from pallas_kernels.batching import batch_folded
 from pallas_kernels.types import Config, Masks, QuantizedQKV
-from sagebwd_jax.score_tiles import ScoreTiles
+from sagebwd_jax.score_tiles import ScoreTiles, wide_einsum
 
 
-def saturated(lse: jax.Array) -> jax.Array:
-  """The rows (B, H, Tq) whose Delta and lse `where_saturated` recomputes."""
-  return jnp.isfinite(lse) & (jnp.abs(lse) > nm.SATURATED_LSE)
+def saturated(lse: jax.Array, dtype) -> jax.Array:
+  """The rows (B, H, Tq) whose Delta and lse `where_saturated` recomputes, for
+  inputs of `dtype`."""
+  return jnp.isfinite(lse) & (jnp.abs(lse) > nm.saturation_threshold(dtype))
 
 
 def where_saturated(qkv: QuantizedQKV, v: jax.Array, lse: jax.Array, do: jax.Array,
@@ -61,7 +63,7 @@ def where_saturated(qkv: QuantizedQKV, v: jax.Array, lse: jax.Array, do: jax.Arr
     # inside the select's fusion, vectorized differently under vmap: the
     # last bit of ~1% of rows then differs from a per-example call.
     lse = jax.lax.optimization_barrier(lse)
-    rows = saturated(lse)
+    rows = saturated(lse, v.dtype)
     new_delta, new_lse = jax.lax.cond(
         jnp.any(rows), lambda: recomputed_rows(qkv, v, do, masks, config),
         lambda: (jnp.zeros_like(delta), jnp.zeros_like(lse)))
@@ -84,14 +86,13 @@ def recomputed_rows(qkv: QuantizedQKV, v: jax.Array, do: jax.Array, masks: Masks
   def kv_step(carry, j):
     m, l, d = carry
     s = tiles.scores(j)
-    # HIGHEST: fp32 inputs multiply in fp32 (not TF32 on a GPU), as the
-    # kernels' dP does; a one-hot row's dP - Delta then cancels.
-    dp = jnp.einsum("bhgiqd,bhkd->bhgiqk", do_rows, tiles.kv_block(v_heads, j, axis=-2),
-                    preferred_element_type=jnp.float32, precision=jax.lax.Precision.HIGHEST)
+    # As the backward's dP (fp32 inputs in fp32, not TF32 on a GPU): a one-hot
+    # row's dP - Delta then cancels.
+    dp = wide_einsum("bhgiqd,bhkd->bhgiqk", do_rows, tiles.kv_block(v_heads, j, axis=-2))
     m_new = jnp.maximum(m, jnp.max(s, axis=-1))
     alpha = jnp.exp2(m - m_new)
     w = jnp.exp2(s - m_new[..., None])  # 0 where masked: m_new is finite
-    return (m_new, alpha * l + jnp.sum(w, axis=-1), alpha * d + jnp.sum(w * dp, axis=-1)), None
+    return (m_new, alpha * l + nm.ordered_sum(w), alpha * d + nm.ordered_sum(w * dp)), None
 
   shape = tiles.q_scale.shape
   init = (jnp.full(shape, nm.NOTHING_SEEN, jnp.float32), jnp.zeros(shape, jnp.float32),

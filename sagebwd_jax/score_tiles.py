@@ -30,11 +30,26 @@ def int8_einsum(subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
   return product.astype(jnp.int32)
 
 
-def fp8_einsum(subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
-  """A product of float8_e4m3fn operands in fp32, as the FP8 tensor cores
-  accumulate it (each product of two E4M3 values is exact in fp32)."""
+def wide_einsum(subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
+  """A product of 16-bit, fp32 or FP8 operands with fp32 products and fp32
+  accumulation, as the kernels' dots compute it, on every backend and shape
+  (the product of two E4M3 values is exact in fp32, as on the FP8 tensor
+  cores).
+
+  The operands are widened to fp32 first (exactly: a 16-bit float is an
+  fp32) and multiplied at HIGHEST. Left to XLA, a product of 16-bit operands
+  may take an algorithm with 16-bit intermediates, chosen by the shape: the
+  same (batch row, head) then rounds one way on one device and another way
+  inside a `shard_map` that holds fewer of them.
+  """
   return jnp.einsum(subscripts, a.astype(_f32), b.astype(_f32),
-                    precision=jax.lax.Precision.HIGHEST)
+                    preferred_element_type=_f32, precision=jax.lax.Precision.HIGHEST)
+
+
+def sum_tiles(x: jax.Array) -> jax.Array:
+  """Tiles (B, Hkv, G, nq, rows, ...) summed over the group and the query
+  blocks (axes 2 and 3), in `numerics.ordered_sum`'s fixed order."""
+  return nm.ordered_sum(x.reshape(*x.shape[:2], -1, *x.shape[4:]), axis=2)
 
 
 def group(x: jax.Array, num_kv_heads: int) -> jax.Array:

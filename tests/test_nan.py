@@ -109,6 +109,29 @@ def test_fp16_queries_and_keys_at_sigma_200_give_finite_gradients(impl):
     assert np.all(np.isfinite(x)), name
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp16_values_near_its_range_give_small_query_and_key_gradients(impl):
+  """Issue 49: fp16 q, k at sigma 200, v a normal clipped to +-2 times 3e4 (up
+  to 6e4), dO sigma 1; causal, B=2 T=128 H=4 D=64. float64's max |dQ|, |dK|
+  are 1.2 and 1.4. Causal rows that see few keys are one-hot at base-2
+  logits far below 2^15, where rowsum(dO * O) is off from sum_j P dP by
+  dO . (V - V's int8 value), about 1e3 here: dQ and dK were Inf or near
+  6.5e4 in 0.04% of their elements. fp16 rows from 2^6 take the backward's
+  own Delta (numerics.SATURATED_LSE_FP16): every output finite, max |dQ|,
+  |dK| <= 64."""
+  keys = [jax.random.key(i) for i in range(4)]
+  normal = lambda key: jax.random.normal(key, (2, 128, 4, 64), jnp.float32)
+  q, k = ((200 * normal(key)).astype(jnp.float16) for key in keys[:2])
+  v = (jnp.clip(normal(keys[2]), -2, 2) * 3e4).astype(jnp.float16)
+  do = normal(keys[3]).astype(jnp.float16)
+  out = sage(q, k, v, do, is_causal=True, implementation=impl)
+  for name, x in zip(NAMES, _flat(out)):
+    assert np.all(np.isfinite(x)), name
+  _, (dq, dk, _) = out
+  assert float(jnp.max(jnp.abs(dq.astype(jnp.float32)))) <= 64
+  assert float(jnp.max(jnp.abs(dk.astype(jnp.float32)))) <= 64
+
+
 # "triton-compiled": the GPU rounds the kernels' S * c - lse (an FMA) unlike
 # the interpreter, and there P = 1 at a row's top key rests on log2_p's cap.
 @pytest.mark.parametrize("impl", [*IMPLS, pytest.param("triton", marks=pytest.mark.gpu,

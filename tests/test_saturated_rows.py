@@ -20,8 +20,8 @@ from sagebwd_jax.sagebwd import key_mean
 B, T, H, HKV, D = 2, 128, 4, 2, 64
 
 
-def _case(causal: bool, sigma: float = 1.0):
-  q, k, v, do = gaussian_qkv(jax.random.key(3), B, T, T, H, HKV, D, sigma=sigma)
+def _case(causal: bool, sigma: float = 1.0, dtype=jnp.bfloat16):
+  q, k, v, do = gaussian_qkv(jax.random.key(3), B, T, T, H, HKV, D, sigma=sigma, dtype=dtype)
   config = kernel_config(causal=causal, scale=D**-0.5)
   qkv = ReferenceBackend().quantize(q, k, v, key_mean(k, None), config)
   return qkv, v, do, config
@@ -100,6 +100,29 @@ def test_only_saturated_rows_are_replaced(backend, causal):
   same = BACKENDS[backend].saturated_rows(qkv, v, zeros, do, prepass_delta, Masks(), config)
   for x, given in zip(same, (prepass_delta, zeros)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(given))
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_fp16_rows_take_the_pass_from_a_lower_lse(backend):
+  """fp16 inputs take the recomputed Delta and lse above
+  numerics.SATURATED_LSE_FP16 (issue 49); bf16 ones only above
+  SATURATED_LSE, as before."""
+  lse = jnp.zeros((B, H, T), jnp.float32).at[0, 1, 7].set(2 * nm.SATURATED_LSE_FP16)
+  lse = lse.at[1, 0, 3].set(nm.SATURATED_LSE_FP16)  # not above it
+  prepass_delta = jax.random.normal(jax.random.key(0), (B, H, T))
+  for dtype, replaced in ((jnp.float16, True), (jnp.bfloat16, False)):
+    qkv, v, do, config = _case(causal=True, dtype=dtype)
+    got_delta, got_lse = map(np.asarray, BACKENDS[backend].saturated_rows(
+        qkv, v, lse, do, prepass_delta, Masks(), config))
+    want_delta, want_lse = map(np.asarray, saturated_rows.recomputed_rows(
+        qkv, v, do, Masks(), config))
+    at = (0, 1, 7)
+    if replaced:
+      np.testing.assert_allclose(got_delta[at], want_delta[at], rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(got_lse[at], want_lse[at], rtol=1e-5, atol=1e-5)
+    else:
+      assert got_delta[at] == prepass_delta[at] and got_lse[at] == lse[at], dtype
+    assert got_delta[1, 0, 3] == prepass_delta[1, 0, 3] and got_lse[1, 0, 3] == lse[1, 0, 3]
 
 
 def test_vmap_keeps_one_cond_over_the_whole_batch():

@@ -2,7 +2,9 @@
 
 Every error a user can act on (a flag out of range, a run folder in the way,
 a checkpoint or file that cannot be written) ends the run with one line
-naming the flag, file or checkpoint, and exit status 1.
+naming the flag, file or checkpoint, and exit status 1. SIGINT (Ctrl-C) and
+SIGTERM save the last completed step and end it with one line saying how to
+resume, exit status 128 + the signal (train/stop.py).
 """
 
 from __future__ import annotations
@@ -10,10 +12,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shlex
+import shutil
 import sys
 import time
 
 from train.config import GPU_PRESETS, parse, to_json
+from train.stop import Interrupted, Stop, exit_status, handling, say
 
 
 def _summary(result: dict, seconds: float, png: str, cache=None) -> str:
@@ -57,7 +62,30 @@ def _compile_cache(flag: str | None, log) -> None:
   log(f"compile cache: {path} (--compile-cache DIR moves it, --compile-cache none turns it off)")
 
 
-def main(argv: list[str] | None = None) -> None:
+def resume_command(argv: list[str], run_dir: str | None) -> str:
+  """The command that continues the run in `run_dir`: `argv` less --out,
+  --overwrite and --resume, then --out RUN_DIR --resume; with no run folder
+  yet (None), the command as given."""
+  python = shutil.which("python")
+  same = python is not None and os.path.abspath(python) == os.path.abspath(sys.executable)
+  head = ["python" if same else sys.executable, "-m", "train"]
+  if run_dir is None:
+    return shlex.join(head + argv)
+  dropped = {"--overwrite", "--no-overwrite", "--resume", "--no-resume"}
+  args, skip = [], False
+  for arg in argv:
+    if skip or arg in dropped or arg.startswith("--out="):
+      skip = False
+    elif arg == "--out":
+      skip = True  # and its value
+    else:
+      args.append(arg)
+  return shlex.join(head + args + ["--out", run_dir, "--resume"])
+
+
+def main(argv: list[str] | None = None, stop: Stop | None = None) -> None:
+  """`python -m train argv`; `stop`: the signals' stop requests, if handled
+  (`__main__` below; `train.loop.train` then raises Interrupted)."""
   try:
     cfg, preset, options = parse(argv)
   except ValueError as e:
@@ -86,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
 
   t0 = time.perf_counter()
   try:
-    result = train(cfg)
+    result = train(cfg, stop=stop)
   except (RunError, ValueError) as e:
     raise SystemExit(f"error: {e}")
   if jax.process_index() != 0:
@@ -100,14 +128,20 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-  try:
-    main()
-  except SystemExit as e:
-    if not isinstance(e.code, str):
-      raise
-    # An error message: print it and skip the interpreter's teardown, where
-    # TensorStore callbacks left pending by a failed write print tracebacks.
-    print(e.code, file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)
+  with handling(lambda run_dir: resume_command(sys.argv[1:], run_dir)) as stop:
+    try:
+      main(stop=stop)
+    except Interrupted as e:
+      # No interpreter teardown either (below), and no second line from the
+      # watchdog: its exit was claimed before the checkpoint's save.
+      say(e.line)
+      os._exit(exit_status(e.signum))
+    except SystemExit as e:
+      if not isinstance(e.code, str):
+        raise
+      # An error message: print it and skip the interpreter's teardown, where
+      # TensorStore callbacks left pending by a failed write print tracebacks.
+      print(e.code, file=sys.stderr)
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
 import time
 
 import jax
@@ -18,6 +19,7 @@ from train.config import Config, check
 from train.metrics import MetricsLog
 from train.rundir import RunError
 from train.step import build_model, count_params, make_steps
+from train.stop import Interrupted, Stop
 from train.telemetry import make_telemetry
 
 
@@ -49,12 +51,23 @@ class Batches:
     return sharding.global_batch(local, self.val_sharding, self.val_shape)
 
 
-def evaluate(eval_step, params, batches: Batches, cfg: Config) -> float:
-  losses = [eval_step(params, batches.val(i)) for i in range(cfg.eval_batches)]
-  return float(np.mean(jax.device_get(losses)))
+class _Abandoned(Exception):
+  """An evaluation given up between batches: the run is stopping."""
 
 
-def train(cfg: Config, dataset: data.Dataset | None = None) -> dict:
+def evaluate(eval_step, params, batches: Batches, cfg: Config,
+             stopping=lambda: False) -> float:
+  """The mean validation loss over `cfg.eval_batches` batches; _Abandoned as
+  soon as `stopping()` is true between batches."""
+  losses = []
+  for i in range(cfg.eval_batches):
+    losses.append(jax.device_get(eval_step(params, batches.val(i))))
+    if stopping():
+      raise _Abandoned
+  return float(np.mean(losses))
+
+
+def train(cfg: Config, dataset: data.Dataset | None = None, stop: Stop | None = None) -> dict:
   """Runs `cfg` to `cfg.steps` (from its newest good checkpoint with --resume).
 
   Returns the summary: step, loss, val_loss (the last logged), run_dir,
@@ -62,6 +75,8 @@ def train(cfg: Config, dataset: data.Dataset | None = None) -> dict:
   step; mfu None where the devices' peak is unknown) and compile_s. Raises
   RunError (NonFiniteError among them) and ValueError with one-line messages. `dataset`: `cfg`'s data, already loaded (by
   `data.load(cfg.data, cfg.val_fraction, cfg.seq_len)`), for runs that share it.
+  `stop`: the signals' stop requests (train/stop.py); once one is made, the
+  loop saves the last completed step and raises `stop.Interrupted`.
   """
   check(cfg)
   mesh = sharding.make_mesh(cfg.mesh)  # one device: a mesh of 1, the same code
@@ -82,15 +97,17 @@ def train(cfg: Config, dataset: data.Dataset | None = None) -> dict:
   run_dir = rundir.resolve(cfg)
   sharding.barrier("sagebwd-train: run folder resolved")
   rundir.prepare(cfg, run_dir, main, log)
+  if stop is not None:
+    stop.run_dir = run_dir
   lock = rundir.lock(run_dir) if main else None
   try:
-    return _train(dataclasses.replace(cfg, out=run_dir), mesh, main, log, ds)
+    return _train(dataclasses.replace(cfg, out=run_dir), mesh, main, log, ds, stop)
   finally:
     if lock is not None:
       os.close(lock)
 
 
-def _train(cfg: Config, mesh, main: bool, log, ds: data.Dataset) -> dict:
+def _train(cfg: Config, mesh, main: bool, log, ds: data.Dataset, stop: Stop | None) -> dict:
   """`train` once the data is loaded and the run folder (`cfg.out`) settled
   and locked."""
   run_dir = cfg.out
@@ -141,10 +158,12 @@ def _train(cfg: Config, mesh, main: bool, log, ds: data.Dataset) -> dict:
       else:
         state, start = restored
         log(f"resumed from step {start}")
+        if stop is not None:
+          stop.checkpoint = (start, ckpts.dir)
     metrics = MetricsLog(run_dir, start, enabled=main, warn=lambda m: log(f"warning: {m}"))
     try:
       return {**_loop(cfg, state, start, train_step, eval_step, telemetry, batches, ckpts,
-                      metrics, log, peak),
+                      metrics, log, peak, stop),
               "run_dir": run_dir}
     finally:
       metrics.close()
@@ -152,12 +171,37 @@ def _train(cfg: Config, mesh, main: bool, log, ds: data.Dataset) -> dict:
     ckpts.close()
 
 
+def _stop_requested(stop: Stop | None) -> bool:
+  """Whether to stop after this step: a signal here or, with several
+  processes, in any of them (they must stop at the same step, since saving
+  a checkpoint is collective)."""
+  if stop is None:
+    return False
+  if jax.process_count() == 1:
+    return stop.requested
+  from jax.experimental import multihost_utils
+  anywhere = bool(np.any(multihost_utils.process_allgather(np.int32(stop.requested))))
+  if anywhere and stop.signum is None:
+    stop.signum = signal.SIGTERM  # another process's signal
+  return anywhere
+
+
 def _loop(cfg: Config, state, start: int, train_step, eval_step, telemetry, batches: Batches,
-          ckpts: Checkpoints, metrics: MetricsLog, log, peak: float | None) -> dict:
+          ckpts: Checkpoints, metrics: MetricsLog, log, peak: float | None,
+          stop: Stop | None = None) -> dict:
   """Steps `start` to `cfg.steps`; the summary: the last logged step, loss and
   val_loss, this session's tokens/s and MFU (None if it trained no step, MFU
-  None without a `peak` FLOP/s) and compile_s."""
-  if start >= cfg.steps:
+  None without a `peak` FLOP/s) and compile_s. Raises `Interrupted` once
+  `stop` asks, with the last completed step saved."""
+  due = lambda step, every: step % every == 0 or step == cfg.steps
+  # A run stopped during an evaluation or telemetry saved its step without
+  # their rows: they are taken here, where the uninterrupted run took them.
+  eval_due = start == 0 or (due(start, cfg.eval_every)
+                            and metrics.last_eval.get("step") != start)
+  telemetry_due = telemetry is not None and (
+      start == 0 or (due(start, cfg.telemetry_every)
+                     and metrics.last_telemetry.get("step") != start))
+  if start >= cfg.steps and not (eval_due or telemetry_due):
     log(f"nothing to train: the run is at step {start} and --steps is {cfg.steps}")
     return {**metrics.summary(), "tokens_per_s": None, "mfu": None, "compile_s": 0.0}
   flops_per_step = flops.flops_per_token(cfg) * cfg.tokens_per_step
@@ -167,19 +211,24 @@ def _loop(cfg: Config, state, start: int, train_step, eval_step, telemetry, batc
 
   lr_at = optim.schedule(cfg)
 
-  # Compiled before the clock starts: tokens/s counts training alone.
+  # Compiled before the clock starts: tokens/s counts training alone. Every
+  # compilation comes before the first step, where a signal finds nothing
+  # new to save (train/stop.py).
   t0 = time.perf_counter()
   train_step = train_step.lower(state, batches.train(start)).compile()
   compile_s = time.perf_counter() - t0
   log(f"compiled the train step in {compile_s:.1f}s")
+  eval_step = eval_step.lower(state["params"], batches.val(0)).compile()
   if telemetry is not None:
     t0 = time.perf_counter()
     telemetry_batch = batches.val(0)
     telemetry = telemetry.lower(state["params"], telemetry_batch).compile()
     log(f"compiled the telemetry in {time.perf_counter() - t0:.1f}s")
 
+  stopping = lambda: stop is not None and jax.process_count() == 1 and stop.requested
+
   def eval_and_log(step: int) -> None:
-    val_loss = evaluate(eval_step, state["params"], batches, cfg)
+    val_loss = evaluate(eval_step, state["params"], batches, cfg, stopping)
     metrics.write(step=step, tokens=step * cfg.tokens_per_step, val_loss=val_loss)
     log(f"step {step}: val_loss {val_loss:.4f}")
 
@@ -190,10 +239,27 @@ def _loop(cfg: Config, state, start: int, train_step, eval_step, telemetry, batc
                   telemetry_s=time.perf_counter() - t0,
                   **{k: [float(x) for x in v] for k, v in values.items()})
 
-  if start == 0:
-    eval_and_log(0)
-    if telemetry is not None:
-      telemetry_and_log(0)
+  def save(step: int) -> None:
+    metrics.sync()  # the rows a checkpoint implies reach the disk before it does
+    ckpts.save(step, state)
+    if stop is not None:
+      stop.checkpoint = (step, ckpts.dir)
+
+  def stop_at(step: int) -> None:
+    """Saves `step` (unless saved) and raises Interrupted."""
+    stop.phase = "saving"
+    if ckpts.latest_step() != step:
+      save(step)
+    stop.claim_exit()
+    raise Interrupted(stop.line(f"at step {step}: saved checkpoint {step} in {ckpts.dir}"),
+                      stop.signum, step)
+
+  if eval_due:
+    eval_and_log(start)
+  if telemetry_due:
+    telemetry_and_log(start)
+  if stop is not None:
+    stop.phase = "training"
   train_time = 0.0
   with tqdm(range(start, cfg.steps), initial=start, total=cfg.steps,
             disable=not (cfg.progress and metrics.enabled), mininterval=1.0,
@@ -205,6 +271,8 @@ def _loop(cfg: Config, state, start: int, train_step, eval_step, telemetry, batc
       m = {k: float(v) for k, v in jax.device_get(m).items()}  # waits for the step
       dt = time.perf_counter() - t0
       train_time += dt
+      if stop is not None:
+        stop.longest_step_s = max(stop.longest_step_s, dt)
       done = step + 1
       metrics.write(step=done, tokens=done * cfg.tokens_per_step, **m, lr=float(lr_at(step)),
                     tokens_per_s=cfg.tokens_per_step / dt, step_time=dt,
@@ -218,13 +286,20 @@ def _loop(cfg: Config, state, start: int, train_step, eval_step, telemetry, batc
                if latest is not None else "No checkpoint was saved."))
       bar.set_postfix(loss=f"{m['loss']:.3f}", tok_s=f"{cfg.tokens_per_step / dt:,.0f}",
                       **({"mfu": f"{mfu(dt):.1%}"} if peak else {}), refresh=False)
-      if done % cfg.eval_every == 0 or done == cfg.steps:
-        eval_and_log(done)
-      if telemetry is not None and (done % cfg.telemetry_every == 0 or done == cfg.steps):
+      if _stop_requested(stop):
+        stop_at(done)
+      try:
+        if due(done, cfg.eval_every):
+          eval_and_log(done)
+      except _Abandoned:
+        stop_at(done)
+      if telemetry is not None and due(done, cfg.telemetry_every):
         telemetry_and_log(done)
-      if cfg.ckpt_every and (done % cfg.ckpt_every == 0 or done == cfg.steps):
-        metrics.sync()  # the rows a checkpoint implies reach the disk before it does
-        ckpts.save(done, state)
+      if cfg.ckpt_every and due(done, cfg.ckpt_every):
+        save(done)
+      if _stop_requested(stop):
+        stop_at(done)
+  trained = cfg.steps - start
   return {**metrics.summary(), "compile_s": compile_s,
-          "tokens_per_s": (cfg.steps - start) * cfg.tokens_per_step / train_time,
-          "mfu": mfu(train_time / (cfg.steps - start))}
+          "tokens_per_s": trained * cfg.tokens_per_step / train_time if trained > 0 else None,
+          "mfu": mfu(train_time / trained) if trained > 0 else None}

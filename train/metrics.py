@@ -89,7 +89,8 @@ def _append(fd: int, data: bytes) -> None:
 
 
 class MetricsLog:
-  """Appends rows to <run_dir>/metrics.jsonl; remembers the last of each kind.
+  """Appends rows to <run_dir>/metrics.jsonl; remembers the last of each kind
+  (`last_train`, `last_eval`, `last_telemetry`).
 
   `keep_until`: the step the run continues from; rows up to it are kept (none
   for a fresh run, or one resumed at step 0). `enabled`: False on every
@@ -102,6 +103,7 @@ class MetricsLog:
     self.enabled, self.fd = enabled, None
     self.last_train: dict = {}
     self.last_eval: dict = {}
+    self.last_telemetry: dict = {}
     if not enabled:
       return
     rows = read(self.path, warn) if keep_until and os.path.exists(self.path) else []
@@ -119,6 +121,8 @@ class MetricsLog:
       self.last_train = row
     elif kind(row) == "eval":
       self.last_eval = row
+    else:
+      self.last_telemetry = row
 
   def write(self, **row) -> None:
     self._remember(row)

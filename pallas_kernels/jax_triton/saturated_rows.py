@@ -98,7 +98,7 @@ def saturated_rows(qkv: QuantizedQKV, v, lse, do, delta, masks: Masks, config: C
         name="sagebwd_triton_saturated_rows", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
         D=head_dim, BLOCK_Q=config.block_q, BLOCK_KV=config.block_kv, LEFT=left, RIGHT=right,
         IDS=q_ids is not None, SMOOTH_Q=q_mean is not None, CONVERT=launch.convert,
-        DOT_PRECISION=dot_precision(v.dtype), SATURATED=nm.SATURATED_LSE,
+        DOT_PRECISION=dot_precision(v.dtype), SATURATED=nm.saturation_threshold(v.dtype),
         MARGIN=nm.SATURATED_MARGIN, NOTHING_SEEN=nm.NOTHING_SEEN)
     return new_delta, new_lse
 
