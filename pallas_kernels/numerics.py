@@ -10,7 +10,12 @@ the rule each helper follows). So the int8 values they form agree bit for bit
 reference (tests/test_mosaic.py, tests/test_triton_kernels.py). The kernels round and convert
 with fp32 bit tricks (the magic constants below: exact, and cheaper on the
 GPU); the reference does not, because XLA:GPU fusions were measured to
-miscompile them (wrong int8 under jit on an H200, right op by op).
+miscompile them (wrong int8 under jit on an H200, right op by op). The FP8
+products' rules (`Config.fp8`: E4M3 conversion, the dS bound, the FP8
+softmax step) sit beside the INT8 ones they replace.
+
+Longer than 400 lines because the rules of both numerics modes, and the
+fixed-order sum they share, are one definition each and kept together.
 """
 
 from __future__ import annotations
