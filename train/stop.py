@@ -156,8 +156,8 @@ class Stop:
         if self.phase == "saving" or self._exiting:
           deadline = time.monotonic() + 1.0  # the checkpoint asked for is being written
           continue
-        self.hard_exit(f"during a step that did not finish within {self.grace_s():.0f}s: "
-                       f"abandoned it, {self.where()}")
+        self.hard_exit(f"during a step or evaluation batch that did not finish within "
+                       f"{self.grace_s():.0f}s: abandoned it, {self.where()}")
 
 
 @contextlib.contextmanager
