@@ -157,7 +157,7 @@ def ordered_sum(x: jax.Array, axis: int = -1) -> jax.Array:
   A `jnp.sum` is an XLA reduction, and XLA:CPU picks its order (split,
   vectorized, or handed to a library) by the array's whole shape: a batch
   row's sum then rounds one way on one device and another way inside a
-  `shard_map` whose devices hold fewer rows (issue 49). Elementwise adds
+  `shard_map` whose devices hold fewer rows. Elementwise adds
   leave XLA no such choice.
   """
   axis = axis % x.ndim
@@ -305,7 +305,7 @@ SATURATED_LSE = 2.0**15
 # training's range. Below 2**15 a row can be one-hot too (a causal row that
 # sees few keys, logits in the hundreds), and its rowsum(dO * O) is then off
 # by dO . (V - V's int8 value): with V near fp16's range, dQ = dS.K and dK
-# overflow fp16 to Inf where the exact gradient is small (issue 49). bf16
+# overflow fp16 to Inf where the exact gradient is small. bf16
 # keeps 2**15: there the same error stays finite, and every row the pass
 # takes costs two more products (docs/algorithm.md, "Saturating logits").
 SATURATED_LSE_FP16 = 2.0**6

@@ -16,7 +16,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from sagebwd_jax import dot_product_attention
 from sagebwd_jax.sharding import shard_attention, sharded_attention
@@ -111,6 +111,31 @@ def op() -> dict:
   return out
 
 
+def mesh_2x4() -> dict:
+  """Issue 49's case: the op (its VJP inside) under `jax.shard_map` over a
+  data=2 x model=4 mesh, q's spec P("data", None, "model", None); bf16,
+  causal, B4 T256 H8 D64 (T64 for the Triton kernels, interpreted: slow),
+  against one device. Relative L2 of O, dQ, dK, dV (0.0: bitwise)."""
+  spec = P("data", None, "model", None)
+  out = {"devices": jax.device_count()}
+  for impl, seq in (("reference", 256), ("triton", 64)):
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, do = (jax.random.normal(key, (4, seq, 8, D), jnp.bfloat16) for key in keys)
+
+    def vjp(q, k, v, do):
+      return _value_and_grads(lambda q, k, v: dot_product_attention(
+          q, k, v, is_causal=True, implementation=impl), q, k, v, do)
+
+    single = jax.jit(vjp)(q, k, v, do)
+    sharded = jax.jit(jax.shard_map(vjp, mesh=_mesh(2, 4), in_specs=(spec,) * 4,
+                                    out_specs=(spec,) * 4, check_vma=False))(q, k, v, do)
+    rel = lambda a, b: float(jnp.linalg.norm(jnp.asarray(a, jnp.float32) - jnp.asarray(
+        b, jnp.float32)) / jnp.linalg.norm(jnp.asarray(b, jnp.float32)))
+    for name, a, b in zip(("o", "dq", "dk", "dv"), sharded, single):
+      out[f"{impl}/{name}"] = rel(a, b)
+  return out
+
+
 def pmap() -> dict:
   """The op inside jax.pmap over 8 devices (one batch row each) vs one device."""
   q, k, v, do = _qkv()
@@ -182,5 +207,6 @@ def devices() -> dict:
 
 
 if __name__ == "__main__":
-  result = {"op": op, "pmap": pmap, "model": model, "devices": devices}[sys.argv[1]]()
+  result = {"op": op, "mesh_2x4": mesh_2x4, "pmap": pmap, "model": model,
+            "devices": devices}[sys.argv[1]]()
   print(json.dumps(result))

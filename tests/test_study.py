@@ -12,10 +12,13 @@ import dataclasses
 import json
 import math
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -190,7 +193,7 @@ def test_a_run_that_raises_or_dies_fails_and_one_that_diverges_is_told_apart(mon
       "failed", "its process was killed by SIGKILL")
   import train.loop
 
-  def diverge(cfg):
+  def diverge(cfg, stop=None):
     raise train.loop.NonFiniteError("non-finite loss at step 2")
 
   monkeypatch.setattr(train.loop, "train", diverge)
@@ -399,3 +402,33 @@ def test_the_ds_grid_reports_its_telemetry_layer_by_layer(tmp_path):
   assert "| sage-tps128-dsbf16 dq_rel_l2 | 0.0200 | 0.0400 |" in summary
   assert "| dq_rel_l2: sage-tps128-dsbf16 - 0.5 x sage-tps128 | < 0 | +0.0300 | +0.0300 | - |" \
       " one seed: no interval |" in summary
+
+
+def test_a_signal_stops_the_runs_under_way_with_their_steps_saved(tmp_path):
+  """Issue 49: SIGINT to the study passes on to its run (study_child.STOP_SIGNAL),
+  which saves its last completed step and ends; the study then ends with
+  one line saying how to resume (exit 130), starting no other run, and
+  without a traceback. The same command resumes the run from that step
+  (the resume itself: test_tiny_grid_tables_plots_and_resume)."""
+  out = tmp_path / "study"
+  args = ["tokens", "--scale", "cpu", "--seeds", "1", "--steps", "200", "--out", str(out),
+          "--data", *_json_data()]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+  proc = subprocess.Popen([sys.executable, "-m", "train.study", *args], env=env,
+                          cwd=os.path.dirname(os.path.dirname(__file__)),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  first = run_config(CPU, Cell(setting=0), 0, str(out), _json_data()).out
+  metrics = f"{first}/metrics.jsonl"
+  deadline = time.monotonic() + 120
+  while proc.poll() is None and time.monotonic() < deadline and not (
+      os.path.exists(metrics) and sum('"loss"' in line for line in open(metrics)) >= 2):
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGINT)
+  log, _ = proc.communicate(timeout=60)
+  assert proc.returncode == 130, log[-3000:]
+  assert "Traceback" not in log and "terminate called" not in log, log[-3000:]
+  saved = re.search(r"interrupted: stopped by its study \(SIGUSR1\) at step (\d+): "
+                    r"saved checkpoint \1 in (\S+)", log)
+  assert saved and os.path.isdir(os.path.join(saved.group(2), saved.group(1))), log[-3000:]
+  assert log.rstrip().endswith(f"resume with: python -m train.study {shlex.join(args)}")
+  assert "[2/" not in log  # no other run started

@@ -1,17 +1,22 @@
 """kill -9 of real training processes, resumed each time (issue 18): once while
-a metrics row is half written, once while a checkpoint is being saved; the
-resumed run's metrics equal an uninterrupted run's, bit for bit (timings
-aside). `python -m train.killtest` does the same with 10 random kills."""
+a metrics row is half written, once while a checkpoint is being saved; and
+stops at SIGINT and SIGTERM (issue 49): after a step, and during start-up
+(compilation included). The resumed run's metrics equal an uninterrupted
+run's, bit for bit (timings aside). `python -m train.killtest` does the same
+with 10 random kills."""
 
 from __future__ import annotations
+
+import signal
 
 from train import killtest
 
 
-def test_kill_mid_write_and_mid_save_then_resume_is_exact(tmp_path):
-  launches, diffs = killtest.run(tmp_path, ["write", "save"], seed=1)
-  kills = [x for x in launches if x.killed]
-  assert [x.kind for x in kills] == ["write", "save"], [x.log[-2000:] for x in launches]
+def test_kills_and_signals_then_resume_is_exact(tmp_path):
+  kinds = ["write", "save", "sigint", "sigterm", "sigint-early"]
+  launches, diffs = killtest.run(tmp_path, kinds, seed=1)
+  kills = [x for x in launches if x.killed or x.stopped]
+  assert [x.kind for x in kills] == kinds, [x.log[-2000:] for x in launches]
   assert not launches[-1].killed and launches[-1].returncode == 0
   assert diffs == []
   # The launch after the write kill found the torn line and dropped it.
@@ -21,3 +26,15 @@ def test_kill_mid_write_and_mid_save_then_resume_is_exact(tmp_path):
   assert all("Traceback" not in x.log for x in launches)
   assert all(("resumed from step" in x.log or "no checkpoint in" in x.log)
              for x in launches[1:])
+  # A signal after a step: that step saved, one line saying how to resume
+  # (no traceback, no C++ abort), exit 128 + the signal, and the next launch
+  # resumed from that step.
+  for i, (x, signum) in enumerate(zip(kills[2:4], (signal.SIGINT, signal.SIGTERM)), 3):
+    assert x.returncode == 128 + signum and killtest.stopped_cleanly(x), x.log[-2000:]
+    assert f"stopped by {signum.name} at step {x.stopped_at}: saved checkpoint" in x.log
+    assert x.log.rstrip().endswith("--resume"), x.log[-500:]
+    assert launches[i].resumed_from == f"step {x.stopped_at}", launches[i].log[-2000:]
+  # During start-up: at once, with nothing to save.
+  early = kills[4]
+  assert early.returncode == 128 + signal.SIGINT and killtest.stopped_cleanly(early)
+  assert "before this session's first step: nothing new to save" in early.log, early.log[-2000:]

@@ -1,5 +1,6 @@
-"""Kill -9 a tiny training run at random points, resume it after each kill,
-and check that its metrics equal those of a run never stopped.
+"""Kill -9 a tiny training run at random points, or stop it with SIGINT and
+SIGTERM, resume it after each, and check that its metrics equal those of a
+run never stopped.
 
     python -m train.killtest [--kills 10] [--seed 0] [--out runs/killtest]
 
@@ -10,7 +11,13 @@ Kill points, drawn at random (seeded), one kind per kill:
 - save:  SIGKILL while a checkpoint is being written (its temporary folder
          exists);
 - write: the process kills itself halfway through writing a metrics row
-         (the torn last line a kill mid-write leaves).
+         (the torn last line a kill mid-write leaves);
+- sigint, sigterm: the signal a random fraction of a step after a random
+         step is logged; the run must save that step, print how to resume
+         and exit 128 + the signal (train/stop.py);
+- sigint-early: SIGINT at a random moment between the run folder's first
+         log line and the first step: the run must exit at once, saving
+         nothing.
 After each kill the run is started again with --resume (without it when the
 kill came before config.json was written). At the end every metrics row, all
 but the timings, must equal the uninterrupted run's bit for bit. Each launch
@@ -35,7 +42,8 @@ from tqdm import tqdm
 from train.data import stdlib_dir
 from train.metrics import read
 
-KINDS = ("time", "step", "save", "write")
+KINDS = ("time", "step", "save", "write", "sigint", "sigterm", "sigint-early")
+SIGNALS = {"sigint": signal.SIGINT, "sigterm": signal.SIGTERM, "sigint-early": signal.SIGINT}
 STEPS, CKPT_EVERY = 24, 3
 # A model small enough that start-up (imports, compilation) is most of a launch.
 FLAGS = ["--dim", "64", "--n-layers", "1", "--n-heads", "1", "--n-kv-heads", "1",
@@ -76,9 +84,25 @@ class Launch:
     return self.returncode == -signal.SIGKILL
 
   @property
+  def stopped(self) -> bool:
+    """Ended by its own stop at SIGINT or SIGTERM (train/stop.py)."""
+    return self.returncode in (128 + signal.SIGINT, 128 + signal.SIGTERM)
+
+  @property
+  def stopped_at(self) -> int | None:
+    """The step its stop line says it saved, if it saved one."""
+    m = re.search(r"at step (\d+): saved checkpoint", self.log)
+    return None if m is None else int(m.group(1))
+
+  @property
   def resumed_from(self) -> str:
     m = re.search(r"resumed from step (\d+)|(starting from step 0)", self.log)
     return "a fresh start" if m is None else f"step {m.group(1) or 0}"
+
+
+def _log_of(proc: subprocess.Popen) -> str:
+  with open(proc.log_file.name) as f:
+    return f.read()
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -137,7 +161,7 @@ class KillTest:
     proc.log_file.seek(0)
     launch = Launch(kind, proc.returncode, proc.log_file.read(), note)
     proc.log_file.close()
-    if launch.returncode not in (0, -signal.SIGKILL):
+    if not (launch.returncode in (0, -signal.SIGKILL) or launch.stopped):
       raise RuntimeError(f"launch {self.launches} failed ({launch.returncode}):\n"
                          f"{launch.log[-3000:]}")
     return launch
@@ -161,7 +185,7 @@ class KillTest:
     """One launch, killed the `kind` way (if it does not finish first)."""
     done = _checkpoint_step(run_dir)  # where it will resume, at most
     logged = _last_step(run_dir)  # rows past it are from this launch only
-    if kind == "step" and logged + 1 >= STEPS:
+    if kind in ("step", "sigint", "sigterm") and logged + 1 >= STEPS:
       kind = "write"
     if kind == "write":
       row = self.rng.randint(1, STEPS - done)  # this launch writes at least as many
@@ -171,12 +195,20 @@ class KillTest:
     t0 = time.monotonic()
     proc = self._start(run_dir)
     deadline = t0 + self.rng.uniform(0, self.startup_s)
-    target = self.rng.randint(logged + 1, STEPS - 1) if kind == "step" else None
-    note = ""
+    after_step = kind in ("step", "sigint", "sigterm")
+    target = self.rng.randint(logged + 1, STEPS - 1) if after_step else None
+    note, folder_logged = "", None
     while proc.poll() is None:
+      if kind == "sigint-early" and folder_logged is None and "run folder:" in _log_of(proc):
+        folder_logged = time.monotonic()
+        deadline = folder_logged + self.rng.uniform(0, max(0.0, t0 + self.startup_s
+                                                           - folder_logged))
       if kind == "time" and (time.monotonic() >= deadline or _last_step(run_dir) > logged):
         note = f"{time.monotonic() - t0:.2f}s after launch"
-      elif kind == "step" and _last_step(run_dir) >= target:
+      elif kind == "sigint-early" and folder_logged is not None and (
+          time.monotonic() >= deadline or _last_step(run_dir) > logged):
+        note = f"{time.monotonic() - folder_logged:.2f}s after the run folder was logged"
+      elif after_step and _last_step(run_dir) >= target:
         delay = self.rng.uniform(0, 1.5 * self.step_s)
         time.sleep(delay)
         note = f"{delay * 1e3:.0f} ms after step {target} was logged"
@@ -185,7 +217,7 @@ class KillTest:
       else:
         time.sleep(0.001)
         continue
-      proc.send_signal(signal.SIGKILL)
+      proc.send_signal(SIGNALS.get(kind, signal.SIGKILL))
       break
     return self._finish(proc, kind, note)
 
@@ -196,12 +228,19 @@ class KillTest:
     for kind in bar:
       launch = self.kill_once(run_dir, kind)
       launches.append(launch)
-      if not launch.killed:
+      if not (launch.killed or launch.stopped):
         break  # it finished first
       bar.set_postfix(kind=kind, refresh=False)
     bar.close()
     launches.append(self._finish(self._start(run_dir), None))
     return run_dir, launches
+
+
+def stopped_cleanly(launch: Launch) -> bool:
+  """A launch stopped by a signal printed one line saying how to resume, and
+  no traceback or C++ abort."""
+  return (launch.log.count("; resume with: ") == 1 and "Traceback" not in launch.log
+          and "terminate called" not in launch.log)
 
 
 def compare(a: list[dict], b: list[dict]) -> list[str]:
@@ -247,10 +286,13 @@ def main(argv: list[str] | None = None) -> None:
     p.error(f"--out {out} exists; remove it or give another")
   launches, diffs = run(out, kill_kinds(args.kills, random.Random(args.seed)), args.seed,
                         show=True)
-  kills = [x for x in launches if x.killed]
+  kills = [x for x in launches if x.killed or x.stopped]
   for i, (x, after) in enumerate(zip(kills, launches[1:]), 1):
     print(f"kill {i} ({x.kind}): {x.note or 'at exit'}; the next launch resumed from "
           f"{after.resumed_from}")
+  bad = [x for x in kills if x.stopped and not stopped_cleanly(x)]
+  if bad:
+    raise SystemExit(f"FAIL: a stop at a signal ended unclean:\n{bad[0].log[-3000:]}")
   if len(kills) < args.kills:
     raise SystemExit(f"FAIL: the run finished after {len(kills)} of {args.kills} kills")
   if diffs:

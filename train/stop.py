@@ -72,8 +72,9 @@ class Stop:
   writes the checkpoint that a signal asked for (the watchdog waits for it).
   """
 
-  def __init__(self, command: Callable[[str | None], str]):
+  def __init__(self, command: Callable[[str | None], str], forwarded: tuple[int, ...] = ()):
     self.command = command
+    self.forwarded = forwarded
     self.run_dir: str | None = None
     self.signum: int | None = None
     self.phase = "starting"
@@ -100,6 +101,8 @@ class Stop:
   def line(self, what: str) -> str:
     """The final line: the signal, what happened, and how to resume."""
     name = signal.Signals(self.signum).name if self.signum else "a signal"
+    if self.signum in self.forwarded:
+      name = f"its study ({name})"
     how = "resume with" if self.run_dir is not None else "no run folder yet; start again with"
     return f"stopped by {name} {what}; {how}: {self.command(self.run_dir)}"
 
@@ -137,10 +140,12 @@ class Stop:
         if not data:
           return  # uninstalled
         for signum in data:
-          if signum not in SIGNALS:
+          if signum not in SIGNALS + self.forwarded:
             continue
+          if signum in self.forwarded and self.signum is not None:
+            continue  # the signal the process had itself, passed on
           self.signum = self.signum or signum
-          received += 1
+          received += signum not in self.forwarded
           if received > 1:
             self.hard_exit(f"twice: exiting at once, {self.where()}", always_say=True)
           if self.phase == "starting":
@@ -151,22 +156,25 @@ class Stop:
         if self.phase == "saving" or self._exiting:
           deadline = time.monotonic() + 1.0  # the checkpoint asked for is being written
           continue
-        self.hard_exit(f"during a step that did not finish within {self.grace_s():.0f}s: "
-                       f"abandoned it, {self.where()}")
+        self.hard_exit(f"during a step or evaluation batch that did not finish within "
+                       f"{self.grace_s():.0f}s: abandoned it, {self.where()}")
 
 
 @contextlib.contextmanager
-def handling(command: Callable[[str | None], str]) -> Iterator[Stop | None]:
+def handling(command: Callable[[str | None], str],
+             forwarded: tuple[int, ...] = ()) -> Iterator[Stop | None]:
   """SIGINT and SIGTERM handled by a `Stop` within the block (None, and the
   signals left alone, outside the main thread, where Python cannot set
-  handlers)."""
+  handlers). `forwarded`: signals that a parent process passes on (a study's
+  runs: train/study_child.py), which ask for a stop like the first SIGINT
+  but never count as a second."""
   if threading.current_thread() is not threading.main_thread():
     yield None
     return
-  stop = Stop(command)
+  stop = Stop(command, forwarded)
   read_fd, write_fd = os.pipe()
   os.set_blocking(write_fd, False)
-  previous = {s: signal.signal(s, stop._handle) for s in SIGNALS}
+  previous = {s: signal.signal(s, stop._handle) for s in SIGNALS + forwarded}
   previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
   watchdog = threading.Thread(target=stop._watch, args=(read_fd,), name="sagebwd-stop",
                               daemon=True)

@@ -51,10 +51,13 @@ the summary says "supports" when the gap's whole 95% interval lies there,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import os
+import shlex
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -79,16 +82,62 @@ def _check_saved(cfg: Config) -> None:
         f"--out holds another study; give another --out")
 
 
+class Stopping:
+  """The study's stop requests. The first SIGINT or SIGTERM goes on to every
+  run under way (`study_child.STOP_SIGNAL`: each saves its last completed
+  step and ends) and starts no new run; a second ends the runs (SIGKILL) and
+  the study at once. `command`: the study's own, which resumes it."""
+
+  def __init__(self, command: str):
+    self.command = command
+    self.signum: int | None = None
+
+  def _handle(self, signum: int, frame) -> None:
+    del frame
+    from train import study_child
+    if self.signum is None:
+      self.signum = signum
+      study_child.signal_runs(study_child.STOP_SIGNAL)
+      return
+    study_child.signal_runs(signal.SIGKILL)
+    print(f"stopped by {signal.Signals(signum).name} twice: the runs under way were "
+          f"killed, each keeps its newest checkpoint; resume with: {self.command}",
+          file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+  @classmethod
+  @contextlib.contextmanager
+  def handling(cls, command: str):
+    stopping = cls(command)
+    previous = {s: signal.signal(s, stopping._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+      yield stopping
+    finally:
+      for s, handler in previous.items():
+        signal.signal(s, handler)
+
+
+class Interrupted(Exception):
+  """The study stopped at a signal (its line); `signum` the signal."""
+
+  def __init__(self, line: str, signum: int):
+    super().__init__(line)
+    self.signum = signum
+
+
 def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
         log=functools.partial(print, flush=True), compile_cache: str | None = None,
-        jobs: int = 1, start_within: float | None = None) -> list[str]:
+        jobs: int = 1, start_within: float | None = None,
+        stopping: Stopping | None = None) -> list[str]:
   """Runs what is missing of the chosen grids, `jobs` at a time, each run in a
   fresh process with jax's persistent compilation cache in `compile_cache`
   (None: none), rewriting the summary after each run; returns the paths of
   the summary files and plots. No run starts once `start_within` minutes have
   passed (None: no limit), so that a time-limited session ends on finished
   runs. A run that fails is logged and the others go on; StudyError at the
-  end names it. This process imports no jax."""
+  end names it. Once `stopping` has a signal, no run starts, the runs under
+  way save their step and end, and Interrupted says how to resume. This
+  process imports no jax."""
   from train import data as train_data, study_child, study_report
 
   if jobs < 1:
@@ -112,14 +161,17 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
     train_data.load(todo[0].data, todo[0].val_fraction, todo[0].seq_len)
   reported = _reported(chosen, scale, seeds, out, data)
   plots: dict[str, list[str]] = {}  # each grid's, drawn once it is complete
-  failed, skipped, lock = [], [], threading.Lock()
+  failed, skipped, stopped, lock = [], [], [], threading.Lock()
   start = time.monotonic()
+  interrupted = lambda: stopping is not None and stopping.signum is not None
 
   def say(message: str) -> None:  # whole lines, whichever run's thread speaks
     with lock:
       log(message)
 
   def train(i: int, cfg: Config) -> tuple[str, float] | None:
+    if interrupted():
+      return None
     if start_within is not None and time.monotonic() - start > 60 * start_within:
       skipped.append(cfg)
       return None
@@ -135,9 +187,16 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
     except study_child.Diverged as e:
       outcome = f"diverged: {e}"
       _drop_checkpoints(cfg)
+    except study_child.Interrupted as e:
+      stopped.append(cfg)
+      outcome = f"interrupted: {str(e).split('; resume with:')[0]}"
     except study_child.Failed as e:  # one failed run, out of memory say, stops no other
-      failed.append(os.path.basename(cfg.out))
-      outcome = f"FAILED: {e}"
+      if interrupted():  # its process ended at the signal before it could answer
+        stopped.append(cfg)
+        outcome = f"interrupted ({e})"
+      else:
+        failed.append(os.path.basename(cfg.out))
+        outcome = f"FAILED: {e}"
     return outcome, time.perf_counter() - t0
 
   with ThreadPoolExecutor(jobs) as pool:
@@ -151,9 +210,16 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
         outcome, seconds = future.result()
         say(f"[{i}/{len(todo)}] {os.path.basename(cfg.out)}: {outcome} ({seconds:.0f}s)")
       study_report.write_tables(reported, scale, seeds, out, data)
+      if interrupted():
+        continue  # the runs under way are stopping: no plots, which take a while
       for grid in chosen:  # a stopped study keeps the plots of its finished grids
         if grid.name not in plots and _finished(grid, scale, seeds, out, data):
           plots[grid.name] = study_report.plot_grid(grid, scale, seeds, out, data)
+  if interrupted():
+    raise Interrupted(
+        f"stopped by {signal.Signals(stopping.signum).name}: {len(stopped)} run(s) under way "
+        f"stopped, their completed steps saved; resume with: {stopping.command}",
+        stopping.signum)
   paths = study_report.write_tables(reported, scale, seeds, out, data)
   for grid in chosen:
     if grid.name not in plots:
@@ -263,12 +329,20 @@ def main(argv: list[str] | None = None) -> None:
           f"tokens left")
     return
   cache = args.compile_cache or os.path.join(out, "jax-cache")
-  try:
-    paths = run(chosen, scale, seeds, out, args.data,
-                compile_cache=None if cache == "none" else cache, jobs=args.jobs,
-                start_within=args.start_within)
-  except (StudyError, RunError, ValueError) as e:
-    raise SystemExit(f"error: {e}")
+  from train import study_child
+  command = shlex.join(["python", "-m", "train.study",
+                        *(sys.argv[1:] if argv is None else argv)])
+  study_child.resume_command = command
+  with Stopping.handling(command) as stopping:
+    try:
+      paths = run(chosen, scale, seeds, out, args.data,
+                  compile_cache=None if cache == "none" else cache, jobs=args.jobs,
+                  start_within=args.start_within, stopping=stopping)
+    except Interrupted as e:
+      print(e, file=sys.stderr, flush=True)
+      raise SystemExit(128 + e.signum)
+    except (StudyError, RunError, ValueError) as e:
+      raise SystemExit(f"error: {e}")
   print("\n".join(paths), file=sys.stderr)
 
 
