@@ -112,9 +112,9 @@ def test_gpu_presets_refuse_on_a_cpu_in_one_line(name, tmp_path):
 def test_allow_cpu_tiny_and_explicit_flags_start(monkeypatch):
   """--allow-cpu, the tiny preset and a model given by flags all reach the
   training loop (stopped there)."""
-  def stop(cfg, dataset=None):
+  def reached(cfg, dataset=None, stop=None):
     raise RunError(f"reached training with dim {cfg.dim}")
-  monkeypatch.setattr("train.loop.train", stop)
+  monkeypatch.setattr("train.loop.train", reached)
   monkeypatch.setattr(cli, "_compile_cache", lambda flag, log: None)
   for flags, dim in ((["--preset", "small", "--allow-cpu"], 768), (["--preset", "tiny"], 128),
                      (["--dim", "768", "--n-heads", "12", "--n-kv-heads", "4"], 768)):
