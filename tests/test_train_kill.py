@@ -22,10 +22,11 @@ def test_kills_and_signals_then_resume_is_exact(tmp_path):
   # The launch after the write kill found the torn line and dropped it.
   assert "dropped a torn last line" in launches[1].log, launches[1].log[-2000:]
   assert kills[1].note.startswith("while writing ") and "orbax-checkpoint-tmp" in kills[1].note
-  # Each launch after a kill continued the run rather than starting it over.
+  # Each launch after a kill continued the run rather than starting it over
+  # (the one stopped during start-up may stop before it logs where it resumes).
   assert all("Traceback" not in x.log for x in launches)
   assert all(("resumed from step" in x.log or "no checkpoint in" in x.log)
-             for x in launches[1:])
+             for x in launches[1:] if x.kind != "sigint-early")
   # A signal after a step: that step saved, one line saying how to resume
   # (no traceback, no C++ abort), exit 128 + the signal, and the next launch
   # resumed from that step.
