@@ -126,7 +126,7 @@ def dot_product_attention(
       fp32 accumulation and scales known before each loop (V per channel,
       dS against a per-row bound; docs/algorithm.md), the FP8 tensor cores'
       form; dO.V^T stays 16-bit. About 2x the INT8 mode's error at sigma 1
-      and within 1.2x of it from sigma 3 (README, Accuracy). With
+      and 1.03-1.36x of it from sigma 3 (README, Accuracy). With
       ds_precision="bf16", dS.K and dS^T.Q run in 16 bits instead. Its
       kernels so far: the Hopper forward ("mosaic"); the rest runs in
       "reference" (pure JAX), and "triton" raises NotImplementedError. The
