@@ -399,13 +399,13 @@ def fp8_softmax_step(blocks: Sequence[tuple[jax.Array, jax.Array]], m: jax.Array
 
 
 def finalize_fp8_rows(acc: jax.Array, m: jax.Array, l: jax.Array, v_scale: jax.Array):
-  """O = acc * v_scale / l, the base-2 log-sum-exp and the row maxima from
+  """O = acc * v_scale / l and the base-2 log-sum-exp from
   `fp8_softmax_step`'s state; `v_scale` V's per-channel scale, broadcastable
   to acc. Rows that saw no key give O = 0 and lse = +inf."""
   empty = l == 0
   l_safe = jnp.where(empty, 1.0, l)
   lse = jnp.where(empty, jnp.inf, m + jnp.log2(l_safe) - math.log2(E4M3_MAX))
-  return acc / l_safe[..., None] * v_scale, lse, m
+  return acc / l_safe[..., None] * v_scale, lse
 
 
 def finalize_folded_rows(acc: jax.Array, e: jax.Array, l: jax.Array, *, levels: float):

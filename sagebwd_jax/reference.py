@@ -152,8 +152,8 @@ class ReferenceBackend:
 
       (acc, m, l), _ = jax.lax.scan(fp8_step, init, jnp.arange(kv_len // p_block))
       v_scale = qkv.v_scale[:, :, None, None, None, :]  # per channel
-      o, lse, row_max = nm.finalize_fp8_rows(acc, m, l, v_scale)
-      return out(o), heads(lse), heads(row_max)
+      o, lse = nm.finalize_fp8_rows(acc, m, l, v_scale)
+      return out(o), heads(lse), heads(m)
 
     levels = nm.UINT8_MAX if numerics.unsigned_p else nm.INT8_MAX
     # (B, Hkv, 1, 1, 1, blocks): each block's factor broadcasts to its tiles' rows.

@@ -174,6 +174,20 @@ def oracle64(q, k, v, do, **kwargs):
 
 # The transposed layouts the Mosaic kernels read, both directions (types.Layouts).
 MOSAIC_LAYOUTS = Layouts(TransposedLayout.REGISTER_B, TransposedLayout.REGISTER_B)
+# The Mosaic forward's GPU cases, either quantization: (batch, Tq, Tk, heads,
+# kv_heads, head_dim, causal): GQA, MHA, MQA, one step per ring slot, more
+# steps than slots, Tq not a whole CTA tile.
+MOSAIC_FORWARD_CASES = [
+    (1, 256, 256, 2, 1, 128, False),
+    (1, 256, 256, 2, 1, 128, True),
+    (1, 256, 256, 2, 2, 64, False),
+    (1, 256, 256, 2, 2, 64, True),
+    (2, 1024, 1024, 4, 2, 128, True),
+    (2, 1024, 1024, 4, 1, 64, False),
+    (2, 1024, 1024, 4, 1, 64, True),
+    (2, 192, 512, 4, 2, 128, False),
+    (1, 2048, 2048, 2, 2, 128, False),
+]
 
 
 def mosaic_config(head_dim: int, causal: bool, **overrides) -> Config:

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import (CPU, MOSAIC_LAYOUTS, assert_lowers_to_mosaic_gpu, backend_tolerance,
-                      gaussian_qkv, mosaic_config, rel_l2)
+from conftest import (CPU, MOSAIC_FORWARD_CASES, MOSAIC_LAYOUTS, assert_lowers_to_mosaic_gpu,
+                      backend_tolerance, gaussian_qkv, mosaic_config, rel_l2)
 from pallas_kernels import layouts, numerics as nm
 from pallas_kernels.mosaic.forward import ForwardTuning, forward_mosaic, takes
 from pallas_kernels.types import Layouts, Masks
@@ -160,22 +160,8 @@ def _run(qkv, config, tuning=ForwardTuning()):
                                             tuning)[:2])(qkv)
 
 
-# (batch, Tq, Tk, heads, kv_heads, head_dim, causal): GQA, MHA, MQA, one step
-# per ring slot, more steps than slots, Tq not a whole CTA tile.
-GPU_CASES = [
-    (1, 256, 256, 2, 1, 128, False),
-    (1, 256, 256, 2, 1, 128, True),
-    (1, 256, 256, 2, 2, 64, False),
-    (1, 256, 256, 2, 2, 64, True),
-    (2, 1024, 1024, 4, 2, 128, True),
-    (2, 1024, 1024, 4, 1, 64, True),
-    (2, 192, 512, 4, 2, 128, False),
-    (1, 2048, 2048, 2, 2, 128, False),
-]
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+@pytest.mark.parametrize("case", MOSAIC_FORWARD_CASES, ids=str)
 def test_gpu_matches_reference(case):
   qkv, config, o_ref, lse_ref = _case(*case)
   _check(*_run(qkv, config), o_ref, lse_ref)

@@ -140,6 +140,17 @@ def pack(bits: jax.Array) -> jax.Array:
   return packed(bits)
 
 
+def _issue_and_wait(acc, a_regs, tiles, swizzle: int) -> fa.FragmentedArray:
+  """Inside an `inline_mgpu` body: acc + sum over i of A_i.B_i by one wgmma
+  each (B from the REGISTER_B tiles, transposed), then their commit and wait."""
+  for a, tile in zip(a_regs, tiles):
+    acc = mgpu.wgmma(acc, a, mgpu_utils.memref_transpose(tile, (1, 0, 3, 2)), swizzle=swizzle)
+  void = ir.Type.parse("!llvm.void")
+  llvm.inline_asm(void, [], "wgmma.commit_group.sync.aligned;", "", has_side_effects=True)
+  llvm.inline_asm(void, [], "wgmma.wait_group.sync.aligned 0;", "", has_side_effects=True)
+  return acc.value
+
+
 def pack_e4m3(p: jax.Array) -> jax.Array:
   """(64, 64) fp32, WGMMA layout -> the (64, 64) float8_e4m3fn register A
   operand of a wgmma (WGMMA_8BIT layout), columns in `layouts.permute_keys`
@@ -174,14 +185,8 @@ def fp8_dot_from_registers(acc: jax.Array, a_tiles: tuple[jax.Array, ...], b_til
       return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=plgpu.Layout.WGMMA))
   def product(ctx, start, a_regs, tiles):
     del ctx
-    out = mgpu.WGMMAAccumulator.from_registers(start)
-    for a, tile in zip(a_regs, tiles):
-      out = mgpu.wgmma(out, a, mgpu_utils.memref_transpose(tile, (1, 0, 3, 2)),
-                       swizzle=swizzle)
-    void = ir.Type.parse("!llvm.void")
-    llvm.inline_asm(void, [], "wgmma.commit_group.sync.aligned;", "", has_side_effects=True)
-    llvm.inline_asm(void, [], "wgmma.wait_group.sync.aligned 0;", "", has_side_effects=True)
-    return out.value
+    return _issue_and_wait(mgpu.WGMMAAccumulator.from_registers(start), a_regs, tiles,
+                           swizzle)
 
   return product(acc, tuple(a_tiles), tuple(b_tiles))
 
@@ -211,12 +216,6 @@ def dot_from_registers(a_tiles: tuple[jax.Array, ...], b_tiles: tuple, transform
     acc = mgpu.WGMMAAccumulator.from_registers(
         fa.FragmentedArray.splat(undefined, (ROWS, n), fa.WGMMA_LAYOUT, is_signed=True))
     with _rewritten_wgmma(unsigned_a=unsigned_a):
-      for a, tile in zip(a_regs, tiles):
-        acc = mgpu.wgmma(acc, a, mgpu_utils.memref_transpose(tile, (1, 0, 3, 2)),
-                         swizzle=swizzle)
-    void = ir.Type.parse("!llvm.void")
-    llvm.inline_asm(void, [], "wgmma.commit_group.sync.aligned;", "", has_side_effects=True)
-    llvm.inline_asm(void, [], "wgmma.wait_group.sync.aligned 0;", "", has_side_effects=True)
-    return acc.value
+      return _issue_and_wait(acc, a_regs, tiles, swizzle)
 
   return product(tuple(a_tiles), tuple(b_tiles))
