@@ -201,9 +201,38 @@ class Prepass(NamedTuple):
   do_scale: jax.Array  # (B, H, Tq) fp32, per token
   # As `QuantizedQKV.v_start`, for the portable dK/dV's P^T.dO; TOKENS only.
   do_start: jax.Array | None = None
-  # `Config.fp8` only: b_i >= max_j |dS_ij| per query row, (B, H, Tq) fp32
-  # (`numerics.ds_row_bound`): the FP8 dS operands' scale, known before the loops.
-  ds_bound: jax.Array | None = None
+  # `Config.fp8` only: the FP8 backward's operands (`fp8_operands`), formed
+  # after the pre-pass from its Delta and dO scales.
+  fp8: "Fp8Operands | None" = None
+
+
+class Fp8Operands(NamedTuple):
+  """The FP8 backward's E4M3 second operands and the factors of its first
+  ones (`Config.fp8`; `fp8_operands.fp8_operands` forms them). Per token
+  (B, H, Tq) or (B, Hkv, Tk) unless said; a "group's largest" is over a
+  key/value head's query heads, which dK and dV sum over.
+
+  dV = P^T.dO8: P^T times `p_factor` (448 * the query block's dO scale over
+  the group's largest) to E4M3; the sum times `dv_scale` (B, Hkv).
+  dK = dS^T.Q': Q' = Q * scale * log2(e) * b_i in E4M3 per block_q rows
+  (`q8_t`, transposed); dS^T / b_i times 448 * `q_fold` (Q''s block scale
+  over the group's largest) to E4M3; the sum times `dk_scale` (B, Hkv).
+  dQ = dS.K': K' the smoothed K in E4M3 per block_kv rows (`k8_t`,
+  transposed, block scales `k_scale`); dS / (b_i * `k_top`) times 448 times
+  K''s block scale to E4M3, with `k_top` the largest K' block scale the
+  row's block sees; the sum times b_i * k_top / 448.
+  `ds_bound`: b_i >= max_j |dS_ij| (`numerics.ds_row_bound`).
+  """
+
+  q8_t: jax.Array  # Layouts.backward, float8_e4m3fn
+  q_fold: jax.Array
+  dk_scale: jax.Array
+  k8_t: jax.Array  # Layouts.backward, float8_e4m3fn
+  k_scale: jax.Array  # (B, Hkv, Tk)
+  k_top: jax.Array
+  p_factor: jax.Array
+  dv_scale: jax.Array
+  ds_bound: jax.Array
 
 
 class Backend(Protocol):

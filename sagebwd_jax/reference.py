@@ -20,8 +20,8 @@ import jax.numpy as jnp
 
 from pallas_kernels import numerics as nm
 from pallas_kernels.layouts import arrange, to_layout
-from pallas_kernels.types import (Backend, Config, Layouts, Masks, Numerics, Prepass,
-                                  QuantizedQKV, TransposedLayout)
+from pallas_kernels.types import (Backend, Config, Fp8Operands, Layouts, Masks, Numerics,
+                                  Prepass, QuantizedQKV, TransposedLayout)
 from sagebwd_jax.saturated_rows import where_saturated
 from sagebwd_jax.score_tiles import ScoreTiles, blocks, int8_einsum, sum_tiles, wide_einsum
 
@@ -210,8 +210,7 @@ class ReferenceBackend:
     if config.keeps_qk16:
       q16, k16_heads = rows(_heads(qkv.q16)), _heads(qkv.k16)
     if config.fp8:
-      fp8 = _Fp8Operands.of(q16, k16_heads, do_scale, rows(prepass.ds_bound[..., None])[..., 0],
-                            config)
+      fp8 = _Fp8Tiles.of(prepass.fp8, rows)
 
     def kv_step(dq, j):
       s = tiles.scores(j)
@@ -252,7 +251,7 @@ class ReferenceBackend:
         # dS / b_i to E4M3_MAX, with the other operand's block scale over
         # its head's largest folded in; the row bound and those largest
         # scales multiply the sums after the loop.
-        ds_q = nm.to_e4m3(ds * (fp8.ds_factor * tiles.block_scale(fp8.k_fold, j)))
+        ds_q = nm.to_e4m3(ds * (fp8.dq_factor * tiles.block_scale(fp8.k_scale, j)))
         dq = dq + wide_einsum("bhgiqk,bhkd->bhgiqd", ds_q,
                              tiles.kv_block(fp8.k8, j, axis=-2))
         ds_k = nm.to_e4m3(jnp.swapaxes(ds * (fp8.ds_factor * fp8.q_fold), -1, -2))
@@ -290,53 +289,38 @@ class ReferenceBackend:
     return dq, dk, dv
 
 
-class _Fp8Operands(NamedTuple):
-  """The FP8 backward's second operands and the factors that scale its first
-  ones (`Config.fp8`), in the score tiles' layout (B, Hkv, G, query block,
-  row, ...), all known before the loop over key blocks.
-
-  dV = P^T.dO8: P^T to E4M3_MAX, each query block's dO scale over its head's
-  largest folded in (`p_factor`); `dv_scale` = that largest / E4M3_MAX.
-  dK = dS^T.Q': Q' = Q * scale * log2(e) * b_i in E4M3 per block_q rows
-  (`q8`), dS / b_i to E4M3_MAX with Q''s block scale over its head's largest
-  (`q_fold`); `dk_scale` = that largest / E4M3_MAX. dQ = dS.K': K' the
-  smoothed K in E4M3 per block_kv rows (`k8`), dS / b_i to E4M3_MAX with K''s
-  block scale over its head's largest (`k_fold`, per key); `dq_scale` =
-  b_i times that largest / E4M3_MAX, per query row. `ds_factor` =
-  E4M3_MAX / b_i (0 where b_i is 0: dS is then 0 too).
-  """
+class _Fp8Tiles(NamedTuple):
+  """`types.Fp8Operands` in the score tiles' layout (B, Hkv, G, query block,
+  row, ...), with the factors the loop multiplies by: `p_factor` for P^T's
+  columns; `ds_factor` = E4M3_MAX / b_i (0 where b_i is 0: dS is then 0 too)
+  times `q_fold` for dS^T's; `dq_factor` = E4M3_MAX / (b_i * k_top_i) for
+  dS's rows, K''s block scale `k_scale` for its columns, and `dq_scale` =
+  b_i * k_top_i / E4M3_MAX for dQ's rows after the loop."""
 
   p_factor: jax.Array
   dv_scale: jax.Array
   q8: jax.Array
   q_fold: jax.Array
+  ds_factor: jax.Array
   dk_scale: jax.Array
   k8: jax.Array
-  k_fold: jax.Array
+  k_scale: jax.Array
+  dq_factor: jax.Array
   dq_scale: jax.Array
-  ds_factor: jax.Array
 
   @classmethod
-  def of(cls, q16: jax.Array, k16_heads: jax.Array, do_scale: jax.Array, ds_bound: jax.Array,
-         config: Config) -> "_Fp8Operands":
-    """From Q (score tiles' rows), the smoothed K (B, Hkv, Tk, D), dO's block
-    scales (B, Hkv, G, query block) and the row bound (..., row). A "head's
-    largest" is over its key/value head's group: dK and dV sum over it."""
-    safe = lambda x: jnp.where(x > 0, x, 1.0)
-    do_top = jnp.max(do_scale, axis=(2, 3), keepdims=True)  # (B, Hkv, 1, 1)
-    q8, q_scale = nm.quantize_e4m3(
-        q16.astype(_f32) * (config.scale * nm.LOG2_E) * ds_bound[..., None], axis=(-2, -1))
-    q_top = jnp.max(q_scale, axis=(2, 3), keepdims=True)  # (B, Hkv, 1, 1, 1, 1)
-    k8, k_scale = nm.quantize_e4m3(blocks(k16_heads.astype(_f32), config.block_kv),
-                                   axis=(-2, -1))
-    k_top = jnp.max(k_scale, axis=2, keepdims=True)  # (B, Hkv, 1, 1, 1)
+  def of(cls, ops: Fp8Operands, rows) -> "_Fp8Tiles":
+    """`rows` maps the query side (B, H, Tq, ...) to the tiles' rows."""
+    row = lambda x: rows(x[..., None])[..., 0]  # (B, H, Tq) -> (..., query block, row)
+    tokens = lambda x8_t: _transposed(to_layout(x8_t, TransposedLayout.TOKENS))
+    bound_k_top = row(ops.ds_bound * ops.k_top)
     return cls(
-        p_factor=(nm.inverse_scale(do_top, nm.E4M3_MAX) * do_scale)[..., None, None],
-        dv_scale=do_top / nm.E4M3_MAX,
-        q8=q8, q_fold=q_scale / safe(q_top), dk_scale=q_top[..., 0, 0] / nm.E4M3_MAX,
-        k8=_unblock(k8), k_fold=_per_token((k_scale / safe(k_top))[..., 0, 0], config.block_kv),
-        dq_scale=(ds_bound * k_top / nm.E4M3_MAX)[..., None],
-        ds_factor=nm.inverse_scale(ds_bound, nm.E4M3_MAX)[..., None])
+        p_factor=row(ops.p_factor)[..., None, :], dv_scale=ops.dv_scale[..., None, None],
+        q8=rows(tokens(ops.q8_t)), q_fold=row(ops.q_fold)[..., None],
+        ds_factor=nm.inverse_scale(row(ops.ds_bound), nm.E4M3_MAX)[..., None],
+        dk_scale=ops.dk_scale[..., None, None], k8=tokens(ops.k8_t), k_scale=ops.k_scale,
+        dq_factor=nm.inverse_scale(bound_k_top, nm.E4M3_MAX)[..., None],
+        dq_scale=(bound_k_top / nm.E4M3_MAX)[..., None])
 
 
 def full_precision_attention(

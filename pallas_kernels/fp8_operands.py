@@ -1,0 +1,96 @@
+"""The FP8 backward's operands (`Config.fp8`): its second operands in E4M3 and
+the scales of its first ones, every one known before the loop that uses it
+(docs/algorithm.md, "FP8 products"). One definition for the reference and the
+kernels; it runs between the pre-pass and the backward's loops.
+
+Statistics over keys are taken over the key blocks that each query block
+sees (`seen_key_blocks`): causality, a window and the sequences' ids leave
+out every block no row of the query block can attend to, so a key or value a
+row cannot see (a later token, padding) does not move that row's scales.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import causal_blocks
+from pallas_kernels import numerics as nm
+from pallas_kernels.layouts import to_layout
+from pallas_kernels.types import Config, Fp8Operands, Masks, QuantizedQKV, TransposedLayout
+
+_f32 = jnp.float32
+
+
+def seen_key_blocks(masks: Masks, config: Config, q_len: int, kv_len: int) -> jax.Array:
+  """(B or 1, Tq // block_q, Tk // block_kv) bool: whether any row of the
+  query block may attend to any key of the key block."""
+  num_q, num_kv = q_len // config.block_q, kv_len // config.block_kv
+  left, right = causal_blocks.band(config.causal, config.window)
+  i = jnp.arange(num_q, dtype=jnp.int32)
+  start, _, _, end = causal_blocks.kv_range(i, config.block_q, config.block_kv, num_kv,
+                                            left=left, right=right)
+  j = jnp.arange(num_kv, dtype=jnp.int32)[None]
+  in_band = (j >= jnp.reshape(start, (-1, 1))) & (j < jnp.reshape(end, (-1, 1)))
+  seen = jnp.broadcast_to(in_band, (1, num_q, num_kv))
+  if masks.q_ids is not None:
+    batch = masks.q_ids.shape[0]
+    q_ids = masks.q_ids.reshape(batch, num_q, config.block_q, 1, 1)
+    kv_ids = masks.kv_ids.reshape(batch, 1, 1, num_kv, config.block_kv)
+    seen = seen & jnp.any(q_ids == kv_ids, axis=(2, 4))
+  return seen
+
+
+def max_over_seen(per_block: jax.Array, seen: jax.Array, heads: int, block_q: int) -> jax.Array:
+  """(B, Hkv, Tk // block_kv) values of key blocks -> (B, H, Tq), each query
+  token's largest over the blocks its block sees (0 where it sees none)."""
+  kv_heads = per_block.shape[1]
+  best = jnp.max(jnp.where(seen[:, None], per_block[:, :, None, :], 0.0), axis=-1)
+  return jnp.repeat(jnp.repeat(best, heads // kv_heads, axis=1), block_q, axis=-1)
+
+
+def _group_max(scale: jax.Array, kv_heads: int) -> jax.Array:
+  """(B, H, ...) -> (B, Hkv): the largest over each key/value head's group
+  (dK and dV sum over it, so their FP8 sums share one scale)."""
+  return jnp.max(scale.reshape(scale.shape[0], kv_heads, -1), axis=-1)
+
+
+def _e4m3_blocks(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+  """(B, H, T, D) -> E4M3 with one scale per `block` rows: the values (B, H,
+  T, D) and the scales per token (B, H, T)."""
+  b, h, t, d = x.shape
+  x8, scale = nm.quantize_e4m3(x.reshape(b, h, t // block, block, d), axis=(-2, -1))
+  return x8.reshape(x.shape), jnp.repeat(scale[..., 0, 0], block, axis=-1)
+
+
+def fp8_operands(qkv: QuantizedQKV, v: jax.Array, do: jax.Array, do_scale: jax.Array,
+                 row_max: jax.Array, lse: jax.Array, delta: jax.Array, masks: Masks,
+                 config: Config, layout: TransposedLayout) -> Fp8Operands:
+  """The operands from the forward's row maxima and lse, the pre-pass's
+  Delta and dO block scales (B, H, Tq), Q and the smoothed K in the inputs'
+  dtype (`qkv.q16`, `qkv.k16`), V (B, Tk, Hkv, D) and dO (B, Tq, H, D); the
+  transposed E4M3 tensors in `layout` (the call's `Layouts.backward`)."""
+  batch, q_len, heads, _ = do.shape
+  kv_heads, kv_len = v.shape[2], v.shape[1]
+  seen = seen_key_blocks(masks, config, q_len, kv_len)
+  if masks.kv_ids is not None:  # padding's values bound nothing
+    v = jnp.where((masks.kv_ids != nm.KV_INVALID_ID)[:, :, None, None], v, 0)
+  v_norm = jnp.sqrt(nm.ordered_sum(jnp.square(jnp.swapaxes(v, 1, 2).astype(_f32))))
+  v_norm = jnp.max(v_norm.reshape(batch, kv_heads, -1, config.block_kv), axis=-1)
+  ds_bound = nm.ds_row_bound(row_max, lse, delta, do,
+                             max_over_seen(v_norm, seen, heads, config.block_q))
+
+  q = jnp.swapaxes(qkv.q16, 1, 2).astype(_f32) * (config.scale * nm.LOG2_E)
+  q8, q_scale = _e4m3_blocks(q * ds_bound[..., None], config.block_q)
+  q_top = _group_max(q_scale, kv_heads)
+  k8, k_scale = _e4m3_blocks(jnp.swapaxes(qkv.k16, 1, 2).astype(_f32), config.block_kv)
+  k_top = max_over_seen(k_scale[..., ::config.block_kv], seen, heads, config.block_q)
+  do_top = _group_max(do_scale, kv_heads)
+  safe = lambda x: jnp.where(x > 0, x, 1.0)
+  transposed = lambda x8: to_layout(jnp.swapaxes(x8, -1, -2), layout)
+  group = lambda x: jnp.repeat(x, heads // kv_heads, axis=1)[..., None]
+  return Fp8Operands(
+      q8_t=transposed(q8), q_fold=q_scale / group(safe(q_top)), dk_scale=q_top / nm.E4M3_MAX,
+      k8_t=transposed(k8), k_scale=k_scale, k_top=k_top,
+      p_factor=nm.inverse_scale(group(do_top), nm.E4M3_MAX) * do_scale,
+      dv_scale=do_top / nm.E4M3_MAX, ds_bound=ds_bound)
