@@ -10,11 +10,16 @@ forward, both timed here. TOPS = 2.5 * 4*B*H*T*T*D / time (halved when
 causal). The stages around the kernels (the pre-pass in either layout, the
 saturated rows' launch) are timed alone. Each Mosaic variant's dQ, dK, dV
 are compared with the Triton kernels' in the same run (relative L2; both
-quantize P^T per key to 0..255). Writes mosaic_backward.csv to --out (default $OUT, else nothing).
+quantize P^T per key to 0..255). The `_fp8` variants run the FP8 backward
+(quantization="int8_fp8") on the reference's quantization, forward and
+pre-pass, compared with the reference's FP8 backward; `fp8_operands` times
+the stage that forms their operands (`pallas_kernels.fp8_operands`, XLA).
+Writes mosaic_backward.csv to --out (default $OUT, else nothing).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -29,8 +34,12 @@ from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
 from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
 from pallas_kernels.layouts import REGISTER_B, arrange, to_layout
+from pallas_kernels.fp8_operands import fp8_operands
 from pallas_kernels.types import Config, Layouts, Masks
+from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import key_mean
+
+MOSAIC_LAYOUTS = Layouts(REGISTER_B, REGISTER_B)
 
 
 VARIANTS = {
@@ -38,7 +47,30 @@ VARIANTS = {
     "mosaic_no_sched": BackwardTuning(schedule_barrier=False),
     "mosaic_3st": BackwardTuning(max_concurrent_steps=3),
     "mosaic_1wg": BackwardTuning(compute_wgs=1, schedule_barrier=False),
+    "mosaic_fp8": BackwardTuning(),
+    "mosaic_fp8_no_sched": BackwardTuning(schedule_barrier=False),
 }
+
+
+def fp8_inputs(q, k, v, do, config: Config):
+  """The FP8 backward's inputs as the op forms them (the reference's
+  quantization, forward and pre-pass, in the Mosaic kernels' layouts, and
+  the operands), the forward's row maxima, and the reference's FP8 dQ, dK,
+  dV from them."""
+  reference = ReferenceBackend()
+  k_mean = key_mean(k, None)
+  qkv = reference.quantize(q, k, v, k_mean, config, layouts=MOSAIC_LAYOUTS)._replace(
+      q16=q, k16=(k.astype(jnp.float32) - k_mean[:, None]).astype(k.dtype))
+  o, lse, row_max = reference.forward(qkv, Masks(), config, jnp.bfloat16)
+  pre = reference.prepass(o, do, config, REGISTER_B)
+  pre = pre._replace(fp8=operands(qkv, v, do, pre, row_max, lse, config))
+  want = reference.backward(qkv, v, lse, do, pre, Masks(), config)
+  return (qkv, v, lse, pre, do), row_max, want
+
+
+def operands(qkv, v, do, pre, row_max, lse, config: Config):
+  return fp8_operands(qkv, v, do, pre.do_scale, row_max, lse, pre.delta, Masks(), config,
+                      REGISTER_B)
 
 
 def main():
@@ -99,14 +131,32 @@ def main():
     want = time_pair("triton",
                      lambda *a: backward_dkdv(*a, Masks(), config, triton.dkdv_launch),
                      lambda *a: backward_dq(*a, Masks(), config, triton.dq_launch))
-    for name in names:
+    for name in (n for n in names if "fp8" not in n):
       time_pair(name,
                 lambda *a, l=VARIANTS[name]: backward_dkdv_mosaic(*a, Masks(), config, l),
                 lambda *a, l=VARIANTS[name]: backward_dq_mosaic(*a, Masks(), config, l),
                 want, mosaic_args)
+    fp8_names = [n for n in names if "fp8" in n]
+    if fp8_names:
+      fp8_config = dataclasses.replace(config, quantization="int8_fp8")
+      fp8_args, row_max, fp8_want = jax.block_until_ready(
+          jax.jit(functools.partial(fp8_inputs, config=fp8_config))(q, k, v, do))
+      qkv8, v8, lse8, pre8, do8 = fp8_args
+      record("fp8_operands", time_call(jax.jit(functools.partial(operands, config=fp8_config)),
+                                       qkv8, v8, do8, pre8, row_max, lse8))
+      pair = ((qkv8, v8, lse8, pre8.delta, do8, pre8.do8_t, pre8.do_scale, pre8.fp8),
+              (qkv8, v8, lse8, pre8.delta, do8, pre8.fp8))
+      for name in fp8_names:
+        time_pair(name,
+                  lambda *a, l=VARIANTS[name]: backward_dkdv_mosaic(
+                      *a[:-1], Masks(), fp8_config, l, fp8=a[-1]),
+                  lambda *a, l=VARIANTS[name]: backward_dq_mosaic(
+                      *a[:-1], Masks(), fp8_config, l, fp8=a[-1]),
+                  fp8_want, pair)
     table.ratios(causal, ref_row)
 
-  print("\n| impl | causal | ms (dK/dV + dQ) | TOPS | x cuDNN bwd | dQ / dK / dV rel L2 vs Triton |")
+  print("\n| impl | causal | ms (dK/dV + dQ) | TOPS | x cuDNN bwd | dQ / dK / dV rel L2 vs Triton "
+        "(FP8: vs the reference) |")
   print("|---|---|---|---|---|---|")
   for r in table.rows:
     split = f" ({r['dkdv_ms']:.3f} + {r['dq_ms']:.3f})" if "dkdv_ms" in r else ""

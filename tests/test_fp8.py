@@ -12,6 +12,7 @@ must pass it on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,15 +20,19 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+GPU = pytest.mark.gpu
+
 from benchmarks.accuracy import (FP8_OVER_INT8, FP8_OVER_INT8_FROM_SIGMA_3, FP8_OVER_PER_TENSOR,
                                  per_tensor_fp8)
-from conftest import (CPU, MOSAIC_FORWARD_CASES, MOSAIC_LAYOUTS, gaussian_qkv, kernel_config,
-                      mosaic_config, oracle64, rel_l2, sage)
+from conftest import (CPU, MOSAIC_FORWARD_CASES, MOSAIC_LAYOUTS, assert_lowers_to_mosaic_gpu,
+                      gaussian_qkv, kernel_config, mosaic_config, oracle64, rel_l2, sage)
 from pallas_kernels import numerics as nm
 from pallas_kernels.fp8_operands import fp8_operands
-from pallas_kernels.layouts import TOKENS
+from pallas_kernels.layouts import REGISTER_B, TOKENS
 from pallas_kernels.mosaic import forward as mosaic_forward
 from pallas_kernels.mosaic.backend import MosaicBackend
+from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
+from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
 from pallas_kernels.types import QUANTIZATIONS, Masks, Numerics
 from sagebwd_jax import dot_product_attention, implementations
 from sagebwd_jax.reference import ReferenceBackend
@@ -234,11 +239,14 @@ def test_gpu_mosaic_forward_matches_reference(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("sigma", [1, 3, 5, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_gpu_op_error_within_the_references(causal):
-  """On the GPU the op (the Hopper FP8 forward, the reference's backward) is
-  within 1.1x of the reference's error against fp64 (the mode's bar)."""
-  q, k, v, do = gaussian_qkv(jax.random.key(13), 2, 1024, 1024, 4, 2, 128)
+def test_gpu_op_error_within_the_references(causal, head_dim, sigma):
+  """On the GPU the op (the Hopper FP8 kernels; the quantization pass and
+  pre-pass the reference's) is within 1.1x of the reference's error against
+  fp64 (the mode's bar)."""
+  q, k, v, do = gaussian_qkv(jax.random.key(13), 1, 1024, 1024, 4, 2, head_dim, sigma=sigma)
   exact = oracle64(q, k, v, do, is_causal=causal)
   ours = sage(q, k, v, do, is_causal=causal, quantization="int8_fp8")
   reference = sage(q, k, v, do, is_causal=causal, quantization="int8_fp8",
@@ -248,21 +256,105 @@ def test_gpu_op_error_within_the_references(causal):
     assert rel_l2(got, truth) <= 1.1 * rel_l2(want, truth), name
 
 
-def test_an_outlier_token_leaves_the_rows_that_cannot_see_it():
+@pytest.mark.parametrize("implementation", ["reference", pytest.param("mosaic", marks=GPU)])
+def test_an_outlier_token_leaves_the_rows_that_cannot_see_it(implementation):
   """Causal, one token (the last) with K and V x100: the FP8 scales of rows
   that cannot attend to it (K''s largest block scale, the dS bound's largest
   ||V_j||) are taken over the key blocks those rows see, so their O and dQ
   errors against fp64 stay within 1.1x of the same inputs without it (over
-  all keys they grew 6.6x: dQ .044 -> .288)."""
+  all keys they grew 6.6x: dQ .044 -> .288). On the GPU, through the Hopper
+  kernels."""
   q, k, v, do = gaussian_qkv(jax.random.key(14), 1, 1024, 1024, 2, 2, 64)
   rows = slice(0, 768)
   errors = []
   for scale in (1, 100):
     k_, v_ = k.at[:, -1].multiply(scale), v.at[:, -1].multiply(scale)
     exact = oracle64(q, k_, v_, do, is_causal=True)
-    ours = sage(q, k_, v_, do, is_causal=True, implementation="reference",
+    ours = sage(q, k_, v_, do, is_causal=True, implementation=implementation,
                 quantization="int8_fp8")
     errors.append([rel_l2(np.asarray(got, np.float64)[:, rows], want[:, rows])
                    for got, want in ((ours[0], exact[0]), (ours[1][0], exact[1][0]))])
   (o, dq), (o_outlier, dq_outlier) = errors
   assert o_outlier <= 1.1 * o and dq_outlier <= 1.1 * dq, errors
+
+
+def _fp8_backward_case(batch, seq, heads, kv_heads, head_dim, causal, *, seed=0, sigma=2.0):
+  """The FP8 backward kernels' arguments as the op forms them (the reference's
+  quantization, forward, pre-pass and operands, the Mosaic layouts), the
+  config, and the reference's dQ, dK, dV from the same tensors."""
+  q, k, v, do = gaussian_qkv(jax.random.key(seed), batch, seq, seq, heads, kv_heads, head_dim,
+                             sigma=sigma)
+  config = mosaic_config(head_dim, causal, quantization="int8_fp8")
+  reference = ReferenceBackend()
+
+  def inputs(q, k, v, do):
+    k_mean = key_mean(k, None)
+    qkv = reference.quantize(q, k, v, k_mean, config, layouts=MOSAIC_LAYOUTS)._replace(
+        q16=q, k16=(k.astype(jnp.float32) - k_mean[:, None]).astype(k.dtype))
+    o, lse, row_max = reference.forward(qkv, Masks(), config, jnp.bfloat16)
+    pre = reference.prepass(o, do, config, REGISTER_B)
+    pre = pre._replace(fp8=fp8_operands(qkv, v, do, pre.do_scale, row_max, lse, pre.delta,
+                                        Masks(), config, REGISTER_B))
+    return qkv, v, lse, pre, do
+
+  return inputs, (q, k, v, do), config
+
+
+def _fp8_kernels(config, qkv, v, lse, pre, do):
+  """dQ, dK, dV from the Hopper FP8 backward kernels."""
+  dk, dv = backward_dkdv_mosaic(qkv, v, lse, pre.delta, do, pre.do8_t, pre.do_scale, Masks(),
+                                config, fp8=pre.fp8)
+  return backward_dq_mosaic(qkv, v, lse, pre.delta, do, Masks(), config, fp8=pre.fp8), dk, dv
+
+
+@pytest.mark.parametrize("case", [(1, 256, 2, 1, 64, True), (1, 256, 2, 2, 128, False)],
+                         ids=str)
+def test_fp8_backward_kernels_lower_for_cuda(case):
+  """The Hopper FP8 dK/dV and dQ kernels lower for CUDA without a GPU, with
+  no XLA layout pass around them (Q'^T, K'^T, dO8^T arrive REGISTER_B)."""
+  inputs, arrays, config = _fp8_backward_case(*case)
+  args = jax.eval_shape(inputs, *arrays)
+  assert_lowers_to_mosaic_gpu(functools.partial(_fp8_kernels, config), *args)
+
+
+def test_fp8_backward_kernels_refuse_a_missing_or_stray_operand():
+  inputs, arrays, config = _fp8_backward_case(1, 128, 1, 1, 64, False)
+  qkv, v, lse, pre, do = jax.eval_shape(inputs, *arrays)
+  with pytest.raises(ValueError, match="`fp8`"):
+    backward_dq_mosaic(qkv, v, lse, pre.delta, do, Masks(), config)
+  with pytest.raises(ValueError, match="`fp8`"):
+    backward_dkdv_mosaic(qkv, v, lse, pre.delta, do, pre.do8_t, pre.do_scale, Masks(),
+                         dataclasses.replace(config, quantization="int8"), fp8=pre.fp8)
+
+
+# (batch, seq, heads, kv_heads, head_dim, causal): GQA, MQA and MHA, both head
+# dims, causal CTAs whose warpgroups skip blocks the other one needs.
+FP8_BACKWARD_CASES = [
+    (1, 256, 2, 1, 128, False),
+    (1, 384, 2, 2, 64, True),
+    (2, 1024, 4, 2, 128, False),
+    (2, 1024, 4, 2, 128, True),
+    (2, 1024, 4, 1, 64, True),
+    (1, 2048, 2, 2, 64, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", FP8_BACKWARD_CASES, ids=str)
+def test_gpu_fp8_backward_kernels_match_reference(case):
+  """The kernels against the reference's FP8 backward on the same tensors: the
+  same E4M3 operands but where the kernels' exponent rounds a P or dS across
+  an E4M3 boundary, sums in another order, and the FP8 accumulator's own
+  rounding (docs/algorithm.md)."""
+  inputs, arrays, config = _fp8_backward_case(*case)
+  args = jax.jit(inputs)(*arrays)
+  got = jax.jit(functools.partial(_fp8_kernels, config))(*args)
+  with jax.default_device(CPU):
+    cpu = jax.device_put(args, CPU)
+    want = jax.jit(lambda qkv, v, lse, pre, do: ReferenceBackend().backward(
+        qkv, v, lse, do, pre, Masks(), config))(*cpu)
+  for name, x, ref in zip(("dQ", "dK", "dV"), got, want):
+    x, ref = np.asarray(x.astype(jnp.float32)), np.asarray(ref, np.float32)
+    assert x.shape == ref.shape, name
+    assert np.all(np.isfinite(x)), name
+    assert rel_l2(x, ref) <= 1e-2, (name, rel_l2(x, ref))

@@ -62,7 +62,8 @@ def test_op_wiring(case, make_backend, monkeypatch):
   calls = set()
 
   def twin(module, name, portable):
-    def run(*args):
+    def run(*args, fp8=None):
+      assert fp8 is None  # the twins are INT8's; the FP8 backward's wiring: test_fp8.py
       calls.add(name)
       # The launch is the last argument; the twins read TOKENS (an XLA pass here).
       tokens = [arrange(x, Layouts()) if isinstance(x, QuantizedQKV) else

@@ -13,9 +13,11 @@ P per row of each 128-key step to 0..255; the dK/dV and dQ kernels when
 `backward_takes` accepts it (the same, with queries and keys in whole CTA
 tiles of 128), quantizing P^T per key row to 0..255 (`MOSAIC_NUMERICS`: both).
 Anything else runs in the fallback, call by call (`reference_numerics` says
-which numerics a call gets). With quantization="int8_fp8" the forward runs
-in Mosaic GPU (FP8 P.V) where `forward.takes` accepts it, and everything else
-in `fp8_fallback`. The Mosaic kernels compile for an sm_90 GPU only.
+which numerics a call gets). With quantization="int8_fp8" the forward (FP8
+P.V) and the backward (FP8 P^T.dO, dS^T.Q', dS.K') run in Mosaic GPU where
+the same rules accept the case, and the quantization pass, the pre-pass and
+everything else in `fp8_fallback`. The Mosaic kernels compile for an sm_90
+GPU only.
 """
 
 from __future__ import annotations
@@ -41,10 +43,10 @@ MOSAIC_NUMERICS = Numerics(p_block=forward.KV_STEP, unsigned_p=True, unsigned_p_
 def backward_takes(masks: Masks, config: Config, q_len: int, kv_len: int, head_dim: int,
                    dtype, tuning: BackwardTuning = BackwardTuning()) -> bool:
   """Whether the Mosaic backward kernels run this case (`dtype`: V's, which the
-  backward's dO.V^T wgmma takes as is). Their dS products are INT8 only:
-  ds_precision="bf16" and quantization="int8_fp8" run in the fallback."""
+  backward's dO.V^T wgmma takes as is). Their dS products are 8-bit only:
+  ds_precision="bf16" runs in the fallback."""
   cta_rows = tuning.compute_wgs * common.BLOCK
-  return (common.supports(masks, config, head_dim) and not config.fp8
+  return (common.supports(masks, config, head_dim)
           and config.ds_precision == "int8" and config.window is None
           and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
           and q_len % cta_rows == 0 and kv_len % cta_rows == 0
@@ -57,9 +59,8 @@ class MosaicBackend:
 
   `fallback` runs the quantization pass, the backward pre-pass and every case
   `forward.takes` or `backward_takes` refuses (the op passes the portable
-  backend); `fp8_fallback` does so for quantization="int8_fp8", whose only
-  Mosaic kernel is the forward (the op passes the reference; None: such
-  calls raise NotImplementedError). `forward_mosaic=None` keeps the
+  backend); `fp8_fallback` does so for quantization="int8_fp8" (the op
+  passes the reference; None: such calls raise NotImplementedError). `forward_mosaic=None` keeps the
   fallback's forward.
   """
 
@@ -83,7 +84,8 @@ class MosaicBackend:
       return self.fallback
     if self.fp8_fallback is None:
       raise NotImplementedError("the Hopper backend was given no fp8_fallback for "
-                                "quantization='int8_fp8' (its only FP8 kernel is the forward)")
+                                "quantization='int8_fp8' (its quantization pass and "
+                                "pre-pass)")
     return self.fp8_fallback
 
   def _runs_forward(self, masks: Masks, config: Config, q_len: int, kv_len: int,
@@ -148,6 +150,8 @@ class MosaicBackend:
       return self._fallback(config).backward(qkv, v, lse, do, prepass, masks, config)
     check_layout("do8_t", prepass.do8_t, TransposedLayout.REGISTER_B)
     dk, dv = backward_dkdv_mosaic(qkv, v, lse, prepass.delta, do, prepass.do8_t,
-                                  prepass.do_scale, masks, config, self.dkdv_tuning)
-    dq = backward_dq_mosaic(qkv, v, lse, prepass.delta, do, masks, config, self.dq_tuning)
+                                  prepass.do_scale, masks, config, self.dkdv_tuning,
+                                  fp8=prepass.fp8)
+    dq = backward_dq_mosaic(qkv, v, lse, prepass.delta, do, masks, config, self.dq_tuning,
+                            fp8=prepass.fp8)
     return dq, dk, dv

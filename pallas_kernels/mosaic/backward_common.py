@@ -72,16 +72,20 @@ def as_float(biased_scores):
   return lax.bitcast_convert_type(biased_scores, jnp.float32)
 
 
-def exponent(f, c, lse, *, along: int):
+def exponent(f, c, lse, *, along: int, cap=None):
   """The base-2 exponent of P = exp2(S * q_scale * k_scale - lse), capped at 0
   (`numerics.log2_p`), from the biased scores f = 1.5 * 2**23 + S: an add
   (exact), an FMA and a minimum.
   Folding the bias into the FMA's addend would round -lse - 1.5 * 2**23 * c,
   an error of ~c in the exponent that nothing cancels here (the forward's
   row maximum does cancel it). `lse` has one value per row (`along`=0) or
-  per column (`along`=1)."""
-  return nm.log2_p((f - nm.ROUND_MAGIC_F32) * positive_scale(c)
-                   - lax.broadcast_in_dim(lse, f.shape, [along]))
+  per column (`along`=1). The FP8 products take P times a factor: `lse`
+  less its log2, and `cap` (a scalar, or a vector as `lse`) that log2."""
+  x = (f - nm.ROUND_MAGIC_F32) * positive_scale(c) - lax.broadcast_in_dim(lse, f.shape, [along])
+  if cap is None:
+    return nm.log2_p(x)
+  return jnp.minimum(x, cap if jnp.ndim(cap) == 0 else lax.broadcast_in_dim(cap, f.shape,
+                                                                            [along]))
 
 
 def causal_mask(f, *, row_start, col_start, rows_are_keys: bool):

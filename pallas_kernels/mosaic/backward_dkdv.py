@@ -38,19 +38,24 @@ from pallas_kernels.mosaic import pipeline, registers
 from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic.common import BLOCK, check_supported, smem_transforms
 from pallas_kernels.layouts import check_layout
-from pallas_kernels.types import Config, Masks, QuantizedQKV, TransposedLayout
+from pallas_kernels.types import Config, Fp8Operands, Masks, QuantizedQKV, TransposedLayout
 
 
-def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scale, *,
-               causal: bool, out_dtype, tuning: BackwardTuning):
-  """q8_t, do8_t: REGISTER_B (B, H, Tq / 64, D, 64) int8 (`types.TransposedLayout`);
-  scales per token (B, H, T)."""
+def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns, out_scales,
+               *, causal: bool, out_dtype, tuning: BackwardTuning):
+  """q8_t, do8_t: REGISTER_B (B, H, Tq / 64, D, 64), int8 or with FP8
+  products (`out_scales` given) E4M3 (`types.TransposedLayout`); scales per
+  token (B, H, T). `step_scale` (B, H, Tq): dO's block scale, or with FP8
+  log2 of `Fp8Operands.p_factor`; `columns`: the query rows' vectors each
+  step reads, (lse, Delta) or with FP8 (lse, Delta, dS^T's column factor);
+  `out_scales`: dK's and dV's factors after the loop (B, Hkv), or None."""
   batch, heads, q_len, head_dim = q8.shape
   kv_heads, kv_len = k8.shape[1], k8.shape[2]
   group = heads // kv_heads
   num_q_blocks = q_len // BLOCK
   wgs = tuning.compute_wgs
-  t_transforms = smem_transforms(BLOCK, jnp.int8)
+  fp8 = out_scales is not None
+  t_transforms = smem_transforms(BLOCK, q8_t.dtype)
 
   def q_range(j):
     """Query blocks key block j sees: [start, full) masked, [full, end) whole."""
@@ -59,15 +64,15 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
     return tuple(jnp.asarray(x, jnp.int32)
                  for x in causal_blocks.q_blocks(j, BLOCK, BLOCK, num_q_blocks))
 
-  def kernel(q_ref, q8_t_ref, qs_ref, k_ref, ks_ref, v_ref, lse_ref, delta_ref, do_ref,
-             do8_t_ref, dos_ref, dk_ref, dv_ref, scoped):
+  def kernel(q_ref, q8_t_ref, qs_ref, k_ref, ks_ref, v_ref, do_ref, do8_t_ref, step_ref, *refs):
+    col_refs, out_scale_refs = refs[:len(columns)], refs[len(columns):-3]
+    dk_ref, dv_ref, scoped = refs[-3:]
     b, h, t = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("kv_seq")
     wg = lax.axis_index("wg")
     kvh = lax.div(h, jnp.array(group, h.dtype))
     smem, (k_bars, v_bars), ring_bars, consumed, sched = scoped
-    k_smem2, v_smem2, q_ring, q8_t_ring, do_ring, do8_t_ring, lse_ring, delta_ring, out_smem2 = (
-        smem)
-    q_bars, q8_t_bars, do_bars, do8_t_bars, lse_bars, delta_bars = ring_bars
+    k_smem2, v_smem2, q_ring, q8_t_ring, do_ring, do8_t_ring, col_rings, out_smem2 = smem
+    q_bars, q8_t_bars, do_bars, do8_t_bars, *col_bars = ring_bars
     cta_start = q_range(t * wgs)[0]
     end = jnp.int32(num_q_blocks)
     ring = pipeline.Ring(tuning.max_concurrent_steps)
@@ -83,38 +88,52 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
       plgpu.barrier_wait(k_bars.at[wg])
       plgpu.barrier_wait(v_bars.at[wg])
 
+      def column(slot, c):
+        plgpu.barrier_wait(col_bars[c].at[slot])
+        return bc.col_vector(col_rings.at[slot, c])
+
       def q_step(i, carry, *, masked: bool):
         dk, dv = carry
         slot = ring.slot(i)
         q_scale = qs_ref[b, h, i * BLOCK]
-        do_scale = dos_ref[b, h, i * BLOCK]
+        step = step_ref[b, h, i * BLOCK]
         plgpu.barrier_wait(q_bars.at[slot])
         (s,) = bc.products([(k_smem, q_ring.at[slot])], [bc.magic()], schedule)
         f = bc.as_float(s)
         if masked:
           f = bc.causal_mask(f, row_start=j * BLOCK, col_start=i * BLOCK, rows_are_keys=True)
-        plgpu.barrier_wait(lse_bars.at[slot])
-        lse = bc.col_vector(lse_ring.at[slot])
-        pq, top = nm.unsigned_rows(bc.exponent(f, q_scale * k_scale, lse, along=1))
-        # dP^T only now: with S^T, pq and dK, dV it would not fit the registers.
-        plgpu.barrier_wait(delta_bars.at[slot])
-        delta = bc.col_vector(delta_ring.at[slot])
-        minus_delta = -lax.broadcast_in_dim(delta, bc.TILE, [1])
+        lse = column(slot, 0)
+        if fp8:  # P^T * p_factor, exp2 of the exponent shifted by its log2
+          p = jnp.exp2(bc.exponent(f, q_scale * k_scale, lse - step, along=1, cap=step))
+        else:
+          pq, top = nm.unsigned_rows(bc.exponent(f, q_scale * k_scale, lse, along=1))
+        # dP^T only now: with S^T, P^T and dK, dV it would not fit the registers.
+        minus_delta = -lax.broadcast_in_dim(column(slot, 1), bc.TILE, [1])
         plgpu.barrier_wait(do_bars.at[slot])
         (dp,) = bc.products([(v_smem, do_ring.at[slot])], [minus_delta])
-        p8 = bc.pack_unsigned(pq)
-        ds8, ds_scale = bc.pack_signed_rows(pq * dp)
+        if fp8:
+          p8 = registers.pack_e4m3(p)
+          ds8 = registers.pack_e4m3(p * (dp * lax.broadcast_in_dim(column(slot, 2), bc.TILE,
+                                                                     [1])))
+        else:
+          p8 = bc.pack_unsigned(pq)
+          ds8, ds_scale = bc.pack_signed_rows(pq * dp)
         schedule.arrive()  # elementwise work done: the other warpgroup may issue
         plgpu.barrier_wait(do8_t_bars.at[slot])
         plgpu.barrier_wait(q8_t_bars.at[slot])
         schedule.wait()
-        p_scale = jnp.exp2(top)
-        pdo = registers.dot_from_registers((p8,), (do8_t_ring.at[slot],), t_transforms,
-                                           head_dim, unsigned_a=True)
-        dv = bc.merge(dv, pdo, p_scale * do_scale)
-        dsq = registers.dot_from_registers((ds8,), (q8_t_ring.at[slot],), t_transforms,
-                                           head_dim, unsigned_a=False)
-        dk = bc.merge(dk, dsq, ds_scale * p_scale * q_scale)
+        if fp8:
+          dv, dk = registers.fp8_dots_from_registers(
+              (dv, (p8,), (do8_t_ring.at[slot],)), (dk, (ds8,), (q8_t_ring.at[slot],)),
+              transforms=t_transforms)
+        else:
+          p_scale = jnp.exp2(top)
+          pdo = registers.dot_from_registers((p8,), (do8_t_ring.at[slot],), t_transforms,
+                                             head_dim, unsigned_a=True)
+          dv = bc.merge(dv, pdo, p_scale * step)
+          dsq = registers.dot_from_registers((ds8,), (q8_t_ring.at[slot],), t_transforms,
+                                             head_dim, unsigned_a=False)
+          dk = bc.merge(dk, dsq, ds_scale * p_scale * q_scale)
         plgpu.barrier_arrive(consumed.at[slot])
         return dk, dv
 
@@ -126,9 +145,15 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
       carry = lax.fori_loop(start, full, functools.partial(q_step, masked=True), carry)
       dk, dv = lax.fori_loop(full, end, functools.partial(q_step, masked=False), carry)
       schedule.lead_out(wg)
-      # Q was quantized as Q * scale * log2(e): dK carries log2(e) once.
+      # Q was quantized as Q * scale * log2(e): dK carries log2(e) once (FP8:
+      # in its factor).
+      if fp8:
+        dk_factor, dv_factor = (ref[b, kvh] for ref in out_scale_refs)
+        dv = dv * dv_factor
+      else:
+        dk_factor = nm.LN_2
       out_smem = out_smem2.at[wg]  # one staging tile for both (fp32 GQA partials)
-      for x, dst in ((dk * nm.LN_2, dk_ref), (dv, dv_ref)):
+      for x, dst in ((dk * dk_factor, dk_ref), (dv, dv_ref)):
         bc.write_tile(x.astype(out_dtype), out_smem, dst.at[b, kv, h])
 
     def producer():
@@ -138,9 +163,8 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
         plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_ring.at[slot], do_bars.at[slot])
         plgpu.copy_gmem_to_smem(do8_t_ref.at[b, h, i], do8_t_ring.at[slot], do8_t_bars.at[slot])
         plgpu.copy_gmem_to_smem(q8_t_ref.at[b, h, i], q8_t_ring.at[slot], q8_t_bars.at[slot])
-        plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_ring.at[slot], lse_bars.at[slot])
-        plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_ring.at[slot],
-                                delta_bars.at[slot])
+        for c, (ref, bar) in enumerate(zip(col_refs, col_bars)):
+          plgpu.copy_gmem_to_smem(ref.at[b, h, rows], col_rings.at[slot, c], bar.at[slot])
 
       pipeline.stream(ring, first=cta_start, end=end, load=load, consumed=(consumed,))
 
@@ -152,45 +176,61 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scal
       plgpu.SMEM((wgs, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),  # K8
       plgpu.SMEM((wgs, BLOCK, head_dim), fdt, transforms=smem_transforms(head_dim, fdt)),  # V
       plgpu.SMEM((slots, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),  # Q8
-      plgpu.SMEM((slots, head_dim, BLOCK), i8, transforms=t_transforms),  # Q8^T
+      plgpu.SMEM((slots, head_dim, BLOCK), q8_t.dtype, transforms=t_transforms),  # Q8^T
       plgpu.SMEM((slots, BLOCK, head_dim), fdt, transforms=smem_transforms(head_dim, fdt)),  # dO
-      plgpu.SMEM((slots, head_dim, BLOCK), i8, transforms=t_transforms),  # dO8^T
-      plgpu.SMEM((slots, BLOCK), jnp.float32),  # lse
-      plgpu.SMEM((slots, BLOCK), jnp.float32),  # Delta
+      plgpu.SMEM((slots, head_dim, BLOCK), do8_t.dtype, transforms=t_transforms),  # dO8^T
+      plgpu.SMEM((slots, len(columns), BLOCK), jnp.float32),  # lse, Delta, ...
       plgpu.SMEM((wgs, BLOCK, head_dim), out_dtype,
                  transforms=smem_transforms(head_dim, out_dtype)),  # dK, then dV
   )
   barriers = ((plgpu.Barrier(num_barriers=wgs),) * 2,
-              (plgpu.Barrier(num_barriers=slots),) * 6,
+              (plgpu.Barrier(num_barriers=slots),) * (4 + len(columns)),
               plgpu.Barrier(num_arrivals=wgs, num_barriers=slots),
               plgpu.Barrier(num_arrivals=wgs))
   shape = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), out_dtype)
   return pipeline.kernel(
       kernel, tuning=tuning, scratch=scratch, barriers=barriers, out_type=(shape, shape),
       grid=(heads, kv_len // (wgs * BLOCK), batch), grid_names=("heads", "kv_seq", "batch"),
-      name="sagebwd_backward_dkdv_mosaic",
-  )(q8, q8_t, q_scale, k8, k_scale, v, lse, delta, do, do8_t, do_scale)
+      name="sagebwd_backward_dkdv_fp8_mosaic" if fp8 else "sagebwd_backward_dkdv_mosaic",
+  )(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, *columns, *(out_scales or ()))
 
 
 def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
                          masks: Masks, config: Config,
-                         tuning: BackwardTuning = BackwardTuning()):
+                         tuning: BackwardTuning = BackwardTuning(),
+                         fp8: Fp8Operands | None = None):
   """dK, dV (B, Tk, Hkv, D) in V's dtype, summed over each kv head's group.
 
   Same contract as `triton.backward_dkdv.backward_dkdv` for the cases
   `mosaic.common.supports` accepts, with whole CTA tiles, but Q8^T and dO8^T
   REGISTER_B (`types.Layouts`); P^T quantized as `backend.MOSAIC_NUMERICS`
   says. With GQA the per-query-head partials are kept in fp32 until summed.
+  With `Config.fp8`, `fp8` (its operands, `fp8_operands`) gives dK's
+  second operand and the FP8 factors, and dO8^T is E4M3.
   """
   check_supported(qkv, masks, config, "backward_dkdv_mosaic", tuning.compute_wgs * BLOCK)
-  for name, x8_t in (("q8_t", qkv.q8_t), ("do8_t", do8_t)):
+  if config.fp8 != (fp8 is not None):
+    raise ValueError("backward_dkdv_mosaic: `fp8` (the FP8 operands) is given exactly when "
+                     f"quantization='int8_fp8'; got quantization={config.quantization!r}")
+  q8_t = qkv.q8_t if fp8 is None else fp8.q8_t
+  for name, x8_t in (("q8_t", q8_t), ("do8_t", do8_t)):
     check_layout(name, x8_t, TransposedLayout.REGISTER_B)
   batch, heads, _, head_dim = qkv.q8.shape
   kv_heads, kv_len = qkv.k8.shape[1], qkv.k8.shape[2]
   group = heads // kv_heads
   out_dtype = v.dtype if group == 1 else jnp.dtype(jnp.float32)
-  dk, dv = _dkdv_call(qkv.q8, qkv.q8_t, qkv.q_scale, qkv.k8, qkv.k_scale, v, lse, delta, do,
-                      do8_t, do_scale, causal=config.causal, out_dtype=out_dtype, tuning=tuning)
+  if fp8 is None:
+    step_scale, columns, out_scales = do_scale, (lse, delta), None
+  else:
+    # dS^T's column factor over P's: the kernel forms dS^T * factor from P^T * p_factor.
+    positive = fp8.p_factor > 0
+    ds_col = jnp.where(positive, nm.inverse_scale(fp8.ds_bound, nm.E4M3_MAX) * fp8.q_fold
+                       / jnp.where(positive, fp8.p_factor, 1.0), 0.0)
+    step_scale, columns = jnp.log2(fp8.p_factor), (lse, delta, ds_col)
+    out_scales = (fp8.dk_scale * nm.LN_2, fp8.dv_scale)
+  dk, dv = _dkdv_call(qkv.q8, q8_t, qkv.q_scale, qkv.k8, qkv.k_scale, v, do, do8_t,
+                      step_scale, columns, out_scales, causal=config.causal,
+                      out_dtype=out_dtype, tuning=tuning)
   if group > 1:
     sum_group = lambda x: x.reshape(batch, kv_len, kv_heads, group, head_dim).sum(axis=3)
     dk, dv = sum_group(dk).astype(v.dtype), sum_group(dv).astype(v.dtype)

@@ -26,18 +26,22 @@ import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import causal_blocks
+from pallas_kernels import numerics as nm
 from pallas_kernels.mosaic import backward_common as bc
 from pallas_kernels.mosaic import pipeline, registers
 from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic.common import BLOCK, check_supported, smem_transforms
 from pallas_kernels.layouts import check_layout
-from pallas_kernels.types import Config, Masks, QuantizedQKV, TransposedLayout
+from pallas_kernels.types import Config, Fp8Operands, Masks, QuantizedQKV, TransposedLayout
 
 
-def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, causal: bool, scale: float,
-             tuning: BackwardTuning):
-  """k8_t: REGISTER_B (B, Hkv, Tk / 64, D, 64) int8 (`types.TransposedLayout`);
-  scales per token (B, H, T)."""
+def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_rows, *,
+             causal: bool, scale: float, tuning: BackwardTuning):
+  """k8_t: REGISTER_B (B, Hkv, Tk / 64, D, 64), int8, or with FP8 products
+  (`fp8_rows` given) K' in E4M3 (`types.TransposedLayout`); scales per token
+  (B, H, T). `step_scale` (B, Hkv, Tk): K's block scale, or with FP8 log2 of
+  K''s; `fp8_rows` (B, H, Tq): log2 of dS's row factor and dQ's row factor
+  after the loop, or None."""
   batch, heads, q_len, head_dim = q8.shape
   kv_heads, kv_len = k8.shape[1], k8.shape[2]
   group = heads // kv_heads
@@ -45,7 +49,8 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, causal: bool,
   wgs = tuning.compute_wgs
   num_q_tiles = q_len // (wgs * BLOCK)
   out_dtype = do.dtype
-  t_transforms = smem_transforms(BLOCK, jnp.int8)
+  fp8 = fp8_rows is not None
+  t_transforms = smem_transforms(BLOCK, k8_t.dtype)
 
   def kv_range(i):
     """Key blocks query block i sees: [0, full) whole, [full, end) masked."""
@@ -54,8 +59,9 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, causal: bool,
     return tuple(jnp.asarray(x, jnp.int32)
                  for x in causal_blocks.kv_blocks(i, BLOCK, BLOCK, num_kv_blocks))
 
-  def kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, k8_t_ref, ks_ref, v_ref, dq_ref,
-             scoped):
+  def kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, k8_t_ref, ks_ref, v_ref,
+             step_ref, *refs):
+    row_refs, (dq_ref, scoped) = refs[:-2], refs[-2:]
     b, h, t = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_seq")
     if causal:  # the longest query tiles launch first (shorter tail)
       t = num_q_tiles - 1 - t
@@ -77,12 +83,15 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, causal: bool,
       q_scale = qs_ref[b, h, i * BLOCK]
       lse = bc.row_vector(lse_ref.at[b, h, rows])
       delta = bc.row_vector(delta_ref.at[b, h, rows])
+      if fp8:  # dS times 2**shift, shift = log2 of its row factor + K''s block's
+        row_shift, row_out = (bc.row_vector(ref.at[b, h, rows]) for ref in row_refs)
       plgpu.barrier_wait(q_bars.at[wg])
       plgpu.barrier_wait(do_bars.at[wg])
 
       def kv_step(j, dq, *, masked: bool):
         slot = ring.slot(j)
         k_scale = ks_ref[b, kvh, j * BLOCK]
+        step = step_ref[b, kvh, j * BLOCK]
         plgpu.barrier_wait(k_bars.at[slot])
         plgpu.barrier_wait(v_bars.at[slot])
         s, dp = bc.products([(q_smem, k_ring.at[slot]), (do_smem, v_ring.at[slot])],
@@ -90,15 +99,25 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, causal: bool,
         f = bc.as_float(s)
         if masked:
           f = bc.causal_mask(f, row_start=i * BLOCK, col_start=j * BLOCK, rows_are_keys=False)
-        p = jnp.exp2(bc.exponent(f, q_scale * k_scale, lse, along=0))
-        ds8, ds_scale = bc.pack_signed_rows(p * dp)
+        if fp8:
+          shift = row_shift + step
+          p = jnp.exp2(bc.exponent(f, q_scale * k_scale, lse - shift, along=0, cap=shift))
+          ds8 = registers.pack_e4m3(p * dp)
+        else:
+          p = jnp.exp2(bc.exponent(f, q_scale * k_scale, lse, along=0))
+          ds8, ds_scale = bc.pack_signed_rows(p * dp)
         schedule.arrive()  # elementwise work done: the other warpgroup may issue
         plgpu.barrier_wait(k8_t_bars.at[slot])
         schedule.wait()
-        dsk = registers.dot_from_registers((ds8,), (k8_t_ring.at[slot],), t_transforms,
-                                           head_dim, unsigned_a=False)
+        if fp8:
+          (dq,) = registers.fp8_dots_from_registers((dq, (ds8,), (k8_t_ring.at[slot],)),
+                                                    transforms=t_transforms)
+        else:
+          dsk = registers.dot_from_registers((ds8,), (k8_t_ring.at[slot],), t_transforms,
+                                             head_dim, unsigned_a=False)
+          dq = bc.merge(dq, dsk, ds_scale * step)
         plgpu.barrier_arrive(consumed.at[slot])
-        return bc.merge(dq, dsk, ds_scale * k_scale)
+        return dq
 
       full, end = kv_range(i)
       schedule.lead_in(wg)
@@ -107,8 +126,10 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, causal: bool,
       dq = lax.fori_loop(full, end, functools.partial(kv_step, masked=True), dq)
       schedule.lead_out(wg)
       pipeline.release(ring, end, cta_end, bars=ring_bars, consumed=consumed, schedule=schedule)
-      # Q was quantized as Q * scale * log2(e); dS is in base-2 units: dQ takes `scale`.
-      bc.write_tile((dq * scale).astype(out_dtype), dq_smem2.at[wg], dq_ref.at[b, rows, h])
+      # Q was quantized as Q * scale * log2(e); dS is in base-2 units: dQ takes
+      # `scale` (FP8: in its row factor).
+      dq = dq * lax.broadcast_in_dim(row_out, dq.shape, [0]) if fp8 else dq * scale
+      bc.write_tile(dq.astype(out_dtype), dq_smem2.at[wg], dq_ref.at[b, rows, h])
 
     def producer():
       def load(j, slot):
@@ -128,7 +149,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, causal: bool,
       plgpu.SMEM((wgs, BLOCK, head_dim), do.dtype,
                  transforms=smem_transforms(head_dim, do.dtype)),  # dO
       plgpu.SMEM((slots, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),  # K8
-      plgpu.SMEM((slots, head_dim, BLOCK), i8, transforms=t_transforms),  # K8^T
+      plgpu.SMEM((slots, head_dim, BLOCK), k8_t.dtype, transforms=t_transforms),  # K8^T
       plgpu.SMEM((slots, BLOCK, head_dim), fdt, transforms=smem_transforms(head_dim, fdt)),  # V
       plgpu.SMEM((wgs, BLOCK, head_dim), out_dtype,
                  transforms=smem_transforms(head_dim, out_dtype)),  # dQ
@@ -141,17 +162,31 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, *, causal: bool,
       kernel, tuning=tuning, scratch=scratch, barriers=barriers,
       out_type=jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), out_dtype),
       grid=(heads, num_q_tiles, batch), grid_names=("heads", "q_seq", "batch"),
-      name="sagebwd_backward_dq_mosaic",
-  )(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v)
+      name="sagebwd_backward_dq_fp8_mosaic" if fp8 else "sagebwd_backward_dq_mosaic",
+  )(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, *(fp8_rows or ()))
 
 
 def backward_dq_mosaic(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, config: Config,
-                       tuning: BackwardTuning = BackwardTuning()):
+                       tuning: BackwardTuning = BackwardTuning(),
+                       fp8: Fp8Operands | None = None):
   """dQ (B, Tq, H, D) in dO's dtype; same contract as
   `triton.backward_dq.backward_dq` for the cases `mosaic.common.supports`
   accepts, with whole CTA tiles, but K8^T REGISTER_B (`types.Layouts`); dS
-  quantized as there."""
+  quantized as there. With `Config.fp8`, `fp8` (its operands,
+  `fp8_operands`) gives K' and dS's FP8 factors."""
   check_supported(qkv, masks, config, "backward_dq_mosaic", tuning.compute_wgs * BLOCK)
-  check_layout("k8_t", qkv.k8_t, TransposedLayout.REGISTER_B)
-  return _dq_call(qkv.q8, qkv.q_scale, lse, delta, do, qkv.k8, qkv.k8_t, qkv.k_scale, v,
-                  causal=config.causal, scale=config.scale, tuning=tuning)
+  if config.fp8 != (fp8 is not None):
+    raise ValueError("backward_dq_mosaic: `fp8` (the FP8 operands) is given exactly when "
+                     f"quantization='int8_fp8'; got quantization={config.quantization!r}")
+  k8_t = qkv.k8_t if fp8 is None else fp8.k8_t
+  check_layout("k8_t", k8_t, TransposedLayout.REGISTER_B)
+  if fp8 is None:
+    step_scale, fp8_rows = qkv.k_scale, None
+  else:
+    bound = fp8.ds_bound * fp8.k_top
+    fp8_rows = (jnp.log2(nm.inverse_scale(bound, nm.E4M3_MAX)),
+                bound / nm.E4M3_MAX * config.scale)
+    step_scale = jnp.log2(fp8.k_scale)
+  return _dq_call(qkv.q8, qkv.q_scale, lse, delta, do, qkv.k8, k8_t, qkv.k_scale, v,
+                  step_scale, fp8_rows, causal=config.causal, scale=config.scale,
+                  tuning=tuning)

@@ -24,15 +24,14 @@ def supports(masks: Masks, config: Config, head_dim: int) -> bool:
 def check_supported(qkv: QuantizedQKV, masks: Masks, config: Config, name: str,
                     multiple: int = BLOCK):
   """Raises unless the Mosaic backward kernels take this case (`supports`,
-  INT8 products, sequence lengths in whole tiles of `multiple` tokens)."""
+  sequence lengths in whole tiles of `multiple` tokens)."""
   head_dim = qkv.q8.shape[-1]
-  if not supports(masks, config, head_dim) or config.fp8:
+  if not supports(masks, config, head_dim):
     raise NotImplementedError(
-        f"{name}: needs no masks, smooth_q=False, ds_precision='int8', quantization='int8', "
+        f"{name}: needs no masks, smooth_q=False, ds_precision='int8', "
         f"block_q=block_kv=64, D in {HEAD_DIMS}; "
         f"got masks={masks.q_ids is not None or masks.kv_ids is not None}, "
         f"smooth_q={config.smooth_q}, ds_precision={config.ds_precision!r}, "
-        f"quantization={config.quantization!r}, "
         f"blocks=({config.block_q}, {config.block_kv}), D={head_dim}")
   q_len, kv_len = qkv.q8.shape[2], qkv.k8.shape[2]
   if q_len % multiple or kv_len % multiple:

@@ -247,7 +247,8 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scales: tuple, *, fp8: bool,
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         b_tiles = tuple(vt_smem.at[slot, i] for i in range(halves))
         if fp8:
-          acc = registers.fp8_dot_from_registers(acc, a_tiles, b_tiles, vt_transforms)
+          (acc,) = registers.fp8_dots_from_registers((acc, a_tiles, b_tiles),
+                                                     transforms=vt_transforms)
         else:
           pv = registers.dot_from_registers(a_tiles, b_tiles, vt_transforms, head_dim,
                                             unsigned_a=True)

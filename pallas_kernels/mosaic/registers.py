@@ -19,8 +19,8 @@ use all 256 levels.
 
 FP8 (`Config.fp8`): fp32 values in the same places, two conversions to an
 E4M3 pair and one move pack four (`pack_e4m3`, round to nearest even,
-saturated at 448 as `numerics.to_e4m3`), and `fp8_dot_from_registers` adds
-the products into a running fp32 accumulator (no merge instruction).
+saturated at 448 as `numerics.to_e4m3`), and `fp8_dots_from_registers` adds
+the products into running fp32 accumulators (no merge instruction).
 """
 
 from __future__ import annotations
@@ -140,15 +140,19 @@ def pack(bits: jax.Array) -> jax.Array:
   return packed(bits)
 
 
-def _issue_and_wait(acc, a_regs, tiles, swizzle: int) -> fa.FragmentedArray:
-  """Inside an `inline_mgpu` body: acc + sum over i of A_i.B_i by one wgmma
-  each (B from the REGISTER_B tiles, transposed), then their commit and wait."""
-  for a, tile in zip(a_regs, tiles):
-    acc = mgpu.wgmma(acc, a, mgpu_utils.memref_transpose(tile, (1, 0, 3, 2)), swizzle=swizzle)
+def _issue_and_wait(products, swizzle: int) -> list[fa.FragmentedArray]:
+  """Inside an `inline_mgpu` body: for each (acc, A tiles, B tiles) of
+  `products`, acc + sum over i of A_i.B_i by one wgmma each (B from the
+  REGISTER_B tiles, transposed), all issued before one commit and wait."""
+  results = []
+  for acc, a_regs, tiles in products:
+    for a, tile in zip(a_regs, tiles):
+      acc = mgpu.wgmma(acc, a, mgpu_utils.memref_transpose(tile, (1, 0, 3, 2)), swizzle=swizzle)
+    results.append(acc)
   void = ir.Type.parse("!llvm.void")
   llvm.inline_asm(void, [], "wgmma.commit_group.sync.aligned;", "", has_side_effects=True)
   llvm.inline_asm(void, [], "wgmma.wait_group.sync.aligned 0;", "", has_side_effects=True)
-  return acc.value
+  return [acc.value for acc in results]
 
 
 def pack_e4m3(p: jax.Array) -> jax.Array:
@@ -167,28 +171,31 @@ def pack_e4m3(p: jax.Array) -> jax.Array:
   return packed(p)
 
 
-def fp8_dot_from_registers(acc: jax.Array, a_tiles: tuple[jax.Array, ...], b_tiles: tuple,
-                           transforms: tuple) -> jax.Array:
-  """acc + sum over i of A_i.B_i in fp32, by FP8 wgmmas that add into `acc`.
+def fp8_dots_from_registers(*products, transforms: tuple) -> tuple[jax.Array, ...]:
+  """For each (acc, A tiles, B tiles) of `products`: acc + sum over i of
+  A_i.B_i in fp32, by FP8 wgmmas that add into `acc`; all issued before one
+  wait. Returns the accumulators.
 
-  `acc`: (64, n) fp32, WGMMA layout. `a_tiles[i]`: (64, 64) E4M3 from
-  `pack_e4m3`; `b_tiles[i]`: a shared-memory (n, 64) E4M3 tile of B^T as
-  `dot_from_registers` takes it (REGISTER_B). Issues every product, then
-  waits for them.
+  `acc`: (64, n) fp32, WGMMA layout. A tiles: (64, 64) E4M3 from
+  `pack_e4m3`; B tiles: shared-memory (n, 64) E4M3 tiles of B^T as
+  `dot_from_registers` takes them (REGISTER_B), stored with `transforms`.
   """
   swizzle = transforms[-1].swizzle
-  count = len(a_tiles)
+  arg_types = tuple((plgpu.Layout.WGMMA, (plgpu.Layout.WGMMA_8BIT,) * len(a_tiles),
+                     (plgpu.RefType(transforms),) * len(b_tiles))
+                    for _, a_tiles, b_tiles in products)
 
   @plgpu.inline_mgpu(
-      arg_types=(plgpu.Layout.WGMMA, (plgpu.Layout.WGMMA_8BIT,) * count,
-                 (plgpu.RefType(transforms),) * count),
-      return_type=plgpu.ShapeDtypeStruct(acc.shape, jnp.float32, layout=plgpu.Layout.WGMMA))
-  def product(ctx, start, a_regs, tiles):
+      arg_types=arg_types,
+      return_type=tuple(plgpu.ShapeDtypeStruct(acc.shape, jnp.float32,
+                                               layout=plgpu.Layout.WGMMA)
+                        for acc, _, _ in products))
+  def product(ctx, *args):
     del ctx
-    return _issue_and_wait(mgpu.WGMMAAccumulator.from_registers(start), a_regs, tiles,
-                           swizzle)
+    return tuple(_issue_and_wait(
+        [(mgpu.WGMMAAccumulator.from_registers(acc), a, b) for acc, a, b in args], swizzle))
 
-  return product(acc, tuple(a_tiles), tuple(b_tiles))
+  return product(*((acc, tuple(a), tuple(b)) for acc, a, b in products))
 
 
 def dot_from_registers(a_tiles: tuple[jax.Array, ...], b_tiles: tuple, transforms: tuple,
@@ -216,6 +223,6 @@ def dot_from_registers(a_tiles: tuple[jax.Array, ...], b_tiles: tuple, transform
     acc = mgpu.WGMMAAccumulator.from_registers(
         fa.FragmentedArray.splat(undefined, (ROWS, n), fa.WGMMA_LAYOUT, is_signed=True))
     with _rewritten_wgmma(unsigned_a=unsigned_a):
-      return _issue_and_wait(acc, a_regs, tiles, swizzle)
+      return _issue_and_wait([(acc, a_regs, tiles)], swizzle)[0]
 
   return product(tuple(a_tiles), tuple(b_tiles))
