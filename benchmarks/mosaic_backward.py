@@ -49,6 +49,7 @@ VARIANTS = {
     "mosaic_1wg": BackwardTuning(compute_wgs=1, schedule_barrier=False),
     "mosaic_fp8": BackwardTuning(),
     "mosaic_fp8_no_sched": BackwardTuning(schedule_barrier=False),
+    "mosaic_fp8_dq128": BackwardTuning(dq_keys=128),
 }
 
 

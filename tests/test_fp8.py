@@ -31,6 +31,7 @@ from pallas_kernels.fp8_operands import fp8_operands
 from pallas_kernels.layouts import REGISTER_B, TOKENS
 from pallas_kernels.mosaic import forward as mosaic_forward
 from pallas_kernels.mosaic.backend import MosaicBackend
+from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
 from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
 from pallas_kernels.types import QUANTIZATIONS, Masks, Numerics
@@ -300,21 +301,24 @@ def _fp8_backward_case(batch, seq, heads, kv_heads, head_dim, causal, *, seed=0,
   return inputs, (q, k, v, do), config
 
 
-def _fp8_kernels(config, qkv, v, lse, pre, do):
+def _fp8_kernels(config, tuning, qkv, v, lse, pre, do):
   """dQ, dK, dV from the Hopper FP8 backward kernels."""
   dk, dv = backward_dkdv_mosaic(qkv, v, lse, pre.delta, do, pre.do8_t, pre.do_scale, Masks(),
-                                config, fp8=pre.fp8)
-  return backward_dq_mosaic(qkv, v, lse, pre.delta, do, Masks(), config, fp8=pre.fp8), dk, dv
+                                config, tuning, fp8=pre.fp8)
+  dq = backward_dq_mosaic(qkv, v, lse, pre.delta, do, Masks(), config, tuning, fp8=pre.fp8)
+  return dq, dk, dv
 
 
+@pytest.mark.parametrize("dq_keys", [64, 128])
 @pytest.mark.parametrize("case", [(1, 256, 2, 1, 64, True), (1, 256, 2, 2, 128, False)],
                          ids=str)
-def test_fp8_backward_kernels_lower_for_cuda(case):
+def test_fp8_backward_kernels_lower_for_cuda(case, dq_keys):
   """The Hopper FP8 dK/dV and dQ kernels lower for CUDA without a GPU, with
   no XLA layout pass around them (Q'^T, K'^T, dO8^T arrive REGISTER_B)."""
   inputs, arrays, config = _fp8_backward_case(*case)
   args = jax.eval_shape(inputs, *arrays)
-  assert_lowers_to_mosaic_gpu(functools.partial(_fp8_kernels, config), *args)
+  tuning = BackwardTuning(dq_keys=dq_keys)
+  assert_lowers_to_mosaic_gpu(functools.partial(_fp8_kernels, config, tuning), *args)
 
 
 def test_fp8_backward_kernels_refuse_a_missing_or_stray_operand():
@@ -325,6 +329,10 @@ def test_fp8_backward_kernels_refuse_a_missing_or_stray_operand():
   with pytest.raises(ValueError, match="`fp8`"):
     backward_dkdv_mosaic(qkv, v, lse, pre.delta, do, pre.do8_t, pre.do_scale, Masks(),
                          dataclasses.replace(config, quantization="int8"), fp8=pre.fp8)
+  with pytest.raises(NotImplementedError, match="dq_keys=128"):
+    backward_dq_mosaic(qkv, v, lse, pre.delta, do, Masks(),
+                       dataclasses.replace(config, quantization="int8"),
+                       BackwardTuning(dq_keys=128))
 
 
 # (batch, seq, heads, kv_heads, head_dim, causal): GQA, MQA and MHA, both head
@@ -340,15 +348,16 @@ FP8_BACKWARD_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dq_keys", [64, 128])
 @pytest.mark.parametrize("case", FP8_BACKWARD_CASES, ids=str)
-def test_gpu_fp8_backward_kernels_match_reference(case):
+def test_gpu_fp8_backward_kernels_match_reference(case, dq_keys):
   """The kernels against the reference's FP8 backward on the same tensors: the
   same E4M3 operands but where the kernels' exponent rounds a P or dS across
   an E4M3 boundary, sums in another order, and the FP8 accumulator's own
   rounding (docs/algorithm.md)."""
   inputs, arrays, config = _fp8_backward_case(*case)
   args = jax.jit(inputs)(*arrays)
-  got = jax.jit(functools.partial(_fp8_kernels, config))(*args)
+  got = jax.jit(functools.partial(_fp8_kernels, config, BackwardTuning(dq_keys=dq_keys)))(*args)
   with jax.default_device(CPU):
     cpu = jax.device_put(args, CPU)
     want = jax.jit(lambda qkv, v, lse, pre, do: ReferenceBackend().backward(

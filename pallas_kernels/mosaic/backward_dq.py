@@ -45,7 +45,9 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
   batch, heads, q_len, head_dim = q8.shape
   kv_heads, kv_len = k8.shape[1], k8.shape[2]
   group = heads // kv_heads
-  num_kv_blocks = kv_len // BLOCK
+  step_keys = tuning.dq_keys
+  halves = step_keys // BLOCK  # 64-key blocks (K's quantization blocks) per step
+  num_steps = kv_len // step_keys
   wgs = tuning.compute_wgs
   num_q_tiles = q_len // (wgs * BLOCK)
   out_dtype = do.dtype
@@ -53,11 +55,11 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
   t_transforms = smem_transforms(BLOCK, k8_t.dtype)
 
   def kv_range(i):
-    """Key blocks query block i sees: [0, full) whole, [full, end) masked."""
+    """Key steps query block i sees: [0, full) whole, [full, end) masked."""
     if not causal:
-      return jnp.int32(num_kv_blocks), jnp.int32(num_kv_blocks)
+      return jnp.int32(num_steps), jnp.int32(num_steps)
     return tuple(jnp.asarray(x, jnp.int32)
-                 for x in causal_blocks.kv_blocks(i, BLOCK, BLOCK, num_kv_blocks))
+                 for x in causal_blocks.kv_blocks(i, BLOCK, step_keys, num_steps))
 
   def kernel(q_ref, qs_ref, lse_ref, delta_ref, do_ref, k_ref, k8_t_ref, ks_ref, v_ref,
              step_ref, *refs):
@@ -90,31 +92,37 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
 
       def kv_step(j, dq, *, masked: bool):
         slot = ring.slot(j)
-        k_scale = ks_ref[b, kvh, j * BLOCK]
-        step = step_ref[b, kvh, j * BLOCK]
         plgpu.barrier_wait(k_bars.at[slot])
         plgpu.barrier_wait(v_bars.at[slot])
+        tile = (BLOCK, step_keys)
         s, dp = bc.products([(q_smem, k_ring.at[slot]), (do_smem, v_ring.at[slot])],
-                            [bc.magic(), -lax.broadcast_in_dim(delta, bc.TILE, [0])], schedule)
+                            [bc.magic(tile), -lax.broadcast_in_dim(delta, tile, [0])], schedule)
         f = bc.as_float(s)
         if masked:
-          f = bc.causal_mask(f, row_start=i * BLOCK, col_start=j * BLOCK, rows_are_keys=False)
-        if fp8:
-          shift = row_shift + step
-          p = jnp.exp2(bc.exponent(f, q_scale * k_scale, lse - shift, along=0, cap=shift))
-          ds8 = registers.pack_e4m3(p * dp)
-        else:
-          p = jnp.exp2(bc.exponent(f, q_scale * k_scale, lse, along=0))
-          ds8, ds_scale = bc.pack_signed_rows(p * dp)
+          f = bc.causal_mask(f, row_start=i * BLOCK, col_start=j * step_keys, rows_are_keys=False)
+        ds8s = []
+        for half in range(halves):  # each 64-key block with its own scales
+          blk = j * halves + half
+          k_scale, step = ks_ref[b, kvh, blk * BLOCK], step_ref[b, kvh, blk * BLOCK]
+          cols = slice(half * BLOCK, (half + 1) * BLOCK)
+          f_h, dp_h = (f, dp) if halves == 1 else (f[:, cols], dp[:, cols])
+          if fp8:
+            shift = row_shift + step
+            p = jnp.exp2(bc.exponent(f_h, q_scale * k_scale, lse - shift, along=0, cap=shift))
+            ds8s.append(registers.pack_e4m3(p * dp_h))
+          else:
+            p = jnp.exp2(bc.exponent(f_h, q_scale * k_scale, lse, along=0))
+            ds8, ds_scale = bc.pack_signed_rows(p * dp_h)
         schedule.arrive()  # elementwise work done: the other warpgroup may issue
         plgpu.barrier_wait(k8_t_bars.at[slot])
         schedule.wait()
+        k8_t_tiles = tuple(k8_t_ring.at[slot, half] for half in range(halves))
         if fp8:
-          (dq,) = registers.fp8_dots_from_registers((dq, (ds8,), (k8_t_ring.at[slot],)),
+          (dq,) = registers.fp8_dots_from_registers((dq, tuple(ds8s), k8_t_tiles),
                                                     transforms=t_transforms)
         else:
-          dsk = registers.dot_from_registers((ds8,), (k8_t_ring.at[slot],), t_transforms,
-                                             head_dim, unsigned_a=False)
+          dsk = registers.dot_from_registers((ds8,), k8_t_tiles, t_transforms, head_dim,
+                                             unsigned_a=False)
           dq = bc.merge(dq, dsk, ds_scale * step)
         plgpu.barrier_arrive(consumed.at[slot])
         return dq
@@ -133,10 +141,11 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
 
     def producer():
       def load(j, slot):
-        kv = pl.ds(j * BLOCK, BLOCK)
+        kv = pl.ds(j * step_keys, step_keys)
         plgpu.copy_gmem_to_smem(k_ref.at[b, kvh, kv], k_ring.at[slot], k_bars.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[b, kv, kvh], v_ring.at[slot], v_bars.at[slot])
-        plgpu.copy_gmem_to_smem(k8_t_ref.at[b, kvh, j], k8_t_ring.at[slot], k8_t_bars.at[slot])
+        plgpu.copy_gmem_to_smem(k8_t_ref.at[b, kvh, pl.ds(j * halves, halves)],
+                                k8_t_ring.at[slot], k8_t_bars.at[slot])
 
       pipeline.stream(ring, first=jnp.int32(0), end=cta_end, load=load, consumed=(consumed,))
 
@@ -148,9 +157,10 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
       plgpu.SMEM((wgs, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),  # Q8
       plgpu.SMEM((wgs, BLOCK, head_dim), do.dtype,
                  transforms=smem_transforms(head_dim, do.dtype)),  # dO
-      plgpu.SMEM((slots, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),  # K8
-      plgpu.SMEM((slots, head_dim, BLOCK), k8_t.dtype, transforms=t_transforms),  # K8^T
-      plgpu.SMEM((slots, BLOCK, head_dim), fdt, transforms=smem_transforms(head_dim, fdt)),  # V
+      plgpu.SMEM((slots, step_keys, head_dim), i8, transforms=smem_transforms(head_dim, i8)),  # K8
+      plgpu.SMEM((slots, halves, head_dim, BLOCK), k8_t.dtype, transforms=t_transforms),  # K8^T
+      plgpu.SMEM((slots, step_keys, head_dim), fdt,
+                 transforms=smem_transforms(head_dim, fdt)),  # V
       plgpu.SMEM((wgs, BLOCK, head_dim), out_dtype,
                  transforms=smem_transforms(head_dim, out_dtype)),  # dQ
   )
@@ -174,7 +184,11 @@ def backward_dq_mosaic(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, confi
   accepts, with whole CTA tiles, but K8^T REGISTER_B (`types.Layouts`); dS
   quantized as there. With `Config.fp8`, `fp8` (its operands,
   `fp8_operands`) gives K' and dS's FP8 factors."""
-  check_supported(qkv, masks, config, "backward_dq_mosaic", tuning.compute_wgs * BLOCK)
+  check_supported(qkv, masks, config, "backward_dq_mosaic",
+                  max(tuning.compute_wgs * BLOCK, tuning.dq_keys))
+  if tuning.dq_keys != BLOCK and not config.fp8:
+    raise NotImplementedError(f"backward_dq_mosaic: dq_keys={tuning.dq_keys} needs FP8 "
+                              "products (quantization='int8_fp8'); INT8 steps 64 keys")
   if config.fp8 != (fp8 is not None):
     raise ValueError("backward_dq_mosaic: `fp8` (the FP8 operands) is given exactly when "
                      f"quantization='int8_fp8'; got quantization={config.quantization!r}")
