@@ -3,10 +3,12 @@ and dS^T.Q, every FP8 scale known before the loop that uses it.
 
 The reference decides the mode's accuracy: against fp64 attention it must stay
 within the mode's bars of the INT8 mode and beat per-tensor FP8 (cuDNN FP8's
-numerics), and its FP8 operands must be what the design says (numpy, with
-ml_dtypes' E4M3 rounding); the kernel backends must refuse it so that the
-`implementation=` chain falls through; the Flax modules and `python -m train`
-must pass it on.
+numerics), its FP8 operands must be what the design says (numpy, with
+ml_dtypes' E4M3 rounding), and a token a row cannot see must not move that
+row's scales; the Hopper kernels (forward, dK/dV, dQ) must match it on the
+GPU and lower for CUDA on the CPU; the Triton kernels must refuse the mode so
+that the `implementation=` chain falls through; the Flax modules and
+`python -m train` must pass it on.
 """
 
 from __future__ import annotations
@@ -309,15 +311,19 @@ def _fp8_kernels(config, tuning, qkv, v, lse, pre, do):
   return dq, dk, dv
 
 
-@pytest.mark.parametrize("dq_keys", [64, 128])
+FP8_TUNINGS = {"default": BackwardTuning(),
+               "dq128_early": BackwardTuning(dq_keys=128, dkdv_dp_with_s=True)}
+
+
+@pytest.mark.parametrize("tuning", sorted(FP8_TUNINGS))
 @pytest.mark.parametrize("case", [(1, 256, 2, 1, 64, True), (1, 256, 2, 2, 128, False)],
                          ids=str)
-def test_fp8_backward_kernels_lower_for_cuda(case, dq_keys):
+def test_fp8_backward_kernels_lower_for_cuda(case, tuning):
   """The Hopper FP8 dK/dV and dQ kernels lower for CUDA without a GPU, with
   no XLA layout pass around them (Q'^T, K'^T, dO8^T arrive REGISTER_B)."""
   inputs, arrays, config = _fp8_backward_case(*case)
   args = jax.eval_shape(inputs, *arrays)
-  tuning = BackwardTuning(dq_keys=dq_keys)
+  tuning = FP8_TUNINGS[tuning]
   assert_lowers_to_mosaic_gpu(functools.partial(_fp8_kernels, config, tuning), *args)
 
 
@@ -348,16 +354,16 @@ FP8_BACKWARD_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dq_keys", [64, 128])
+@pytest.mark.parametrize("tuning", sorted(FP8_TUNINGS))
 @pytest.mark.parametrize("case", FP8_BACKWARD_CASES, ids=str)
-def test_gpu_fp8_backward_kernels_match_reference(case, dq_keys):
+def test_gpu_fp8_backward_kernels_match_reference(case, tuning):
   """The kernels against the reference's FP8 backward on the same tensors: the
   same E4M3 operands but where the kernels' exponent rounds a P or dS across
   an E4M3 boundary, sums in another order, and the FP8 accumulator's own
   rounding (docs/algorithm.md)."""
   inputs, arrays, config = _fp8_backward_case(*case)
   args = jax.jit(inputs)(*arrays)
-  got = jax.jit(functools.partial(_fp8_kernels, config, BackwardTuning(dq_keys=dq_keys)))(*args)
+  got = jax.jit(functools.partial(_fp8_kernels, config, FP8_TUNINGS[tuning]))(*args)
   with jax.default_device(CPU):
     cpu = jax.device_put(args, CPU)
     want = jax.jit(lambda qkv, v, lse, pre, do: ReferenceBackend().backward(

@@ -40,10 +40,12 @@ class BackwardTuning(pipeline.Tuning):
   queries (dQ) per CTA, the ring of the other side's tiles, the schedule
   barrier, and `dq_keys`, the keys of one dQ step (one ring slot): 64, or
   128 with FP8 products (two 64-key blocks, their S and dP^T each one
-  wgmma of N = 128). `python -m benchmarks.mosaic_backward` times them
+  wgmma of N = 128); `dkdv_dp_with_s`: with FP8 products dK/dV issues dP^T
+  with S^T under one wait (its FP8 products leave the registers for both). `python -m benchmarks.mosaic_backward` times them
   (docs/performance-log.md)."""
 
   dq_keys: int = BLOCK
+  dkdv_dp_with_s: bool = False
 
   def __post_init__(self):
     super().__post_init__()

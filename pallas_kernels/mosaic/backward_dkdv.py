@@ -55,6 +55,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
   num_q_blocks = q_len // BLOCK
   wgs = tuning.compute_wgs
   fp8 = out_scales is not None
+  dp_with_s = fp8 and tuning.dkdv_dp_with_s
   t_transforms = smem_transforms(BLOCK, q8_t.dtype)
 
   def q_range(j):
@@ -98,7 +99,17 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         q_scale = qs_ref[b, h, i * BLOCK]
         step = step_ref[b, h, i * BLOCK]
         plgpu.barrier_wait(q_bars.at[slot])
-        (s,) = bc.products([(k_smem, q_ring.at[slot])], [bc.magic()], schedule)
+        s_product = (k_smem, q_ring.at[slot]), bc.magic()
+
+        def dp_product():
+          minus_delta = -lax.broadcast_in_dim(column(slot, 1), bc.TILE, [1])
+          plgpu.barrier_wait(do_bars.at[slot])
+          return (v_smem, do_ring.at[slot]), minus_delta
+
+        if dp_with_s:
+          (s, dp) = bc.products(*zip(s_product, dp_product()), schedule)
+        else:
+          (s,) = bc.products(*zip(s_product), schedule)
         f = bc.as_float(s)
         if masked:
           f = bc.causal_mask(f, row_start=j * BLOCK, col_start=i * BLOCK, rows_are_keys=True)
@@ -107,10 +118,10 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
           p = jnp.exp2(bc.exponent(f, q_scale * k_scale, lse - step, along=1, cap=step))
         else:
           pq, top = nm.unsigned_rows(bc.exponent(f, q_scale * k_scale, lse, along=1))
-        # dP^T only now: with S^T, P^T and dK, dV it would not fit the registers.
-        minus_delta = -lax.broadcast_in_dim(column(slot, 1), bc.TILE, [1])
-        plgpu.barrier_wait(do_bars.at[slot])
-        (dp,) = bc.products([(v_smem, do_ring.at[slot])], [minus_delta])
+        if not dp_with_s:
+          # dP^T only now: with S^T, P^T and dK, dV's int32 products it would
+          # not fit the registers.
+          (dp,) = bc.products(*zip(dp_product()))
         if fp8:
           p8 = registers.pack_e4m3(p)
           ds8 = registers.pack_e4m3(p * (dp * lax.broadcast_in_dim(column(slot, 2), bc.TILE,
