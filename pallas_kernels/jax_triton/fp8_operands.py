@@ -80,9 +80,10 @@ def fp8_operands(qkv: QuantizedQKV, v: jax.Array, do: jax.Array, do_scale: jax.A
                  config: Config, layout: TransposedLayout,
                  launch: LaunchConfig) -> Fp8Operands:
   """`pallas_kernels.fp8_operands.fp8_operands` (its arguments, and `launch`)
-  without masks. The values are the XLA pass's but where b_i's fp32 sums,
-  exp2 or products round otherwise (Triton's sum order; the GPU's exp2), and
-  the E4M3 values whose rounding such a last bit flips."""
+  without masks. The values are the XLA pass's but for the last bit of b_i
+  (Triton's sum order, the platform's exp2), of the scales amax / 448 (XLA
+  under jit multiplies by 1 / 448; these divide) and the few E4M3 values of
+  Q' that b_i's last bit moves by one step (tests/test_fp8_operands.py)."""
   if masks.q_ids is not None or masks.kv_ids is not None:
     raise NotImplementedError(
         "masks: the Triton FP8 operand pass takes no sequence ids (masks.q_ids, "

@@ -142,8 +142,9 @@ def to_e4m3(x):
 @device_function
 def quantize_e4m3(x):
   """E4M3 of a tile, one scale for it (numerics.quantize_e4m3): (E4M3 tile,
-  scale). The scale's division is correctly rounded, as XLA's: a plain `/`
-  compiles to an approximate one."""
+  scale). The scale is the rule's amax / 448 correctly rounded (a plain `/`
+  compiles to an approximate division); XLA under jit multiplies by 1 / 448
+  instead, which can land an ulp away."""
   amax = abs_max(x, None)
   return to_e4m3(x * inverse_scale(amax, E4M3_MAX)), tl.math.div_rn(amax, E4M3_MAX)
 
