@@ -18,6 +18,11 @@ over the pass's launches) and that rate as a share of the copy's:
   quantize_tokens   the same, every layout TOKENS (the portable kernels')
   prepass           the backward pre-pass, dO8^T REGISTER_B
   prepass_tokens    the same, TOKENS
+  fp8_operands_xla  quantization="int8_fp8"'s backward operands (Q'^T, K'^T
+                    REGISTER_B, b_i, the factors) from Q, the smoothed K, V,
+                    dO and the forward's and pre-pass's rows: the XLA pass
+                    (`pallas_kernels.fp8_operands`)
+  fp8_operands      the same in two Triton launches (jax_triton/fp8_operands.py)
   forward_total     k_mean + quantize_fwd_bwd: what the op's forward runs
                     before its kernel, K read twice
 
@@ -27,6 +32,8 @@ Issue 31's bar: every pass at >= 0.70 of the copy. Writes quantize.csv to
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 
 import jax
@@ -35,9 +42,11 @@ import jax.numpy as jnp
 import benchmarks
 from benchmarks.attention import time_call, write_csv
 from benchmarks.breakdown import profile
+from pallas_kernels import fp8_operands as xla_fp8
+from pallas_kernels.jax_triton import fp8_operands as triton_fp8
 from pallas_kernels.jax_triton.backend import TritonBackend
 from pallas_kernels.layouts import REGISTER_B, TOKENS
-from pallas_kernels.types import Config, Layouts
+from pallas_kernels.types import Config, Layouts, Masks, QuantizedQKV
 from sagebwd_jax.sagebwd import key_mean
 
 COPY_BYTES = 1 << 30
@@ -91,6 +100,20 @@ def passes(batch: int, seq: int, heads: int, head_dim: int) -> dict:
   def prepass(layout):
     return jax.jit(lambda o, do: triton.prepass(o, do, config, layout))
 
+  # Only what the pass reads: Q and the smoothed K in 16 bits, V, dO, dO's
+  # scales, the forward's row maxima and lse and Delta (B, H, T).
+  fp8_config = dataclasses.replace(config, quantization="int8_fp8")
+  rows = [jax.random.normal(key, (batch, heads, seq), jnp.float32)
+          for key in jax.random.split(jax.random.key(1), 4)]
+  fp8_args = (q, k, v, do, jnp.abs(rows[0]), *rows[1:])
+
+  def fp8_operands(pass_fn):
+    def run(q16, k16, v, do, do_scale, row_max, lse, delta):
+      qkv = QuantizedQKV(*[None] * 9, q16=q16, k16=k16)
+      return pass_fn(qkv, v, do, do_scale, row_max, lse, delta, Masks(), fp8_config,
+                     REGISTER_B)
+    return jax.jit(run)
+
   return {
       "k_mean": (jax.jit(lambda k: key_mean(k, None)), (k,)),
       "k_mean_by_blocks": (jax.jit(key_mean_by_blocks), (k,)),
@@ -99,6 +122,9 @@ def passes(batch: int, seq: int, heads: int, head_dim: int) -> dict:
       "quantize_tokens": (quantize(True, Layouts(TOKENS, TOKENS)), (q, k, v, k_mean)),
       "prepass": (prepass(REGISTER_B), (o, do)),
       "prepass_tokens": (prepass(TOKENS), (o, do)),
+      "fp8_operands_xla": (fp8_operands(xla_fp8.fp8_operands), fp8_args),
+      "fp8_operands": (fp8_operands(functools.partial(triton_fp8.fp8_operands,
+                                                      launch=triton.dq_launch)), fp8_args),
   }
 
 

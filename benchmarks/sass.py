@@ -50,7 +50,8 @@ def tool(name: str) -> str:
 
 
 TRITON_POINTER_TYPES = {"int8": "*i8", "int32": "*i32", "float32": "*fp32",
-                        "bfloat16": "*bf16", "float16": "*fp16"}
+                        "bfloat16": "*bf16", "float16": "*fp16",
+                        "float8_e4m3fn": "*fp8e4nv"}
 
 
 @dataclasses.dataclass

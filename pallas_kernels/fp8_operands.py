@@ -69,7 +69,8 @@ def fp8_operands(qkv: QuantizedQKV, v: jax.Array, do: jax.Array, do_scale: jax.A
   """The operands from the forward's row maxima and lse, the pre-pass's
   Delta and dO block scales (B, H, Tq), Q and the smoothed K in the inputs'
   dtype (`qkv.q16`, `qkv.k16`), V (B, Tk, Hkv, D) and dO (B, Tq, H, D); the
-  transposed E4M3 tensors in `layout` (the call's `Layouts.backward`)."""
+  transposed E4M3 tensors in `layout` (the call's `Layouts.backward`).
+  jax_triton/fp8_operands.py forms the same in two Triton launches."""
   batch, q_len, heads, _ = do.shape
   kv_heads, kv_len = v.shape[2], v.shape[1]
   seen = seen_key_blocks(masks, config, q_len, kv_len)
@@ -82,15 +83,26 @@ def fp8_operands(qkv: QuantizedQKV, v: jax.Array, do: jax.Array, do_scale: jax.A
 
   q = jnp.swapaxes(qkv.q16, 1, 2).astype(_f32) * (config.scale * nm.LOG2_E)
   q8, q_scale = _e4m3_blocks(q * ds_bound[..., None], config.block_q)
-  q_top = _group_max(q_scale, kv_heads)
   k8, k_scale = _e4m3_blocks(jnp.swapaxes(qkv.k16, 1, 2).astype(_f32), config.block_kv)
+  transposed = lambda x8: to_layout(jnp.swapaxes(x8, -1, -2), layout)
+  return assemble(transposed(q8), q_scale, transposed(k8), k_scale, do_scale, ds_bound, seen,
+                  config)
+
+
+def assemble(q8_t: jax.Array, q_scale: jax.Array, k8_t: jax.Array, k_scale: jax.Array,
+             do_scale: jax.Array, ds_bound: jax.Array, seen: jax.Array,
+             config: Config) -> Fp8Operands:
+  """`Fp8Operands` from Q'^T and K'^T (E4M3, transposed), their block scales
+  per token, dO's, the bound b_i and `seen_key_blocks`: the group maxima and
+  factors, small arrays, whichever pass formed the large ones."""
+  heads, kv_heads = q_scale.shape[1], k_scale.shape[1]
+  q_top = _group_max(q_scale, kv_heads)
   k_top = max_over_seen(k_scale[..., ::config.block_kv], seen, heads, config.block_q)
   do_top = _group_max(do_scale, kv_heads)
   safe = lambda x: jnp.where(x > 0, x, 1.0)
-  transposed = lambda x8: to_layout(jnp.swapaxes(x8, -1, -2), layout)
   group = lambda x: jnp.repeat(x, heads // kv_heads, axis=1)[..., None]
   return Fp8Operands(
-      q8_t=transposed(q8), q_fold=q_scale / group(safe(q_top)), dk_scale=q_top / nm.E4M3_MAX,
-      k8_t=transposed(k8), k_scale=k_scale, k_top=k_top,
+      q8_t=q8_t, q_fold=q_scale / group(safe(q_top)), dk_scale=q_top / nm.E4M3_MAX,
+      k8_t=k8_t, k_scale=k_scale, k_top=k_top,
       p_factor=nm.inverse_scale(group(do_top), nm.E4M3_MAX) * do_scale,
       dv_scale=do_top / nm.E4M3_MAX, ds_bound=ds_bound)

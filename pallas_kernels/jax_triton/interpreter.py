@@ -12,6 +12,10 @@ all confined to `run` and `device_function`:
 - its tensors' int() works under numpy versions that refuse int() of an
   array with a dimension (a scalar is a one-element array there), as in
   later Triton;
+- its fp32 -> float8e4nv conversion truncates subnormals and rounds ties
+  away from zero; a launch converts as the GPU's cvt.rn.satfinite does
+  (to nearest even, saturated at +-448, NaN kept), which ml_dtypes' cast of
+  the clamped value is;
 - it keeps its state in module globals, so launches are serialised by a lock
   (XLA may run independent callbacks on several threads).
 """
@@ -23,14 +27,18 @@ import functools
 import threading
 from collections.abc import Callable
 
+import ml_dtypes
 import numpy as np
 import triton
 import triton.language as tl
+
+from pallas_kernels import numerics as nm
 
 # Triton's names for the dtypes the kernels read and write here (16-bit floats
 # travel as fp32: launch.py says why).
 _TRITON_DTYPES = {
     np.dtype(np.int8): "i8", np.dtype(np.int32): "i32", np.dtype(np.float32): "fp32",
+    np.dtype(ml_dtypes.float8_e4m3fn): "fp8e4nv",
 }
 _LOCK = threading.Lock()
 
@@ -126,7 +134,7 @@ def run(kernel: triton.JITFunction, grid: tuple[int, ...], constants: dict,
 
 @contextlib.contextmanager
 def _interpreter_fixes():
-  """The module docstring's second and third points, for one launch."""
+  """The module docstring's second to fourth points, for one launch."""
   # gluon, which the interpreter imports on first use, checks on import that
   # these functions are Triton's jit functions.
   import triton.experimental.gluon  # noqa: F401
@@ -142,6 +150,16 @@ def _interpreter_fixes():
   for module, name, value in jitted:
     setattr(module, name, _INTERPRETED.setdefault(value, _InterpretedCall(value.fn)))
   interpreter._patch_lang_tensor = patch_tensor_with_scalar_index
+  fp_to_fp = interpreter.InterpreterBuilder.create_fp_to_fp
+
+  def fp_to_fp_as_the_gpu(builder, src, dst_type, rounding_mode):
+    if (dst_type.scalar != tl.float8e4nv or src.dtype.scalar != tl.float32
+        or rounding_mode != interpreter._ir.ROUNDING_MODE.RTNE):
+      return fp_to_fp(builder, src, dst_type, rounding_mode)
+    e4m3 = np.clip(src.data, -nm.E4M3_MAX, nm.E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
+    return interpreter.TensorHandle(e4m3.view(np.uint8), tl.float8e4nv)
+
+  interpreter.InterpreterBuilder.create_fp_to_fp = fp_to_fp_as_the_gpu
   # A launch patches the language module its kernel names (`tl`); the
   # standard library's bodies name triton.language.core, patched here once.
   core_scope = interpreter._patch_lang(tl.standard.zeros.fn)
@@ -149,6 +167,7 @@ def _interpreter_fixes():
     yield
   finally:
     core_scope.restore()
+    interpreter.InterpreterBuilder.create_fp_to_fp = fp_to_fp
     interpreter._patch_lang_tensor = patch_tensor
     for module, name, value in jitted:
       setattr(module, name, value)

@@ -33,6 +33,7 @@ from pallas_kernels.jax_triton.interpreter import device_function
 MAGIC_F32 = tl.constexpr(nm.ROUND_MAGIC_F32)
 MAGIC_I32 = tl.constexpr(nm.ROUND_MAGIC_I32)
 INT8_MAX = tl.constexpr(nm.INT8_MAX)
+E4M3_MAX = tl.constexpr(nm.E4M3_MAX)
 LOG2_UINT8_MAX = tl.constexpr(nm.LOG2_UINT8_MAX)
 P_SHIFT = tl.constexpr(128)
 SCALE_FLOOR = tl.constexpr(nm.SCALE_FLOOR)
@@ -90,9 +91,9 @@ def block_start(x8):
 
 
 @device_function
-def inverse_scale(amax):
-  """127 / amax, and 0 for all-zero tiles (numerics.inverse_scale)."""
-  return tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, INT8_MAX, tl.float32),
+def inverse_scale(amax, LEVELS: tl.constexpr):
+  """LEVELS / amax, and 0 for all-zero tiles (numerics.inverse_scale)."""
+  return tl.where(amax > 0, tl.math.div_rn(tl.full(amax.shape, LEVELS, tl.float32),
                                            tl.where(amax > 0, amax, 1.0)), 0.0)
 
 
@@ -117,15 +118,44 @@ def quantize_rows(x, amax):
   correctly rounded, so |x * (127 / amax)| <= 127 (1 + 2**-23) < 127.5, which
   rounds to at most 127: a clip would only cost the dS loops instructions.
   """
-  return low_byte(x * inverse_scale(amax)[:, None] + MAGIC_F32), amax / INT8_MAX
+  return low_byte(x * inverse_scale(amax, INT8_MAX)[:, None] + MAGIC_F32), amax / INT8_MAX
 
 
 @device_function
 def quantize_tile(x):
   """psi of a tile, one scale for it (numerics.quantize_tile): (int8, scale)."""
   amax = abs_max(x, None)
-  y = tl.clamp(x * inverse_scale(amax), -INT8_MAX, INT8_MAX)
+  y = tl.clamp(x * inverse_scale(amax, INT8_MAX), -INT8_MAX, INT8_MAX)
   return low_byte(y + MAGIC_F32), amax / INT8_MAX
+
+
+@device_function
+def to_e4m3(x):
+  """fp32 -> E4M3 rounded to nearest even, saturated at +-448, NaN kept
+  (numerics.to_e4m3). Hopper's conversion (cvt.rn.satfinite) saturates by
+  itself; the clamp keeps the rule whatever conversion Triton picks for
+  another target."""
+  y = tl.clamp(x, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+  return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@device_function
+def quantize_e4m3(x):
+  """E4M3 of a tile, one scale for it (numerics.quantize_e4m3): (E4M3 tile,
+  scale). The scale is the rule's amax / 448 correctly rounded (a plain `/`
+  compiles to an approximate division); XLA under jit multiplies by 1 / 448
+  instead, which can land an ulp away."""
+  amax = abs_max(x, None)
+  return to_e4m3(x * inverse_scale(amax, E4M3_MAX)), tl.math.div_rn(amax, E4M3_MAX)
+
+
+@device_function
+def row_norms(x):
+  """||x_i|| of each row of a tile, fp32 (numerics.ds_row_bound's ||dO_i||,
+  fp8_operands' ||V_j||): the square root correctly rounded, as XLA's; the
+  sum in Triton's order, within fp32 rounding of numerics.ordered_sum's."""
+  x = x.to(tl.float32)
+  return tl.sqrt_rn(tl.sum(x * x, axis=1))
 
 
 @device_function
@@ -219,7 +249,13 @@ def log2_p(x, c, lse, SMOOTH_Q: tl.constexpr):
     a = x - lse
   else:
     a = x * c - lse
-  return tl.minimum(a, 0.0, propagate_nan=tl.PropagateNan.ALL)
+  return at_most_zero(a)
+
+
+@device_function
+def at_most_zero(s_minus_lse):
+  """numerics.log2_p's cap: min(S - lse, 0), keeping a NaN."""
+  return tl.minimum(s_minus_lse, 0.0, propagate_nan=tl.PropagateNan.ALL)
 
 
 @device_function
@@ -251,9 +287,10 @@ def block_tokens(t, BLOCK: tl.constexpr, REGISTER_B: tl.constexpr):
 @device_function
 def store_transposed(x8_t_ptr, x8, rows, head, t, T: tl.constexpr, D: tl.constexpr,
                      BLOCK: tl.constexpr, REGISTER_B: tl.constexpr):
-  """Stores block t of int8 rows `x8` (BLOCK, D), row i token rows[i]
-  (`block_tokens`), of head `head` into a transposed array in its layout:
-  (heads, D, T), or REGISTER_B (heads, T // BLOCK, D, BLOCK), one contiguous tile."""
+  """Stores block t of 8-bit rows `x8` (BLOCK, D; int8 or E4M3, the array's
+  dtype), row i token rows[i] (`block_tokens`), of head `head` into a
+  transposed array in its layout: (heads, D, T), or REGISTER_B (heads,
+  T // BLOCK, D, BLOCK), one contiguous tile."""
   dims = tl.arange(0, D)
   if REGISTER_B:
     offsets = ((head * (T // BLOCK) + t) * D + dims[:, None]) * BLOCK + tl.arange(0, BLOCK)[None, :]

@@ -1,0 +1,108 @@
+"""The Triton FP8 operand pass (pallas_kernels/jax_triton/fp8_operands.py)
+against the XLA one (`pallas_kernels.fp8_operands.fp8_operands`), in Triton's
+interpreter, on the tensors the op hands it: the reference's quantization,
+forward and pre-pass with quantization="int8_fp8".
+
+b_i's fp32 sums run in another order (Triton's, not numerics.ordered_sum's),
+so b_i may differ in the last bit, and an E4M3 value of Q' where that bit
+moves its product across a rounding boundary: by one E4M3 step, in few
+places. K' does not depend on b_i: equal. The scales amax / 448 differ by
+an ulp where XLA, under jit, multiplies by 1 / 448 instead of dividing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchmarks import sass
+from conftest import gaussian_qkv, mosaic_config
+from pallas_kernels import fp8_operands as xla
+from pallas_kernels.jax_triton import fp8_operands as triton_pass
+from pallas_kernels.jax_triton.launch import LaunchConfig
+from pallas_kernels.layouts import REGISTER_B, TOKENS
+from pallas_kernels.types import Masks
+from sagebwd_jax.reference import ReferenceBackend
+from sagebwd_jax.sagebwd import key_mean
+
+INTERPRET = LaunchConfig(interpret=True)
+# Measured: 3 to 5 of Q''s 131072 or 262144 values per case below (2e-5 of
+# 2.6M over these and T=512), each one step.
+DIFFERING_E4M3 = 1e-4
+
+
+@functools.cache
+def _case(batch, seq, heads, kv_heads, head_dim, causal):
+  """The pass's arguments as the op forms them (tests/test_fp8.py's
+  `_fp8_backward_case`), and the config."""
+  q, k, v, do = gaussian_qkv(jax.random.key(3), batch, seq, seq, heads, kv_heads, head_dim,
+                             sigma=2.0)
+  config = mosaic_config(head_dim, causal, quantization="int8_fp8")
+  reference = ReferenceBackend()
+
+  @jax.jit
+  def inputs(q, k, v, do):
+    k_mean = key_mean(k, None)
+    qkv = reference.quantize(q, k, v, k_mean, config)._replace(
+        q16=q, k16=(k.astype(jnp.float32) - k_mean[:, None]).astype(k.dtype))
+    o, lse, row_max = reference.forward(qkv, Masks(), config, jnp.bfloat16)
+    pre = reference.prepass(o, do, config)
+    return qkv, v, do, pre.do_scale, row_max, lse, pre.delta
+
+  return inputs(q, k, v, do), config
+
+
+def _bits(x):
+  return np.asarray(jax.lax.bitcast_convert_type(x, jnp.uint8))
+
+
+def _e4m3_steps(got, want):
+  """|got - want| in E4M3 steps, per element (the bit patterns of finite
+  E4M3 values of one sign order as the values)."""
+  signed = lambda x: np.where(x & 0x80, -(x & 0x7F).astype(np.int32), (x & 0x7F).astype(np.int32))
+  return np.abs(signed(_bits(got)) - signed(_bits(want)))
+
+
+@pytest.mark.parametrize("layout", [TOKENS, REGISTER_B], ids=lambda x: x.name)
+@pytest.mark.parametrize("case", [(2, 256, 4, 2, 64, True), (2, 256, 4, 2, 128, False),
+                                  (2, 256, 4, 1, 128, True), (2, 256, 4, 1, 64, False)],
+                         ids=str)
+def test_triton_fp8_operands_match_xla(case, layout):
+  args, config = _case(*case)
+  want = jax.jit(lambda *a: xla.fp8_operands(*a, Masks(), config, layout))(*args)
+  got = jax.jit(lambda *a: triton_pass.fp8_operands(*a, Masks(), config, layout, INTERPRET))(
+      *args)
+  for name in want._fields:
+    x, ref = getattr(got, name), getattr(want, name)
+    assert x.shape == ref.shape and x.dtype == ref.dtype, name
+  np.testing.assert_array_equal(_bits(got.k8_t), _bits(want.k8_t))
+  steps = _e4m3_steps(got.q8_t, want.q8_t)
+  assert steps.max() <= 1 and np.mean(steps > 0) <= DIFFERING_E4M3, (
+      np.count_nonzero(steps), steps.size)
+  for name in ("k_scale", "ds_bound", "q_fold", "dk_scale", "k_top", "p_factor", "dv_scale"):
+    np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-6, err_msg=name)
+
+
+def test_triton_fp8_operands_refuse_masks():
+  args, config = _case(2, 256, 4, 1, 64, False)
+  ids = jnp.zeros((2, 256), jnp.int32)
+  with pytest.raises(NotImplementedError, match="masks"):
+    triton_pass.fp8_operands(*args, Masks(ids, ids), config, TOKENS, INTERPRET)
+
+
+@pytest.mark.parametrize("layout", [TOKENS, REGISTER_B], ids=lambda x: x.name)
+def test_triton_fp8_operands_compile_for_hopper(layout):
+  """Triton compiles both launches for sm_90, as jax_triton would on a GPU
+  (the compiled path's only check here), converting to E4M3 with the
+  instruction whose rounding the interpreter's conversion follows."""
+  args, config = _case(2, 256, 4, 2, 128, True)
+  launches = sass.triton_launches(
+      lambda *a: triton_pass.fp8_operands(*a, Masks(), config, layout, LaunchConfig()), *args)
+  assert [launch.name for launch in launches] == ["sagebwd_triton_fp8_keys",
+                                                  "sagebwd_triton_fp8_queries"]
+  for launch in launches:
+    assert "cvt.rn.satfinite.e4m3x2.f32" in launch.compiled(90).asm["ptx"], launch.name
