@@ -281,6 +281,15 @@ class Backend(Protocol):
     dP (`sagebwd_jax.saturated_rows` states the rule); the other rows as given."""
     ...
 
+  def fp8_operands(self, qkv: QuantizedQKV, v: jax.Array, do: jax.Array, prepass: Prepass,
+                   row_max: jax.Array, lse: jax.Array, masks: Masks,
+                   config: Config) -> Fp8Operands:
+    """`Config.fp8` only: the FP8 backward's operands (`Fp8Operands`) from the
+    forward's row maxima and lse and the pre-pass's Delta (as
+    `saturated_rows` left it) and dO scales, the transposed E4M3 tensors in
+    the layout of `qkv.k8_t` (`Layouts.backward`)."""
+    ...
+
   def backward(self, qkv: QuantizedQKV, v: jax.Array, lse: jax.Array, do: jax.Array,
                prepass: Prepass, masks: Masks,
                config: Config) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import numerics as nm
-from pallas_kernels.layouts import arrange, to_layout
+from pallas_kernels.fp8_operands import fp8_operands
+from pallas_kernels.layouts import arrange, layout_of, to_layout
 from pallas_kernels.types import (Backend, Config, Fp8Operands, Layouts, Masks, Numerics,
                                   Prepass, QuantizedQKV, TransposedLayout)
 from sagebwd_jax.saturated_rows import where_saturated
@@ -193,6 +194,11 @@ class ReferenceBackend:
   def saturated_rows(self, qkv: QuantizedQKV, v, lse, do, delta, masks: Masks,
                      config: Config):
     return where_saturated(qkv, v, lse, do, delta, masks, config)
+
+  def fp8_operands(self, qkv: QuantizedQKV, v, do, prepass: Prepass, row_max, lse,
+                   masks: Masks, config: Config) -> Fp8Operands:
+    return fp8_operands(qkv, v, do, prepass.do_scale, row_max, lse, prepass.delta, masks,
+                        config, layout_of(qkv.k8_t))
 
   def backward(self, qkv: QuantizedQKV, v, lse, do, prepass: Prepass, masks: Masks,
                config: Config):

@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import numerics as nm
-from pallas_kernels.fp8_operands import fp8_operands
 from pallas_kernels.layouts import layout_of
 from pallas_kernels.types import Backend, Config, Masks, Prepass, QuantizedQKV
 from sagebwd_jax.reference import ReferenceBackend
@@ -152,8 +151,7 @@ def _backward(config, backend, smooth_k, residuals, do):
   new_delta, lse = backend.saturated_rows(qkv, v, lse, do, pre.delta, masks, config)
   pre = pre._replace(delta=new_delta)
   if config.fp8:
-    pre = pre._replace(fp8=fp8_operands(qkv, v, do, pre.do_scale, row_max, lse, new_delta,
-                                        masks, config, layout_of(qkv.k8_t)))
+    pre = pre._replace(fp8=backend.fp8_operands(qkv, v, do, pre, row_max, lse, masks, config))
   dq, dk, dv = backend.backward(qkv, v, lse, do, pre, masks, config)
   dq, dk, dv = _head_group_nan(qkv, lse, do, dq, dk, dv)
   # q, k and v share one dtype (the op checks it), which o carries too.

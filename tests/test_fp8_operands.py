@@ -106,3 +106,21 @@ def test_triton_fp8_operands_compile_for_hopper(layout):
                                                   "sagebwd_triton_fp8_queries"]
   for launch in launches:
     assert "cvt.rn.satfinite.e4m3x2.f32" in launch.compiled(90).asm["ptx"], launch.name
+
+
+@pytest.mark.parametrize("layout", [TOKENS, REGISTER_B], ids=lambda x: x.name)
+def test_fp8_prepass_is_the_references(layout):
+  """The Triton pre-pass with FP8 products (the Hopper FP8 backward's):
+  Delta, dO in E4M3 per block, transposed in `layout`, and its scales, as the
+  reference's pre-pass forms them (Delta's sum in another order: fp32
+  rounding; the E4M3 values equal)."""
+  from pallas_kernels.jax_triton.backward_prepass import backward_prepass
+  o, do = gaussian_qkv(jax.random.key(4), 2, 256, 256, 2, 2, 128)[::3]
+  config = mosaic_config(128, False, quantization="int8_fp8")
+  want = ReferenceBackend().prepass(o, do, config, layout)
+  got = backward_prepass(o, do, block_q=64, launch=INTERPRET, layout=layout, fp8=True)
+  assert got.do8_t.dtype == jnp.float8_e4m3fn and got.do_start is None
+  np.testing.assert_array_equal(np.asarray(got.do8_t, np.float32),
+                                np.asarray(want.do8_t, np.float32))
+  np.testing.assert_allclose(got.do_scale, want.do_scale, rtol=1e-6)
+  np.testing.assert_allclose(got.delta, want.delta, rtol=1e-5, atol=1e-5)

@@ -8,13 +8,15 @@ from typing import ClassVar
 from pallas_kernels.jax_triton.backward_dkdv import backward_dkdv
 from pallas_kernels.jax_triton.backward_dq import backward_dq
 from pallas_kernels.jax_triton.backward_prepass import backward_prepass
+from pallas_kernels.fp8_operands import fp8_operands as xla_fp8_operands
 from pallas_kernels.jax_triton.forward import forward
+from pallas_kernels.jax_triton.fp8_operands import fp8_operands as triton_fp8_operands
 from pallas_kernels.jax_triton.launch import LaunchConfig
 from pallas_kernels.jax_triton.quantize import quantize_qkv
 from pallas_kernels.jax_triton.saturated_rows import saturated_rows
-from pallas_kernels.layouts import check_layout
-from pallas_kernels.types import (Config, Layouts, Masks, Numerics, Prepass, QuantizedQKV,
-                                  TransposedLayout)
+from pallas_kernels.layouts import check_layout, layout_of
+from pallas_kernels.types import (Config, Fp8Operands, Layouts, Masks, Numerics, Prepass,
+                                  QuantizedQKV, TransposedLayout)
 
 # Tiles up to 128: every int8 product then stays below 2**22 in magnitude,
 # which the exact int32 -> fp32 reading of the accumulators needs (tiles.py).
@@ -78,13 +80,24 @@ class TritonBackend:
               layout: TransposedLayout = TransposedLayout.TOKENS) -> Prepass:
     """One kernel (`backward_prepass`); the Mosaic backend borrows it."""
     return backward_prepass(o, do, block_q=config.block_q, launch=self.dq_launch,
-                            layout=layout)
+                            layout=layout, fp8=config.fp8)
 
   def saturated_rows(self, qkv: QuantizedQKV, v, lse, do, delta, masks: Masks,
                      config: Config):
-    """One kernel (`saturated_rows`); the Mosaic backend borrows it."""
-    _check_config(config)
+    """One kernel (`saturated_rows`); the Mosaic backend borrows it (in either
+    mode: the rows' scores and dP do not depend on it)."""
+    _check_blocks(config)
     return saturated_rows(qkv, v, lse, do, delta, masks, config, self.dq_launch)
+
+  def fp8_operands(self, qkv: QuantizedQKV, v, do, prepass: Prepass, row_max, lse,
+                   masks: Masks, config: Config) -> Fp8Operands:
+    """Two kernels (`jax_triton.fp8_operands`) without masks, XLA's pass with
+    them; the Mosaic backend borrows it."""
+    args = (qkv, v, do, prepass.do_scale, row_max, lse, prepass.delta, masks, config,
+            layout_of(qkv.k8_t))
+    if masks.q_ids is not None:
+      return xla_fp8_operands(*args)
+    return triton_fp8_operands(*args, self.dq_launch)
 
   def backward(self, qkv: QuantizedQKV, v, lse, do, prepass: Prepass, masks: Masks,
                config: Config):
@@ -103,6 +116,10 @@ def _check_config(config: Config) -> None:
     raise NotImplementedError(
         "the Triton kernels have no quantization='int8_fp8' (FP8 products) yet; "
         "implementation='reference' computes it in plain JAX")
+  _check_blocks(config)
+
+
+def _check_blocks(config: Config) -> None:
   if max(config.block_q, config.block_kv) > MAX_BLOCK:
     raise NotImplementedError(
         f"block_q={config.block_q}, block_kv={config.block_kv}: the Triton kernels take "

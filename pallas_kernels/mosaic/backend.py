@@ -15,9 +15,11 @@ tiles of 128), quantizing P^T per key row to 0..255 (`MOSAIC_NUMERICS`: both).
 Anything else runs in the fallback, call by call (`reference_numerics` says
 which numerics a call gets). With quantization="int8_fp8" the forward (FP8
 P.V) and the backward (FP8 P^T.dO, dS^T.Q', dS.K') run in Mosaic GPU where
-the same rules accept the case, and the quantization pass, the pre-pass and
-everything else in `fp8_fallback`. The Mosaic kernels compile for an sm_90
-GPU only.
+the same rules accept the case; the stages between the forward and the
+backward's kernels (the pre-pass, the saturated rows, the FP8 operands) are
+then `fallback`'s, whose Triton kernels take either mode, and the
+quantization pass and everything else `fp8_fallback`'s. The Mosaic kernels
+compile for an sm_90 GPU only.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
 from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
 from pallas_kernels.mosaic import forward
 from pallas_kernels.layouts import check_layout
-from pallas_kernels.types import (Backend, Config, Layouts, Masks, Numerics, Prepass,
-                                  QuantizedQKV, TransposedLayout)
+from pallas_kernels.types import (Backend, Config, Fp8Operands, Layouts, Masks, Numerics,
+                                  Prepass, QuantizedQKV, TransposedLayout)
 
 # How the Mosaic kernels quantize P (the forward, per row of a step's keys)
 # and P^T (dK/dV, per key row), both unsigned.
@@ -135,13 +137,33 @@ class MosaicBackend:
       return self._fallback(config).forward(qkv, masks, config, out_dtype)
     return forward.forward_mosaic(qkv, masks, config, out_dtype, self.forward_mosaic)
 
+  def _backward_stages(self, qkv: QuantizedQKV, v, masks: Masks, config: Config) -> Backend:
+    """Who runs the stages between the forward and the backward's kernels
+    (pre-pass, saturated rows, FP8 operands): `fallback` where the Mosaic
+    backward runs (in either mode: the Triton kernels' passes), else the
+    mode's fallback."""
+    q_len, head_dim = qkv.q8.shape[2:]
+    if self._runs_backward(masks, config, q_len, qkv.k8.shape[2], head_dim, v.dtype):
+      return self.fallback
+    return self._fallback(config)
+
   def prepass(self, o, do, config: Config,
               layout: TransposedLayout = TransposedLayout.TOKENS) -> Prepass:
-    return self._fallback(config).prepass(o, do, config, layout)
+    # The layout says where the pre-pass's dO8^T goes: REGISTER_B exactly
+    # where the Mosaic backward runs (`layouts`).
+    runs_mosaic = layout is TransposedLayout.REGISTER_B
+    return (self.fallback if runs_mosaic else self._fallback(config)).prepass(
+        o, do, config, layout)
 
   def saturated_rows(self, qkv: QuantizedQKV, v, lse, do, delta, masks: Masks,
                      config: Config):
-    return self._fallback(config).saturated_rows(qkv, v, lse, do, delta, masks, config)
+    return self._backward_stages(qkv, v, masks, config).saturated_rows(
+        qkv, v, lse, do, delta, masks, config)
+
+  def fp8_operands(self, qkv: QuantizedQKV, v, do, prepass: Prepass, row_max, lse,
+                   masks: Masks, config: Config) -> Fp8Operands:
+    return self._backward_stages(qkv, v, masks, config).fp8_operands(
+        qkv, v, do, prepass, row_max, lse, masks, config)
 
   def backward(self, qkv: QuantizedQKV, v, lse, do, prepass: Prepass, masks: Masks,
                config: Config):
