@@ -49,8 +49,6 @@ VARIANTS = {
     "mosaic_1wg": BackwardTuning(compute_wgs=1, schedule_barrier=False),
     "mosaic_fp8": BackwardTuning(),
     "mosaic_fp8_no_sched": BackwardTuning(schedule_barrier=False),
-    "mosaic_fp8_dq128": BackwardTuning(dq_keys=128),
-    "mosaic_fp8_early": BackwardTuning(dq_keys=128, dkdv_dp_with_s=True),
 }
 
 

@@ -312,7 +312,7 @@ def _fp8_kernels(config, tuning, qkv, v, lse, pre, do):
 
 
 FP8_TUNINGS = {"default": BackwardTuning(),
-               "dq128_early": BackwardTuning(dq_keys=128, dkdv_dp_with_s=True)}
+               "no_schedule_barrier": BackwardTuning(schedule_barrier=False)}
 
 
 @pytest.mark.parametrize("tuning", sorted(FP8_TUNINGS))
@@ -335,10 +335,7 @@ def test_fp8_backward_kernels_refuse_a_missing_or_stray_operand():
   with pytest.raises(ValueError, match="`fp8`"):
     backward_dkdv_mosaic(qkv, v, lse, pre.delta, do, pre.do8_t, pre.do_scale, Masks(),
                          dataclasses.replace(config, quantization="int8"), fp8=pre.fp8)
-  with pytest.raises(NotImplementedError, match="dq_keys=128"):
-    backward_dq_mosaic(qkv, v, lse, pre.delta, do, Masks(),
-                       dataclasses.replace(config, quantization="int8"),
-                       BackwardTuning(dq_keys=128))
+
 
 
 # (batch, seq, heads, kv_heads, head_dim, causal): GQA, MQA and MHA, both head

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from pallas_kernels.mosaic import common
 from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
-from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
+from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic, dq_step_keys
 from pallas_kernels.mosaic import forward
 from pallas_kernels.layouts import check_layout
 from pallas_kernels.types import (Backend, Config, Fp8Operands, Layouts, Masks, Numerics,
@@ -47,11 +47,11 @@ def backward_takes(masks: Masks, config: Config, q_len: int, kv_len: int, head_d
   """Whether the Mosaic backward kernels run this case (`dtype`: V's, which the
   backward's dO.V^T wgmma takes as is). Their dS products are 8-bit only:
   ds_precision="bf16" runs in the fallback."""
-  cta_rows = tuning.compute_wgs * common.BLOCK
+  tile = max(tuning.compute_wgs * common.BLOCK, dq_step_keys(config.fp8))
   return (common.supports(masks, config, head_dim)
           and config.ds_precision == "int8" and config.window is None
           and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-          and q_len % cta_rows == 0 and kv_len % cta_rows == 0
+          and q_len % tile == 0 and kv_len % tile == 0
           and (not config.causal or q_len == kv_len))
 
 

@@ -38,19 +38,8 @@ COL = plgpu.Layout.WGMMA.reduce(0)  # one value per accumulator column
 class BackwardTuning(pipeline.Tuning):
   """Launch settings of a Mosaic backward kernel: blocks of 64 keys (dK/dV) or
   queries (dQ) per CTA, the ring of the other side's tiles, the schedule
-  barrier, and `dq_keys`, the keys of one dQ step (one ring slot): 64, or
-  128 with FP8 products (two 64-key blocks, their S and dP^T each one
-  wgmma of N = 128); `dkdv_dp_with_s`: with FP8 products dK/dV issues dP^T
-  with S^T under one wait (its FP8 products leave the registers for both). `python -m benchmarks.mosaic_backward` times them
+  barrier. `python -m benchmarks.mosaic_backward` times them
   (docs/performance-log.md)."""
-
-  dq_keys: int = BLOCK
-  dkdv_dp_with_s: bool = False
-
-  def __post_init__(self):
-    super().__post_init__()
-    if self.dq_keys not in (BLOCK, 2 * BLOCK):
-      raise ValueError(f"dq_keys must be {BLOCK} or {2 * BLOCK}; got {self.dq_keys}")
 
 
 def magic(shape=TILE):

@@ -15,7 +15,19 @@ columns the step's queries):
   dK += dS^T's scale * exp2(top) * Q's scale * (dS8^T.Q8)   from registers
 
 where exp2(top) is P^T's row scale. Q's and dO's scales are one scalar per
-step (a block's), so they fold into the row scales of the merges. Causal: a
+step (a block's), so they fold into the row scales of the merges.
+
+With FP8 products (`Config.fp8`; the operands and factors of
+`types.Fp8Operands`) dP^T is issued with S^T, and
+
+  P'^T = P^T * p_factor: exp2 of the exponent less log2 p_factor (a scalar
+        per step), capped there;
+  dS'^T = P'^T * ((dP^T - Delta) * c), c = 448 q_fold / (b * p_factor) per
+        query (a column);
+  dV += P'^T.dO8, dK += dS'^T.Q'8      E4M3 from registers, into fp32 dV and
+        dK across the loop; their group scales multiply them at the end.
+
+Causal: a
 warpgroup starts at the query block holding its diagonal (masked); the ring
 starts at the CTA's first warpgroup's, and later warpgroups release the
 blocks only earlier ones need.
@@ -55,7 +67,6 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
   num_q_blocks = q_len // BLOCK
   wgs = tuning.compute_wgs
   fp8 = out_scales is not None
-  dp_with_s = fp8 and tuning.dkdv_dp_with_s
   t_transforms = smem_transforms(BLOCK, q8_t.dtype)
 
   def q_range(j):
@@ -106,7 +117,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
           plgpu.barrier_wait(do_bars.at[slot])
           return (v_smem, do_ring.at[slot]), minus_delta
 
-        if dp_with_s:
+        if fp8:  # dP^T with S^T under one wait: -10% (docs/performance-log.md)
           (s, dp) = bc.products(*zip(s_product, dp_product()), schedule)
         else:
           (s,) = bc.products(*zip(s_product), schedule)
@@ -114,19 +125,15 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         if masked:
           f = bc.causal_mask(f, row_start=j * BLOCK, col_start=i * BLOCK, rows_are_keys=True)
         lse = column(slot, 0)
-        if fp8:  # P^T * p_factor, exp2 of the exponent shifted by its log2
+        if fp8:  # P^T * p_factor: the exponent shifted by its log2, capped there
           p = jnp.exp2(bc.exponent(f, q_scale * k_scale, lse - step, along=1, cap=step))
+          ds_t = p * (dp * lax.broadcast_in_dim(column(slot, 2), bc.TILE, [1]))
+          p8, ds8 = registers.pack_e4m3(p), registers.pack_e4m3(ds_t)
         else:
           pq, top = nm.unsigned_rows(bc.exponent(f, q_scale * k_scale, lse, along=1))
-        if not dp_with_s:
-          # dP^T only now: with S^T, P^T and dK, dV's int32 products it would
-          # not fit the registers.
+          # dP^T only now: with S^T, P^T and the int32 products of dK and dV
+          # it would not fit the registers (FP8 adds into dK and dV).
           (dp,) = bc.products(*zip(dp_product()))
-        if fp8:
-          p8 = registers.pack_e4m3(p)
-          ds8 = registers.pack_e4m3(p * (dp * lax.broadcast_in_dim(column(slot, 2), bc.TILE,
-                                                                     [1])))
-        else:
           p8 = bc.pack_unsigned(pq)
           ds8, ds_scale = bc.pack_signed_rows(pq * dp)
         schedule.arrive()  # elementwise work done: the other warpgroup may issue

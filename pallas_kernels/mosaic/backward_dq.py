@@ -10,6 +10,12 @@ block a step) by TMA through a ring. Per step a warpgroup computes
   dS = P * (dP - Delta), quantized per query row, from registers into
   dQ += dS's scale * K's scale * (dS8.K8)      K8^T REGISTER_B.
 
+With FP8 products (`Config.fp8`) a step covers 128 keys (`dq_step_keys`):
+dS'' = exp2 of the exponent shifted by log2 of 448 k_scale'_j / (b_i k_top_i)
+(its K' block's scale and a row factor), capped there, times dP - Delta; E4M3
+from registers, dQ += dS''.K'8 into fp32 across the loop, times b_i k_top_i /
+448 at the end.
+
 Causal: the longest CTAs launch first; a warpgroup stops after the key block
 holding its diagonal (masked) and releases the ring's later blocks, which
 only the CTA's later warpgroups see.
@@ -45,13 +51,13 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
   batch, heads, q_len, head_dim = q8.shape
   kv_heads, kv_len = k8.shape[1], k8.shape[2]
   group = heads // kv_heads
-  step_keys = tuning.dq_keys
+  fp8 = fp8_rows is not None
+  step_keys = dq_step_keys(fp8)
   halves = step_keys // BLOCK  # 64-key blocks (K's quantization blocks) per step
   num_steps = kv_len // step_keys
   wgs = tuning.compute_wgs
   num_q_tiles = q_len // (wgs * BLOCK)
   out_dtype = do.dtype
-  fp8 = fp8_rows is not None
   t_transforms = smem_transforms(BLOCK, k8_t.dtype)
 
   def kv_range(i):
@@ -176,6 +182,15 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
   )(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, *(fp8_rows or ()))
 
 
+def dq_step_keys(fp8: bool) -> int:
+  """Keys of one dQ step (one ring slot). 128 with FP8 products: S and dP each
+  one wgmma of N = 128, whose shared-memory operands then keep up with the
+  tensor cores, and half the per-step waits (dQ 1.22 -> 1.00 ms at B4 T4096
+  H16 D128, docs/performance-log.md); INT8's merge and per-step row maxima
+  would need registers that 128 keys leave no room for."""
+  return 2 * BLOCK if fp8 else BLOCK
+
+
 def backward_dq_mosaic(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, config: Config,
                        tuning: BackwardTuning = BackwardTuning(),
                        fp8: Fp8Operands | None = None):
@@ -185,10 +200,7 @@ def backward_dq_mosaic(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, confi
   quantized as there. With `Config.fp8`, `fp8` (its operands,
   `fp8_operands`) gives K' and dS's FP8 factors."""
   check_supported(qkv, masks, config, "backward_dq_mosaic",
-                  max(tuning.compute_wgs * BLOCK, tuning.dq_keys))
-  if tuning.dq_keys != BLOCK and not config.fp8:
-    raise NotImplementedError(f"backward_dq_mosaic: dq_keys={tuning.dq_keys} needs FP8 "
-                              "products (quantization='int8_fp8'); INT8 steps 64 keys")
+                  max(tuning.compute_wgs * BLOCK, dq_step_keys(config.fp8)))
   if config.fp8 != (fp8 is not None):
     raise ValueError("backward_dq_mosaic: `fp8` (the FP8 operands) is given exactly when "
                      f"quantization='int8_fp8'; got quantization={config.quantization!r}")
