@@ -13,7 +13,7 @@ XLA's compiled estimate (arguments + outputs + temporaries).
 Implementations (--impls): sage_triton (implementation="triton", the
 default on GPUs other than Hopper), sage_mosaic ("mosaic", the default on an
 H100/H200), sage_mosaic_fp8 ("mosaic" with quantization="int8_fp8": its
-Mosaic forward, the pure-JAX reference's backward), cudnn and xla
+Mosaic forward and backward kernels), cudnn and xla
 (jax.nn.dot_product_attention, BF16), cudnn_fp8 (cuDNN's FP8 attention through
 jax's private `jax._src.cudnn.fused_attention_stablehlo`, the path Transformer
 Engine takes: E4M3 inputs, unit scales, no backward at D=64), pallas_mha
