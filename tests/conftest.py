@@ -190,6 +190,20 @@ MOSAIC_FORWARD_CASES = [
 ]
 
 
+# The Mosaic backward's GPU cases, either quantization: (batch, seq, heads,
+# kv_heads, head_dim, causal): GQA, MQA and MHA, both head dims, causal CTAs
+# whose warpgroups skip blocks the other one needs.
+MOSAIC_BACKWARD_CASES = [
+    (1, 256, 2, 1, 128, False),
+    (1, 256, 2, 1, 64, True),
+    (1, 384, 2, 2, 64, True),
+    (2, 1024, 4, 2, 128, False),
+    (2, 1024, 4, 2, 128, True),
+    (2, 1024, 4, 1, 64, True),
+    (1, 2048, 2, 2, 128, True),
+]
+
+
 def mosaic_config(head_dim: int, causal: bool, **overrides) -> Config:
   """A kernel Config the Mosaic GPU kernels take (64 x 64 blocks, no Q-smoothing)."""
   return kernel_config(**{**dict(scale=head_dim**-0.5, causal=causal), **overrides})

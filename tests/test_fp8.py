@@ -26,8 +26,9 @@ GPU = pytest.mark.gpu
 
 from benchmarks.accuracy import (FP8_OVER_INT8, FP8_OVER_INT8_FROM_SIGMA_3, FP8_OVER_PER_TENSOR,
                                  per_tensor_fp8)
-from conftest import (CPU, MOSAIC_FORWARD_CASES, MOSAIC_LAYOUTS, assert_lowers_to_mosaic_gpu,
-                      gaussian_qkv, kernel_config, mosaic_config, oracle64, rel_l2, sage)
+from conftest import (CPU, MOSAIC_BACKWARD_CASES, MOSAIC_FORWARD_CASES, MOSAIC_LAYOUTS,
+                      assert_lowers_to_mosaic_gpu, gaussian_qkv, kernel_config, mosaic_config,
+                      oracle64, rel_l2, sage)
 from pallas_kernels import numerics as nm
 from pallas_kernels.fp8_operands import fp8_operands
 from pallas_kernels.layouts import REGISTER_B, TOKENS
@@ -338,21 +339,9 @@ def test_fp8_backward_kernels_refuse_a_missing_or_stray_operand():
 
 
 
-# (batch, seq, heads, kv_heads, head_dim, causal): GQA, MQA and MHA, both head
-# dims, causal CTAs whose warpgroups skip blocks the other one needs.
-FP8_BACKWARD_CASES = [
-    (1, 256, 2, 1, 128, False),
-    (1, 384, 2, 2, 64, True),
-    (2, 1024, 4, 2, 128, False),
-    (2, 1024, 4, 2, 128, True),
-    (2, 1024, 4, 1, 64, True),
-    (1, 2048, 2, 2, 64, False),
-]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("tuning", sorted(FP8_TUNINGS))
-@pytest.mark.parametrize("case", FP8_BACKWARD_CASES, ids=str)
+@pytest.mark.parametrize("case", MOSAIC_BACKWARD_CASES, ids=str)
 def test_gpu_fp8_backward_kernels_match_reference(case, tuning):
   """The kernels against the reference's FP8 backward on the same tensors: the
   same E4M3 operands but where the kernels' exponent rounds a P or dS across

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import (CPU, MOSAIC_LAYOUTS, assert_lowers_to_mosaic_gpu, backward_stage,
-                      gaussian_qkv, mosaic_config, rel_l2)
+from conftest import (CPU, MOSAIC_BACKWARD_CASES, MOSAIC_LAYOUTS, assert_lowers_to_mosaic_gpu,
+                      backward_stage, gaussian_qkv, mosaic_config, rel_l2)
 from pallas_kernels.jax_triton.backward_prepass import backward_prepass
 from pallas_kernels.jax_triton.launch import LaunchConfig
 from pallas_kernels.mosaic.backward_common import BackwardTuning
@@ -124,22 +124,9 @@ def _gpu_case(batch, seq, heads, kv_heads, head_dim, causal, *, seed=0, sigma=2.
   return (qkv, v, lse, delta, do, do8_t, do_scale), config, want
 
 
-# (batch, seq, heads, kv_heads, head_dim, causal): GQA, MQA and MHA, both head
-# dims, causal CTAs whose warpgroups skip blocks the other one needs.
-GPU_CASES = [
-    (1, 256, 2, 1, 128, False),
-    (1, 256, 2, 1, 64, True),
-    (1, 384, 2, 2, 64, True),
-    (2, 1024, 4, 2, 128, False),
-    (2, 1024, 4, 2, 128, True),
-    (2, 1024, 4, 1, 64, True),
-    (1, 2048, 2, 2, 128, True),
-]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("tuning", sorted(TUNINGS))
-@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+@pytest.mark.parametrize("case", MOSAIC_BACKWARD_CASES, ids=str)
 def test_gpu_matches_reference(case, tuning):
   if case[4] == 128 and case[3] < case[2] and tuning == "three_steps":
     pytest.skip("a ring of 3 does not fit shared memory with fp32 GQA partials at D=128")

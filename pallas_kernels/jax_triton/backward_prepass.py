@@ -23,12 +23,7 @@ from pallas_kernels.types import Prepass, TransposedLayout
 def _prepass_kernel(o_ptr, do_ptr, delta_ptr, do8_t_ptr, do_scale_ptr, do_start_ptr,
                     T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
                     REGISTER_B: tl.constexpr, FP8: tl.constexpr):
-  t = tl.program_id(0)
-  b = tl.program_id(1).to(tl.int64)
-  h = tl.program_id(2)
-  head = b * H + h
-  rows = tiles.block_tokens(t, BLOCK_Q, REGISTER_B)
-  tokens = tiles.token_offsets(b, rows, h, T, H, D)
+  t, head, rows, tokens = tiles.program_block(T, H, D, BLOCK_Q, REGISTER_B)
   do = tl.load(do_ptr + tokens).to(tl.float32)
   o = tl.load(o_ptr + tokens).to(tl.float32)
   tl.store(delta_ptr + head * T + rows, tl.sum(do * o, axis=1))

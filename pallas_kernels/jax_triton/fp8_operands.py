@@ -36,12 +36,7 @@ from pallas_kernels.types import Config, Fp8Operands, Masks, QuantizedQKV, Trans
 def _key_kernel(k_ptr, v_ptr, k8_t_ptr, k_scale_ptr, v_norm_ptr, T: tl.constexpr,
                 H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                 REGISTER_B: tl.constexpr):
-  t = tl.program_id(0)
-  b = tl.program_id(1).to(tl.int64)
-  h = tl.program_id(2)
-  head = b * H + h
-  rows = tiles.block_tokens(t, BLOCK, REGISTER_B)
-  tokens = tiles.token_offsets(b, rows, h, T, H, D)
+  t, head, rows, tokens = tiles.program_block(T, H, D, BLOCK, REGISTER_B)
   k8, scale = tiles.quantize_e4m3(tl.load(k_ptr + tokens).to(tl.float32))
   tiles.store_transposed(k8_t_ptr, k8, rows, head, t, T, D, BLOCK, REGISTER_B)
   tl.store(k_scale_ptr + head * T + rows, tl.full((BLOCK,), scale, tl.float32))
@@ -55,12 +50,7 @@ def _key_kernel(k_ptr, v_ptr, k8_t_ptr, k_scale_ptr, v_norm_ptr, T: tl.constexpr
 def _query_kernel(q_ptr, do_ptr, row_max_ptr, lse_ptr, delta_ptr, v_max_ptr, q8_t_ptr,
                   q_scale_ptr, bound_ptr, T: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
                   BLOCK: tl.constexpr, MULTIPLIER: tl.constexpr, REGISTER_B: tl.constexpr):
-  t = tl.program_id(0)
-  b = tl.program_id(1).to(tl.int64)
-  h = tl.program_id(2)
-  head = b * H + h
-  rows = tiles.block_tokens(t, BLOCK, REGISTER_B)
-  tokens = tiles.token_offsets(b, rows, h, T, H, D)
+  t, head, rows, tokens = tiles.program_block(T, H, D, BLOCK, REGISTER_B)
   stats = head * T + rows
   # numerics.ds_row_bound: b = m * (||dO_i|| * max_j ||V_j|| + |Delta_i|).
   m = tl.exp2(tiles.at_most_zero(tl.load(row_max_ptr + stats) - tl.load(lse_ptr + stats)))

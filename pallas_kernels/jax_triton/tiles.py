@@ -285,6 +285,19 @@ def block_tokens(t, BLOCK: tl.constexpr, REGISTER_B: tl.constexpr):
 
 
 @device_function
+def program_block(T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                  REGISTER_B: tl.constexpr):
+  """The block of a program on the grid (T // BLOCK, B, H) over a (B, T, H, D)
+  array: (t, head = b * H + h, its tokens `block_tokens`, their offsets
+  `token_offsets`)."""
+  t = tl.program_id(0)
+  b = tl.program_id(1).to(tl.int64)
+  h = tl.program_id(2)
+  rows = block_tokens(t, BLOCK, REGISTER_B)
+  return t, b * H + h, rows, token_offsets(b, rows, h, T, H, D)
+
+
+@device_function
 def store_transposed(x8_t_ptr, x8, rows, head, t, T: tl.constexpr, D: tl.constexpr,
                      BLOCK: tl.constexpr, REGISTER_B: tl.constexpr):
   """Stores block t of 8-bit rows `x8` (BLOCK, D; int8 or E4M3, the array's
