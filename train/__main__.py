@@ -86,12 +86,13 @@ def resume_command(argv: list[str], run_dir: str | None) -> str:
 def main(argv: list[str] | None = None, stop: Stop | None = None) -> None:
   """`python -m train argv`; `stop`: the signals' stop requests, if handled
   (`__main__` below; `train.loop.train` then raises Interrupted)."""
+  from train.rundir import RunError
   try:
     cfg, preset, options = parse(argv)
-  except ValueError as e:
+  except (RunError, ValueError) as e:
     raise SystemExit(f"error: {e}")
   if options["print_config"]:
-    from train.rundir import RunError, resolve
+    from train.rundir import resolve
     try:
       print(to_json(dataclasses.replace(cfg, out=resolve(cfg))))
     except RunError as e:
@@ -110,7 +111,6 @@ def main(argv: list[str] | None = None, stop: Stop | None = None) -> None:
                  else (lambda line: None))
   from train.loop import train  # after argument parsing: jax is slow to import
   from train.plot import plot
-  from train.rundir import RunError
 
   t0 = time.perf_counter()
   try:

@@ -378,12 +378,21 @@ OPTIONS = ("print_config", "compile_cache", "allow_cpu")
 def parse(argv: list[str] | None = None) -> tuple[Config, str, dict[str, Any]]:
   """(the configuration the flags ask for, --preset's name, the OPTIONS given).
 
-  Prints to stderr which schedule fields followed --steps (`scale_schedule`).
-  ValueError, naming the flag, for anything out of range."""
+  With --resume, the saved run's configuration with the flags given on top
+  (`rundir.resumed_config`): a resumed run keeps its steps and schedule
+  unless a flag changes them. Otherwise prints to stderr which schedule
+  fields followed --steps (`scale_schedule`). ValueError, naming the flag,
+  for anything out of range; `rundir.RunError` for a run folder that
+  cannot be resumed."""
   args = vars(parser().parse_args(argv))
   options = {k: args.pop(k) for k in OPTIONS}
   name = args.pop("preset")
-  cfg, note = scale_schedule(preset(name, **args), preset(name).steps, given=args)
+  note = None
+  if args.get("resume"):
+    from train.rundir import resumed_config
+    cfg = resumed_config(preset(name, **args), given=args)
+  else:
+    cfg, note = scale_schedule(preset(name, **args), preset(name).steps, given=args)
   check(cfg)
   if note:
     print(note, file=sys.stderr)
