@@ -271,6 +271,38 @@ def test_bad_flags_get_one_line_naming_the_flag(flags, message, capsys):
   assert "Traceback" not in capsys.readouterr().err
 
 
+# Mistakes argparse itself catches (a choice, a type, a missing value, an
+# unknown flag), in each command-line tool of train/ and benchmarks/.
+PARSER_ERRORS = [
+    ("train", ["--quantization", "fp8"], r"argument --quantization: invalid choice: 'fp8'"),
+    ("train", ["--steps", "ten"], r"argument --steps: invalid int value: 'ten'"),
+    ("train", ["--lr"], r"argument --lr: expected one argument"),
+    ("train", ["--lr-peak", "3"], r"unrecognized arguments: --lr-peak 3"),
+    ("train.plot", [], r"the following arguments are required: runs"),
+    ("train.sample", ["run", "--tokens", "many"], r"argument --tokens: invalid int value"),
+    ("train.study", ["--scale", "huge"], r"argument --scale: invalid choice: 'huge'"),
+    ("train.killtest", ["--kills", "x"], r"argument --kills: invalid int value"),
+    ("benchmarks.accuracy", ["--sigmas"], r"argument --sigmas: expected one argument"),
+]
+
+
+@pytest.mark.parametrize("module,argv,message", PARSER_ERRORS,
+                         ids=[" ".join([m, *a]) for m, a, _ in PARSER_ERRORS])
+def test_flag_errors_name_the_flag_without_the_usage(module, argv, message, capsys,
+                                                    monkeypatch):
+  """The line naming the mistake, then where the flags are listed; not
+  argparse's usage first (28 lines for python -m train)."""
+  import importlib
+  script = importlib.import_module(module if module != "train" else "train.__main__")
+  monkeypatch.setattr("sys.argv", [module, *argv])  # the benchmarks' main reads it
+  with pytest.raises(SystemExit) as e:
+    script.main()
+  assert e.value.code == 2
+  err = capsys.readouterr().err.splitlines()
+  assert err == [err[0], f"python -m {module} --help lists every flag and the values it takes"]
+  assert re.fullmatch(rf"python -m {re.escape(module)}: error: {message}.*", err[0]), err[0]
+
+
 def test_help_is_grouped_with_defaults_and_presets(capsys):
   with pytest.raises(SystemExit):
     main(["--help"])

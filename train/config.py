@@ -298,9 +298,19 @@ def _limits(name: str) -> str:
   return f" ({'; '.join(notes)})" if notes else ""
 
 
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse's parser, whose error for a flag is the line naming the flag and
+  the mistake, then where the flags are listed: argparse prints the usage
+  first, 28 lines for train's flags, which push that line out of sight."""
+
+  def error(self, message: str):
+    self.exit(2, f"{self.prog}: error: {message}\n"
+                 f"{self.prog} --help lists every flag and the values it takes\n")
+
+
 def parser() -> argparse.ArgumentParser:
   presets = "\n".join("  " + describe(name) for name in PRESETS)
-  p = argparse.ArgumentParser(
+  p = ArgumentParser(
       prog="python -m train", formatter_class=argparse.RawDescriptionHelpFormatter,
       description="Pre-train a Llama with SageBwd INT8 attention (or full precision).\n"
                   "A preset sets every flag; flags given override it. Defaults below "
@@ -388,7 +398,7 @@ def parse(argv: list[str] | None = None) -> tuple[Config, str, dict[str, Any]]:
   options = {k: args.pop(k) for k in OPTIONS}
   name = args.pop("preset")
   note = None
-  if args.get("resume"):
+  if args.get("resume") and not args.get("overwrite"):  # with both, check() says which
     from train.rundir import resumed_config
     cfg = resumed_config(preset(name, **args), given=args)
   else:

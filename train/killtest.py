@@ -26,7 +26,6 @@ is a fresh `python -m train` process; its output is in <out>/logs/.
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import re
@@ -39,6 +38,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from train.config import ArgumentParser
 from train.data import stdlib_dir
 from train.metrics import read
 
@@ -271,8 +271,8 @@ def kill_kinds(kills: int, rng: random.Random) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-  p = argparse.ArgumentParser(prog="python -m train.killtest",
-                              description=__doc__.split("\n\n")[0])
+  p = ArgumentParser(prog="python -m train.killtest",
+                     description=__doc__.split("\n\n")[0])
   p.add_argument("--kills", type=int, default=10, help="kills (default 10)")
   p.add_argument("--seed", type=int, default=0, help="draws the kill points (default 0)")
   p.add_argument("--out", default="runs/killtest",

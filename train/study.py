@@ -63,7 +63,7 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
-from train.config import Config, check
+from train.config import ArgumentParser, Config, check
 from train.rundir import RunError, changed_fields, holds_run, saved_config
 from train.study_plan import (SCALES, Cell, Grid, Scale, StudyError, grids, plan, run_config,
                               run_status)
@@ -256,8 +256,8 @@ def _finished(grid: Grid, scale: Scale, seeds: int, out: str, data: list[str]) -
 
 def parser() -> argparse.ArgumentParser:
   doc = __doc__.split("\n\n", 1)
-  p = argparse.ArgumentParser(prog="python -m train.study", description=doc[0],
-                              epilog=doc[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = ArgumentParser(prog="python -m train.study", description=doc[0],
+                     epilog=doc[1], formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("grids", nargs="*", metavar="GRID",
                  help="tokens, qknorm, smoothing, ds (default: all four, in that order)")
   p.add_argument("--scale", choices=list(SCALES), default="h200",
