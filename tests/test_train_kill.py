@@ -41,4 +41,4 @@ def test_kills_and_signals_then_resume_is_exact(tmp_path):
   # During start-up: at once, with nothing to save.
   early = kills[4]
   assert early.returncode == 128 + signal.SIGINT and killtest.stopped_cleanly(early)
-  assert "before this session's first step: nothing new to save" in early.log, early.log[-2000:]
+  assert "before this launch's first step: nothing new to save" in early.log, early.log[-2000:]

@@ -133,7 +133,7 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
   fresh process with jax's persistent compilation cache in `compile_cache`
   (None: none), rewriting the summary after each run; returns the paths of
   the summary files and plots. No run starts once `start_within` minutes have
-  passed (None: no limit), so that a time-limited session ends on finished
+  passed (None: no limit), so that a job with a wall-time limit ends on finished
   runs. A run that fails is logged and the others go on; StudyError at the
   end names it. Once `stopping` has a signal, no run starts, the runs under
   way save their step and end, and Interrupted says how to resume. This
@@ -281,7 +281,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--list", action="store_true", help="print the runs and their state; run none")
   p.add_argument("--start-within", type=float, default=None, metavar="MINUTES",
                  help="start no run after this many minutes (runs under way finish), so "
-                      "that a session with a time limit ends on finished runs (default: "
+                      "that a job with a wall-time limit ends on finished runs (default: "
                       "no limit)")
   p.add_argument("--compile-cache", default=None, metavar="DIR",
                  help="where compiled steps are kept, so that a cell's second seed and a "
