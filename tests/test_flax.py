@@ -334,6 +334,8 @@ TINY = dict(vocab_size=64, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim
     (dict(n_kv_heads=3), "n_heads \\(2\\) must be a multiple of n_kv_heads \\(3\\)"),
     (dict(attention="flash"), "LlamaConfig.attention must be one of"),
     (dict(remat="all"), "LlamaConfig.remat must be one of"),
+    (dict(quantization="int4"), "LlamaConfig.quantization must be one of .*got 'int4'"),
+    (dict(ds_precision="fp8"), "LlamaConfig.ds_precision must be one of .*got 'fp8'"),
     (dict(n_heads=3), "dim \\(128\\) must be divisible by n_heads \\(3\\)"),
 ])
 def test_llama_config_refuses_bad_values(kwargs, match):
