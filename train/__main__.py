@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None, stop: Stop | None = None) -> None:
   except ValueError as e:
     raise SystemExit(f"error: {e}")
   if not options["allow_cpu"]:
-    # A resumed run is the saved one, whatever --preset says: its name is its preset's.
+    # A resumed run is the saved one, whatever --preset says; its name is its
+    # preset's unless --name gave another.
     _refuse_gpu_presets_without_a_gpu(cfg.name if cfg.resume else preset, cfg)
   import jax
   _compile_cache(options["compile_cache"],
