@@ -9,7 +9,7 @@ import argparse
 
 def parser(doc: str, module: str) -> argparse.ArgumentParser:
   """The script's argument parser: `--help` shows its whole docstring."""
-  from train.config import ArgumentParser  # errors in two lines, not after the usage
+  from train.cli import ArgumentParser  # errors in two lines, not after the usage
   return ArgumentParser(prog=f"python -m {module}", description=doc,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
 

@@ -58,7 +58,7 @@ def test_user_facing_text_speaks_of_the_code_as_it_is():
   """No internal history in the guides or in `python -m train --help`
   (docs/performance-log.md keeps its dated log); one way to run the commands
   (the activated venv); the first screen says what the op is for today."""
-  from train.config import parser
+  from train.cli import parser
   root = README.parent
   texts = {name: (root / name).read_text() for name in USER_FACING}
   texts["python -m train --help"] = parser().format_help()

@@ -22,8 +22,8 @@ from flax import nnx
 from train import data, flops, optim
 from train.__main__ import main
 from train.checkpoint import Checkpoints
-from train.config import (CHOICES, PRESETS, RANGES, Config, check, field_docs, from_args,
-                          params_besides_embeddings, preset)
+from train.cli import field_docs, from_args
+from train.config import CHOICES, PRESETS, RANGES, Config, check, params_besides_embeddings, preset
 from train.loop import NonFiniteError, train
 from train.metrics import read
 from train.plot import figure

@@ -21,7 +21,8 @@ import pytest
 from train import data, flops, optim, rundir
 from train.__main__ import main
 from train.checkpoint import Checkpoints, flatten
-from train.config import Config, from_args
+from train.cli import from_args
+from train.config import Config
 from train.loop import train
 from train.metrics import MetricsError, MetricsLog, read
 from train.step import build_model, make_steps

@@ -17,7 +17,8 @@ import shutil
 import sys
 import time
 
-from train.config import GPU_PRESETS, parse, to_json
+from train.cli import parse
+from train.config import GPU_PRESETS, to_json
 from train.stop import Interrupted, Stop, exit_status, handling, say
 
 

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from train.config import ArgumentParser
+from train.cli import ArgumentParser
 from train.data import stdlib_dir
 from train.metrics import read
 

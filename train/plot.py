@@ -27,7 +27,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from train.config import ArgumentParser  # noqa: E402
+from train.cli import ArgumentParser  # noqa: E402
 from train.metrics import TELEMETRY_VALUES, MetricsError, kind, read  # noqa: E402
 from train.rundir import RunError, saved_config  # noqa: E402
 

@@ -21,7 +21,7 @@ import os
 import sys
 from collections.abc import Iterator
 
-from train.config import ArgumentParser
+from train.cli import ArgumentParser
 from train.rundir import RunError, config_path, saved_config
 
 

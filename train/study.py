@@ -63,7 +63,8 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
-from train.config import ArgumentParser, Config, check
+from train.cli import ArgumentParser
+from train.config import Config, check
 from train.rundir import RunError, changed_fields, holds_run, saved_config
 from train.study_plan import (SCALES, Cell, Grid, Scale, StudyError, grids, plan, run_config,
                               run_status)
