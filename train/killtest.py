@@ -100,6 +100,14 @@ class Launch:
     return "a fresh start" if m is None else f"step {m.group(1) or 0}"
 
 
+# The set-up line a launch logs before it restores a checkpoint and compiles:
+# the latest moment sigint-early signals. The uninterrupted run's start-up
+# (`startup_s`) includes a first evaluation and maybe a cold compile that a
+# resumed launch skips, so a deadline drawn from it alone could fall after
+# that launch's first step.
+LAST_SET_UP_LINE = "model FLOPs:"
+
+
 def _log_of(proc: subprocess.Popen) -> str:
   with open(proc.log_file.name) as f:
     return f.read()
@@ -206,7 +214,8 @@ class KillTest:
       if kind == "time" and (time.monotonic() >= deadline or _last_step(run_dir) > logged):
         note = f"{time.monotonic() - t0:.2f}s after launch"
       elif kind == "sigint-early" and folder_logged is not None and (
-          time.monotonic() >= deadline or _last_step(run_dir) > logged):
+          time.monotonic() >= deadline or _last_step(run_dir) > logged
+          or LAST_SET_UP_LINE in _log_of(proc)):
         note = f"{time.monotonic() - folder_logged:.2f}s after the run folder was logged"
       elif after_step and _last_step(run_dir) >= target:
         delay = self.rng.uniform(0, 1.5 * self.step_s)

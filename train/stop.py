@@ -55,10 +55,14 @@ def exit_status(signum: int) -> int:
 
 
 def say(line: str) -> None:
-  """`line` on stderr, below any progress bar, flushed."""
-  tqdm.write(line, file=sys.stderr)
+  """`line` on stderr, below any progress bar, flushed. The process's own
+  stderr: the watchdog may say it while the main thread has `sys.stderr`
+  redirected (train/checkpoint.py quiets orbax while it restores), where the
+  line, the process's last, would be lost."""
+  stderr = sys.__stderr__ or sys.stderr
+  tqdm.write(line, file=stderr)
   sys.stdout.flush()
-  sys.stderr.flush()
+  stderr.flush()
 
 
 class Stop:
