@@ -9,8 +9,9 @@ import argparse
 
 def parser(doc: str, module: str) -> argparse.ArgumentParser:
   """The script's argument parser: `--help` shows its whole docstring."""
-  return argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+  from train.cli import ArgumentParser  # errors in two lines, not after the usage
+  return ArgumentParser(prog=f"python -m {module}", description=doc,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def require_gpu(module: str) -> None:

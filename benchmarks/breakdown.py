@@ -1,10 +1,10 @@
-"""Where the time goes: device time per kernel of one attention call, from a
+"""Where the time goes: GPU time per kernel of one attention call, from a
 `jax.profiler` trace, forward and forward+backward.
 
     python -m benchmarks.breakdown [--impls sage_triton,cudnn] [--seq 4096] [--out DIR]
 
 For each implementation and causality, runs the jitted forward and gradient
-`--iters` times under the profiler and prints, per kernel, its device time
+`--iters` times under the profiler and prints, per kernel, its GPU time
 per call (summed over launches), the launches per call and its share, then
 the whole call's kernel time. Complements `benchmarks.attention` (wall
 time): gaps between kernels and host overhead do not show here. Writes

@@ -7,7 +7,7 @@ device-to-device copy of a 1 GiB buffer, as an XLA copy and as an elementwise
 kernel (its bytes read + written over its time: the copy bandwidth, the
 larger of the two); then each pass of the op's data flow, with the bytes it
 must move (each input read once, each output written once: from the arrays'
-sizes), its device time (kernels of a `jax.profiler` trace, per call, summed
+sizes), its GPU time (kernels of a `jax.profiler` trace, per call, summed
 over the pass's launches) and that rate as a share of the copy's:
 
   k_mean            K's mean for K-smoothing (XLA): K's first read
@@ -60,7 +60,7 @@ def moved_bytes(fn, *args) -> tuple[int, int]:
 
 
 def device_seconds(fn, args, iters: int) -> float:
-  """Device time per call of the compiled `fn(*args)`, summed over its kernels
+  """GPU time per call of the compiled `fn(*args)`, summed over its kernels
   (wall time per call, `time_call`'s, where the trace shows none: a copy the
   runtime does by DMA may not appear among a stream's kernels)."""
   return sum(t for t, _ in profile(fn, args, iters).values()) or time_call(fn, *args)

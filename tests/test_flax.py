@@ -154,6 +154,20 @@ def test_attention_fn_refuses_what_it_cannot_honour(kwargs, match):
     attention_fn(*_qkv(), **kwargs)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(quantization="int4"), r"quantization must be one of \('int8', 'int8_fp8'\); got 'int4'"),
+    (dict(quantization=None), "quantization must be one of"),
+    (dict(ds_precision="fp8"), "ds_precision must be one of"),
+    (dict(block_q=48), "block_q must be a power of two >= 16; got 48"),
+    (dict(block_kv=8), "block_kv must be a power of two"),
+    (dict(implementation="pallas"), "implementation must be one of"),
+])
+def test_make_attention_fn_refuses_bad_options_when_called(kwargs, match):
+  """Named where the mistake is made, not at the function's first call."""
+  with pytest.raises(ValueError, match=match):
+    make_attention_fn(**kwargs)
+
+
 def test_attention_fn_refuses_traced_mask():
   q, k, v = _qkv()
   mask = jnp.tril(jnp.ones((T, T), bool))
@@ -320,6 +334,8 @@ TINY = dict(vocab_size=64, dim=128, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim
     (dict(n_kv_heads=3), "n_heads \\(2\\) must be a multiple of n_kv_heads \\(3\\)"),
     (dict(attention="flash"), "LlamaConfig.attention must be one of"),
     (dict(remat="all"), "LlamaConfig.remat must be one of"),
+    (dict(quantization="int4"), "LlamaConfig.quantization must be one of .*got 'int4'"),
+    (dict(ds_precision="fp8"), "LlamaConfig.ds_precision must be one of .*got 'fp8'"),
     (dict(n_heads=3), "dim \\(128\\) must be divisible by n_heads \\(3\\)"),
 ])
 def test_llama_config_refuses_bad_values(kwargs, match):

@@ -200,7 +200,7 @@ def test_flax_and_train_pass_it_on(monkeypatch):
   --quantization int8_fp8` hand the mode to the op."""
   from sagebwd_jax.flax import make_attention_fn
   from sagebwd_jax.flax import attention as attention_module
-  from train.config import from_args
+  from train.cli import from_args
   from train.step import build_model
 
   q, k, v, _ = gaussian_qkv(jax.random.key(11), 1, 64, 64, 2, 2, 64)

@@ -1,15 +1,18 @@
 """kill -9 of real training processes, resumed each time (issue 18): once while
 a metrics row is half written, once while a checkpoint is being saved; and
 stops at SIGINT and SIGTERM (issue 49): after a step, and during start-up
-(compilation included). The resumed run's metrics equal an uninterrupted
+(a checkpoint's restore included). The resumed run's metrics equal an uninterrupted
 run's, bit for bit (timings aside). `python -m train.killtest` does the same
 with 10 random kills."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import signal
 
 from train import killtest
+from train.stop import say
 
 
 def test_kills_and_signals_then_resume_is_exact(tmp_path):
@@ -41,4 +44,13 @@ def test_kills_and_signals_then_resume_is_exact(tmp_path):
   # During start-up: at once, with nothing to save.
   early = kills[4]
   assert early.returncode == 128 + signal.SIGINT and killtest.stopped_cleanly(early)
-  assert "before this session's first step: nothing new to save" in early.log, early.log[-2000:]
+  assert "before this launch's first step: nothing new to save" in early.log, early.log[-2000:]
+
+
+def test_the_stop_line_reaches_stderr_while_it_is_redirected(capfd):
+  """The watchdog says the last line while the main thread may have
+  sys.stderr redirected (train/checkpoint.py quiets orbax while restoring)."""
+  with contextlib.redirect_stderr(io.StringIO()) as caught:
+    say("stopped by SIGINT before this launch's first step")
+  assert caught.getvalue() == ""
+  assert "stopped by SIGINT before this launch's first step" in capfd.readouterr().err

@@ -5,6 +5,7 @@ a finished run resumes to a right summary, a full disk is one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import pytest
 from train import data, flops, optim, rundir
 from train.__main__ import main
 from train.checkpoint import Checkpoints, flatten
+from train.cli import from_args
 from train.config import Config
 from train.loop import train
 from train.metrics import MetricsError, MetricsLog, read
@@ -169,6 +171,38 @@ def test_resume_names_every_changed_flag(finished, tmp_path, corpus):
   rundir.compare_with_saved(cfg, logged.append)
   assert logged == [f"warning: resuming with flags that differ from {saved}: --seed 0 -> 3, "
                     f"--lr 0.003 -> 0.01; the run will not equal one never stopped"]
+
+
+def test_a_resume_continues_the_saved_run(finished, tmp_path, capsys):
+  """`--resume` runs the saved config.json, its steps and schedule among
+  them, whatever the preset says: a 4-step run resumed without --steps
+  trains no further than step 4. A flag given that changes the run
+  (`--steps 6`) is applied, and named in one line."""
+  run = _copy(finished, tmp_path)
+  saved = json.load(open(rundir.config_path(str(run))))
+  before = read(str(run / "metrics.jsonl"))
+  resume = ["--preset", "tiny", "--out", str(run), "--resume", "--no-progress"]
+  cfg, _ = from_args(resume)
+  assert {k: v for k, v in dataclasses.asdict(cfg).items() if k not in rundir.NOT_COMPARED} \
+      == {k: v for k, v in saved.items() if k not in rundir.NOT_COMPARED}
+  assert "--steps" not in capsys.readouterr().err  # no schedule scaled to the preset's steps
+
+  main(resume)
+  assert "nothing to train: the run is at step 4 and --steps is 4" in capsys.readouterr().out
+  assert read(str(run / "metrics.jsonl")) == before
+
+  main(resume + ["--steps", "6"])
+  out = capsys.readouterr()
+  named = [line for line in (out.out + out.err).splitlines() if "--steps" in line]
+  assert len(named) == 1 and "--steps 4 -> 6" in named[0], named
+  rows = {r["step"]: r for r in read(str(run / "metrics.jsonl")) if "loss" in r}
+  assert sorted(rows) == [1, 2, 3, 4, 5, 6]
+  assert _strip([rows[s] for s in (1, 2, 3, 4)]) == _strip([r for r in before if "loss" in r])
+  schedule = optim.schedule(Config(**{**saved, "steps": 6}))
+  for step in (5, 6):  # the saved warmup and learning rates on the 6-step cosine
+    assert rows[step]["lr"] == pytest.approx(float(schedule(step - 1)), rel=1e-6)
+  assert rows[6]["lr"] == pytest.approx(saved["lr"] * saved["min_lr_ratio"])
+  assert json.load(open(rundir.config_path(str(run))))["steps"] == 6
 
 
 def test_resuming_a_finished_run(finished, tmp_path, corpus, capsys):

@@ -18,7 +18,8 @@ import pytest
 
 import train.__main__ as cli
 from train import compile_cache, flops
-from train.config import GPU_PRESETS, parse, preset
+from train.cli import parse
+from train.config import GPU_PRESETS, preset
 from train.rundir import RunError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -17,7 +17,8 @@ import shutil
 import sys
 import time
 
-from train.config import GPU_PRESETS, parse, to_json
+from train.cli import parse
+from train.config import GPU_PRESETS, to_json
 from train.stop import Interrupted, Stop, exit_status, handling, say
 
 
@@ -86,12 +87,13 @@ def resume_command(argv: list[str], run_dir: str | None) -> str:
 def main(argv: list[str] | None = None, stop: Stop | None = None) -> None:
   """`python -m train argv`; `stop`: the signals' stop requests, if handled
   (`__main__` below; `train.loop.train` then raises Interrupted)."""
+  from train.rundir import RunError
   try:
     cfg, preset, options = parse(argv)
-  except ValueError as e:
+  except (RunError, ValueError) as e:
     raise SystemExit(f"error: {e}")
   if options["print_config"]:
-    from train.rundir import RunError, resolve
+    from train.rundir import resolve
     try:
       print(to_json(dataclasses.replace(cfg, out=resolve(cfg))))
     except RunError as e:
@@ -103,14 +105,15 @@ def main(argv: list[str] | None = None, stop: Stop | None = None) -> None:
   except ValueError as e:
     raise SystemExit(f"error: {e}")
   if not options["allow_cpu"]:
-    _refuse_gpu_presets_without_a_gpu(preset, cfg)
+    # A resumed run is the saved one, whatever --preset says; its name is its
+    # preset's unless --name gave another.
+    _refuse_gpu_presets_without_a_gpu(cfg.name if cfg.resume else preset, cfg)
   import jax
   _compile_cache(options["compile_cache"],
                  (lambda line: print(line, file=sys.stderr)) if jax.process_index() == 0
                  else (lambda line: None))
   from train.loop import train  # after argument parsing: jax is slow to import
   from train.plot import plot
-  from train.rundir import RunError
 
   t0 = time.perf_counter()
   try:

@@ -26,7 +26,6 @@ is a fresh `python -m train` process; its output is in <out>/logs/.
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import re
@@ -39,6 +38,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from train.cli import ArgumentParser
 from train.data import stdlib_dir
 from train.metrics import read
 
@@ -98,6 +98,14 @@ class Launch:
   def resumed_from(self) -> str:
     m = re.search(r"resumed from step (\d+)|(starting from step 0)", self.log)
     return "a fresh start" if m is None else f"step {m.group(1) or 0}"
+
+
+# The set-up line a launch logs before it restores a checkpoint and compiles:
+# the latest moment sigint-early signals. The uninterrupted run's start-up
+# (`startup_s`) includes a first evaluation and maybe a cold compile that a
+# resumed launch skips, so a deadline drawn from it alone could fall after
+# that launch's first step.
+LAST_SET_UP_LINE = "model FLOPs:"
 
 
 def _log_of(proc: subprocess.Popen) -> str:
@@ -206,7 +214,8 @@ class KillTest:
       if kind == "time" and (time.monotonic() >= deadline or _last_step(run_dir) > logged):
         note = f"{time.monotonic() - t0:.2f}s after launch"
       elif kind == "sigint-early" and folder_logged is not None and (
-          time.monotonic() >= deadline or _last_step(run_dir) > logged):
+          time.monotonic() >= deadline or _last_step(run_dir) > logged
+          or LAST_SET_UP_LINE in _log_of(proc)):
         note = f"{time.monotonic() - folder_logged:.2f}s after the run folder was logged"
       elif after_step and _last_step(run_dir) >= target:
         delay = self.rng.uniform(0, 1.5 * self.step_s)
@@ -271,8 +280,8 @@ def kill_kinds(kills: int, rng: random.Random) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-  p = argparse.ArgumentParser(prog="python -m train.killtest",
-                              description=__doc__.split("\n\n")[0])
+  p = ArgumentParser(prog="python -m train.killtest",
+                     description=__doc__.split("\n\n")[0])
   p.add_argument("--kills", type=int, default=10, help="kills (default 10)")
   p.add_argument("--seed", type=int, default=0, help="draws the kill points (default 0)")
   p.add_argument("--out", default="runs/killtest",

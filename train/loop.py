@@ -71,7 +71,7 @@ def train(cfg: Config, dataset: data.Dataset | None = None, stop: Stop | None = 
   """Runs `cfg` to `cfg.steps` (from its newest good checkpoint with --resume).
 
   Returns the summary: step, loss, val_loss (the last logged), run_dir,
-  tokens_per_s and mfu (this session's training alone; None if it trained no
+  tokens_per_s and mfu (this launch's training alone; None if it trained no
   step; mfu None where the devices' peak is unknown) and compile_s. Raises
   RunError (NonFiniteError among them) and ValueError with one-line messages. `dataset`: `cfg`'s data, already loaded (by
   `data.load(cfg.data, cfg.val_fraction, cfg.seq_len)`), for runs that share it.
@@ -190,7 +190,7 @@ def _loop(cfg: Config, state, start: int, train_step, eval_step, telemetry, batc
           ckpts: Checkpoints, metrics: MetricsLog, log, peak: float | None,
           stop: Stop | None = None) -> dict:
   """Steps `start` to `cfg.steps`; the summary: the last logged step, loss and
-  val_loss, this session's tokens/s and MFU (None if it trained no step, MFU
+  val_loss, this launch's tokens/s and MFU (None if it trained no step, MFU
   None without a `peak` FLOP/s) and compile_s. Raises `Interrupted` once
   `stop` asks, with the last completed step saved."""
   due = lambda step, every: step % every == 0 or step == cfg.steps

@@ -18,7 +18,6 @@ thick one for the largest over the layers, one colour per run.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 
@@ -28,6 +27,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from train.cli import ArgumentParser  # noqa: E402
 from train.metrics import TELEMETRY_VALUES, MetricsError, kind, read  # noqa: E402
 from train.rundir import RunError, saved_config  # noqa: E402
 
@@ -195,7 +195,7 @@ def default_out(runs: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-  p = argparse.ArgumentParser(prog="python -m train.plot", description=__doc__.split("\n")[0])
+  p = ArgumentParser(prog="python -m train.plot", description=__doc__.split("\n")[0])
   p.add_argument("runs", nargs="+", help="run folders (each with a metrics.jsonl), or "
                                          "metrics files")
   p.add_argument("--out", default=None,

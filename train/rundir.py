@@ -10,8 +10,10 @@
   system when the process dies, however it dies.
 - Files are replaced whole (`write_atomic`): a crash leaves the old file or
   the new one, never half of one.
-- On `--resume` the flags are compared with the saved config.json: a change
-  to the model's shapes is refused, any other change is named in a warning.
+- `--resume` continues the saved run's configuration (config.json: its
+  steps and schedule too); a flag given on the command line overrides it.
+  A flag that changes the model's shapes is refused, any other change is
+  named in a warning.
 """
 
 from __future__ import annotations
@@ -164,6 +166,26 @@ def saved_config(run_dir: str) -> dict | None:
   if not isinstance(saved, dict):
     raise RunError(f"{path} is not a JSON object")
   return saved
+
+
+def resumed_config(cfg: Config, given) -> Config:
+  """What `--resume` runs: the saved run's configuration (its config.json,
+  its steps and schedule among it), with the fields of the flags given
+  (`given`) and those that do not change what the run computes
+  (NOT_COMPARED) from `cfg`. Without a config.json, `cfg` itself
+  (`compare_with_saved` then warns). Fields the saved file lacks keep
+  `cfg`'s values; names that are no field of Config are ignored."""
+  run_dir = resolve(cfg)
+  try:
+    saved = saved_config(run_dir)
+  except RunError as e:
+    raise RunError(f"--resume: {e}; restore it, or start over with --overwrite") from e
+  if saved is None:
+    return cfg
+  fields = {f.name for f in dataclasses.fields(Config)}
+  kept = set(given) | set(NOT_COMPARED)
+  return dataclasses.replace(cfg, **{n: v for n, v in saved.items()
+                                     if n in fields and n not in kept})
 
 
 def changed_fields(cfg: Config, saved: dict, *, unresolved_match: bool = False) -> list[str]:

@@ -14,7 +14,6 @@ again and generation goes on.
 
 from __future__ import annotations
 
-import argparse
 import codecs
 import dataclasses
 import math
@@ -22,6 +21,7 @@ import os
 import sys
 from collections.abc import Iterator
 
+from train.cli import ArgumentParser
 from train.rundir import RunError, config_path, saved_config
 
 
@@ -123,9 +123,9 @@ def parse_ids(prompt: str, vocab_size: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-  p = argparse.ArgumentParser(prog="python -m train.sample",
-                              description="Generate from a trained run's newest checkpoint.",
-                              epilog="Guide: docs/training.md")
+  p = ArgumentParser(prog="python -m train.sample",
+                     description="Generate from a trained run's newest checkpoint.",
+                     epilog="Guide: docs/training.md")
   p.add_argument("run", help="run folder (with config.json and checkpoints/)")
   p.add_argument("--prompt", default="",
                  help="text to continue (default: none, a new document); token ids "

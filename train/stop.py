@@ -12,7 +12,7 @@ the main thread spends long stretches inside XLA (compiling a step, waiting
 for one). So the handler only records the request, and a watchdog thread,
 woken by the signal itself (`signal.set_wakeup_fd`), ends the process where
 waiting would not do:
-- before the first step of this session (imports, data, compilation, the
+- before the first step of this launch (imports, data, compilation, the
   first evaluation) there is nothing new to save: it exits at once;
 - a step, evaluation batch or telemetry call still in flight after
   `grace_s()` is abandoned (its result was never saved);
@@ -55,10 +55,14 @@ def exit_status(signum: int) -> int:
 
 
 def say(line: str) -> None:
-  """`line` on stderr, below any progress bar, flushed."""
-  tqdm.write(line, file=sys.stderr)
+  """`line` on stderr, below any progress bar, flushed. The process's own
+  stderr: the watchdog may say it while the main thread has `sys.stderr`
+  redirected (train/checkpoint.py quiets orbax while it restores), where the
+  line, the process's last, would be lost."""
+  stderr = sys.__stderr__ or sys.stderr
+  tqdm.write(line, file=stderr)
   sys.stdout.flush()
-  sys.stderr.flush()
+  stderr.flush()
 
 
 class Stop:
@@ -68,7 +72,7 @@ class Stop:
   the run folder is not made yet, so the command starts it again), for the
   final line. The loop keeps `run_dir`, `checkpoint` (the step and folder of
   the newest checkpoint, or None) and `phase` current: "starting" until the
-  session's first step is dispatched, then "training"; "saving" while it
+  launch's first step is dispatched, then "training"; "saving" while it
   writes the checkpoint that a signal asked for (the watchdog waits for it).
   """
 
@@ -89,7 +93,7 @@ class Stop:
 
   def grace_s(self) -> float:
     """How long the watchdog waits for the step in flight: twice the longest
-    step of this session, at least `MIN_GRACE_S`."""
+    step of this launch, at least `MIN_GRACE_S`."""
     return max(MIN_GRACE_S, 2 * self.longest_step_s)
 
   def where(self) -> str:
@@ -149,7 +153,7 @@ class Stop:
           if received > 1:
             self.hard_exit(f"twice: exiting at once, {self.where()}", always_say=True)
           if self.phase == "starting":
-            self.hard_exit(f"before this session's first step: nothing new to save, "
+            self.hard_exit(f"before this launch's first step: nothing new to save, "
                            f"{self.where()}")
           deadline = time.monotonic() + self.grace_s()
       elif deadline is not None and time.monotonic() >= deadline:

@@ -63,6 +63,7 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
+from train.cli import ArgumentParser
 from train.config import Config, check
 from train.rundir import RunError, changed_fields, holds_run, saved_config
 from train.study_plan import (SCALES, Cell, Grid, Scale, StudyError, grids, plan, run_config,
@@ -133,7 +134,7 @@ def run(chosen: list[Grid], scale: Scale, seeds: int, out: str, data: list[str],
   fresh process with jax's persistent compilation cache in `compile_cache`
   (None: none), rewriting the summary after each run; returns the paths of
   the summary files and plots. No run starts once `start_within` minutes have
-  passed (None: no limit), so that a time-limited session ends on finished
+  passed (None: no limit), so that a job with a wall-time limit ends on finished
   runs. A run that fails is logged and the others go on; StudyError at the
   end names it. Once `stopping` has a signal, no run starts, the runs under
   way save their step and end, and Interrupted says how to resume. This
@@ -256,8 +257,8 @@ def _finished(grid: Grid, scale: Scale, seeds: int, out: str, data: list[str]) -
 
 def parser() -> argparse.ArgumentParser:
   doc = __doc__.split("\n\n", 1)
-  p = argparse.ArgumentParser(prog="python -m train.study", description=doc[0],
-                              epilog=doc[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = ArgumentParser(prog="python -m train.study", description=doc[0],
+                     epilog=doc[1], formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("grids", nargs="*", metavar="GRID",
                  help="tokens, qknorm, smoothing, ds (default: all four, in that order)")
   p.add_argument("--scale", choices=list(SCALES), default="h200",
@@ -281,7 +282,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--list", action="store_true", help="print the runs and their state; run none")
   p.add_argument("--start-within", type=float, default=None, metavar="MINUTES",
                  help="start no run after this many minutes (runs under way finish), so "
-                      "that a session with a time limit ends on finished runs (default: "
+                      "that a job with a wall-time limit ends on finished runs (default: "
                       "no limit)")
   p.add_argument("--compile-cache", default=None, metavar="DIR",
                  help="where compiled steps are kept, so that a cell's second seed and a "

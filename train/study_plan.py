@@ -25,8 +25,8 @@ class Scale:
   `grad_accums` are the settings, smallest first, as micro-batches per step;
   the largest runs `steps_at_largest` steps and the others as many as give
   the same number of tokens. `seeds`: the default seeds per cell.
-  `checkpoints`: how many a run saves, so that a study stopped mid-run (a GPU
-  session's time limit) resumes it from the last, not from step 0; 0: none.
+  `checkpoints`: how many a run saves, so that a study stopped mid-run (a
+  job's wall-time limit) resumes it from the last, not from step 0; 0: none.
   The study deletes a finished run's checkpoints.
   """
 
@@ -48,8 +48,9 @@ class Scale:
 SCALES = {
     # ~25.7M parameters (D=64), context 1024, bytes; 8K, 16K and 32K tokens
     # per step, 6.6M tokens per run (800, 400 and 200 steps): a few hundred
-    # steps in every cell for 800 micro-batches a run, so the four grids fit
-    # about two GPU sessions.
+    # steps in every cell for 800 micro-batches a run, so the four grids take
+    # well under an hour of one H200 (24 of their 26 runs in about 15 minutes,
+    # four at a time, 2026-12-01).
     "h200": Scale(dict(dim=512, n_layers=8, n_heads=8, n_kv_heads=8, ffn_dim=1408,
                        seq_len=1024, batch_size=8, lr=3e-3, eval_batches=8),
                   grad_accums=(1, 2, 4), steps_at_largest=200, high_lr=1e-2),
@@ -57,7 +58,7 @@ SCALES = {
     # 16K to 131K tokens per step (micro-batches of 16 x 1024, 1 to 8 per
     # step), 13.1M tokens per run (800 down to 100 steps), six seeds to
     # resolve gaps the first round's two could not; runs long enough to span
-    # a GPU session's command limit resume from one of four checkpoints.
+    # a job's wall-time limit resume from one of four checkpoints.
     "h200-d128": Scale(dict(dim=512, n_layers=8, n_heads=4, n_kv_heads=4, ffn_dim=1408,
                             seq_len=1024, batch_size=16, lr=3e-3, eval_batches=8),
                        grad_accums=(1, 2, 4, 8), steps_at_largest=100, high_lr=1e-2, seeds=6,

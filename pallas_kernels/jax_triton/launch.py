@@ -59,7 +59,8 @@ def _specializer_without_torch() -> None:
   where it is installed, only to give torch.Tensor a fast path (a tensor
   still specializes through its `data_ptr` without it). A JAX program passes
   no torch tensors, and that import was most of the op's first Triton
-  lowering on the H200 (docs/performance-log.md, seventeenth session). Where
+  lowering on the H200 (docs/performance-log.md, 2026-12-02, one-hot rows:
+  "Compile time (issue 32): where the op's fixed cost goes now"). Where
   torch is already imported, nothing changes.
   """
   if "torch" in sys.modules:

@@ -71,9 +71,9 @@ class Registers:
     return min(_MAX_COMPUTE_REGISTERS, share)
 
 
-# The forward's compute warpgroups run without spills at 232 (fourth session,
-# docs/performance-log.md); the backward's need all 240, so its producer keeps
-# the least setmaxnreg allows.
+# The forward's compute warpgroups run without spills at 232 (2026-11-30, the
+# second Hopper forward, docs/performance-log.md); the backward's need all
+# 240, so its producer keeps the least setmaxnreg allows.
 FORWARD_REGISTERS = Registers(producer=40)
 BACKWARD_REGISTERS = Registers(producer=24)
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sagebwd_jax import arguments, implementations
 from sagebwd_jax.api import DsPrecision, Quantization, dot_product_attention
 from sagebwd_jax.implementations import Implementation
 
@@ -51,7 +52,19 @@ def make_attention_fn(
   Returns:
     A function with the keyword signature of `flax.nnx.dot_product_attention`
     and `flax.linen.dot_product_attention` (plus nnx's `input_positions`).
+
+  Raises:
+    ValueError naming the argument, for a `quantization`, `ds_precision`,
+    `block_q`, `block_kv` or `implementation` the op does not take.
   """
+  # Checked here, where the mistake is made, rather than at the first call.
+  quantization = arguments.quantization(quantization)
+  ds_precision = arguments.ds_precision(ds_precision)
+  for name, size in (("block_q", block_q), ("block_kv", block_kv)):
+    if size is not None:
+      arguments.block(name, size, arguments.DEFAULT_BLOCK, size)
+  if implementation is not None:  # None is resolved per call: it asks which devices exist
+    implementations.resolve(implementation, quantization)
   always_causal = is_causal
 
   def sagebwd_attention_fn(

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.types import DsPrecision, Quantization
+from sagebwd_jax import arguments
 from sagebwd_jax.arguments import MAX_HEAD_DIM
 from sagebwd_jax.flax.attention import IMPLEMENTATIONS, Attention, AttentionImpl, KVCache, RMSNorm
 
@@ -90,6 +91,11 @@ class LlamaConfig:
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"LlamaConfig.remat must be one of {tuple(REMAT_POLICIES)}; "
                        f"got {self.remat!r}")
+    for check in (arguments.ds_precision, arguments.quantization):
+      try:
+        check(getattr(self, check.__name__))
+      except ValueError as e:
+        raise ValueError(f"LlamaConfig.{e}") from None
     if self.attention != "full" and self.head_dim > MAX_HEAD_DIM:
       raise ValueError(f"LlamaConfig: head_dim = dim // n_heads = {self.head_dim}; "
                        f"SageBwd attention takes at most {MAX_HEAD_DIM}")
