@@ -172,7 +172,7 @@ def v_channel_scales(v, block: int, launch: LaunchConfig) -> tuple[jax.Array, ja
   run_max, = launch.call(
       _channel_max_kernel, [v],
       [jax.ShapeDtypeStruct((batch, heads, runs, head_dim), jnp.float32)],
-      grid=(runs, batch * heads), name="sagebwd_triton_v_channel_max", T=length, H=heads,
+      grid=(runs, batch * heads), name="sagebwd_triton_quantize_v_max", T=length, H=heads,
       D=head_dim, BLOCK=block, STEPS=steps)
   amax = nm.abs_max(run_max, axis=2)
   return amax / nm.E4M3_MAX, nm.inverse_scale(amax, nm.E4M3_MAX)
