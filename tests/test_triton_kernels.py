@@ -266,6 +266,24 @@ def test_kernels_compile_for_hopper_and_ampere(op_kwargs):
       assert captured.compile(arch), (captured.name, arch)
 
 
+@pytest.mark.parametrize("layouts", [Layouts(), Layouts(REGISTER_B, REGISTER_B)],
+                         ids=["tokens", "register_b"])
+def test_fp8_quantization_pass_compiles_for_hopper(layouts):
+  """Triton compiles the FP8 pass's two launches for sm_90, as jax_triton
+  would on a GPU, V converting to E4M3 with the instruction whose rounding
+  the interpreter's conversion follows."""
+  q, k, v, _ = gaussian_qkv(jax.random.key(7), 2, 128, 128, 4, 2, 128)
+  config = kernel_config(quantization="int8_fp8")
+  launches = sass.triton_launches(
+      lambda q, k, v: TRITON.quantize(q, k, v, key_mean(k, None), config, layouts=layouts),
+      q, k, v)
+  assert [launch.name for launch in launches] == ["sagebwd_triton_quantize_v_max",
+                                                  "sagebwd_triton_quantize"]
+  for launch in launches:
+    assert launch.compile(90), launch.name
+  assert "cvt.rn.satfinite.e4m3x2.f32" in launches[1].compiled(90).asm["ptx"]
+
+
 def test_forward_alone_writes_no_transposed_layouts():
   """The transposed int8 Q and K feed the backward only: a forward that no
   gradient follows leaves them out of the quantization pass (V's transposed
