@@ -16,6 +16,13 @@ over the pass's launches) and that rate as a share of the copy's:
                     (the Mosaic forward's layout)
   quantize_fwd_bwd  the same with Q8^T and K8^T REGISTER_B (a gradient follows)
   quantize_tokens   the same, every layout TOKENS (the portable kernels')
+  quantize_fp8_fwd  quantization="int8_fp8"'s pass of a forward alone, V8^T
+                    E4M3 per channel REGISTER_B (the Mosaic FP8 forward's):
+                    the channel-maximum launch, XLA's scales, the pass (its
+                    bytes count V once; it reads V twice)
+  quantize_fp8_fwd_bwd  the same with K8^T REGISTER_B (no Q8^T in FP8)
+  quantize_fp8_xla  the same in XLA: the reference's pass, which the Hopper
+                    backend ran for the mode before the Triton one
   prepass           the backward pre-pass, dO8^T REGISTER_B
   prepass_tokens    the same, TOKENS
   fp8_operands_xla  quantization="int8_fp8"'s backward operands (Q'^T, K'^T
@@ -25,6 +32,7 @@ over the pass's launches) and that rate as a share of the copy's:
   fp8_operands      the same in two Triton launches (jax_triton/fp8_operands.py)
   forward_total     k_mean + quantize_fwd_bwd: what the op's forward runs
                     before its kernel, K read twice
+  forward_total_fp8 k_mean + quantize_fp8_fwd_bwd, the same in the FP8 mode
 
 Issue 31's bar: every pass at >= 0.70 of the copy. Writes quantize.csv to
 --out (default $OUT, else nothing). Needs a GPU.
@@ -47,6 +55,7 @@ from pallas_kernels.jax_triton import fp8_operands as triton_fp8
 from pallas_kernels.jax_triton.backend import TritonBackend
 from pallas_kernels.layouts import REGISTER_B, TOKENS
 from pallas_kernels.types import Config, Layouts, Masks, QuantizedQKV
+from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import key_mean
 
 COPY_BYTES = 1 << 30
@@ -90,11 +99,13 @@ def passes(batch: int, seq: int, heads: int, head_dim: int) -> dict:
   q, k, v, o, do = (jax.random.normal(key, (batch, seq, heads, head_dim), jnp.bfloat16)
                     for key in keys)
   config = Config(scale=head_dim**-0.5, causal=False, smooth_q=False, block_q=64, block_kv=64)
+  fp8_config = dataclasses.replace(config, quantization="int8_fp8")
   triton = TritonBackend.tuned(causal=False)
   k_mean = key_mean(k, None)
 
-  def quantize(for_backward: bool, layouts: Layouts):
-    return jax.jit(lambda q, k, v, k_mean: triton.quantize(
+  def quantize(for_backward: bool, layouts: Layouts, config: Config = config,
+               backend=triton):
+    return jax.jit(lambda q, k, v, k_mean: backend.quantize(
         q, k, v, k_mean, config, for_backward=for_backward, layouts=layouts))
 
   def prepass(layout):
@@ -102,7 +113,6 @@ def passes(batch: int, seq: int, heads: int, head_dim: int) -> dict:
 
   # Only what the pass reads: Q and the smoothed K in 16 bits, V, dO, dO's
   # scales, the forward's row maxima and lse and Delta (B, H, T).
-  fp8_config = dataclasses.replace(config, quantization="int8_fp8")
   rows = [jax.random.normal(key, (batch, heads, seq), jnp.float32)
           for key in jax.random.split(jax.random.key(1), 4)]
   fp8_args = (q, k, v, do, jnp.abs(rows[0]), *rows[1:])
@@ -120,6 +130,12 @@ def passes(batch: int, seq: int, heads: int, head_dim: int) -> dict:
       "quantize_fwd": (quantize(False, Layouts(forward=REGISTER_B)), (q, k, v, k_mean)),
       "quantize_fwd_bwd": (quantize(True, Layouts(REGISTER_B, REGISTER_B)), (q, k, v, k_mean)),
       "quantize_tokens": (quantize(True, Layouts(TOKENS, TOKENS)), (q, k, v, k_mean)),
+      "quantize_fp8_fwd": (quantize(False, Layouts(forward=REGISTER_B), fp8_config),
+                           (q, k, v, k_mean)),
+      "quantize_fp8_fwd_bwd": (quantize(True, Layouts(REGISTER_B, REGISTER_B), fp8_config),
+                               (q, k, v, k_mean)),
+      "quantize_fp8_xla": (quantize(True, Layouts(REGISTER_B, REGISTER_B), fp8_config,
+                                    ReferenceBackend()), (q, k, v, k_mean)),
       "prepass": (prepass(REGISTER_B), (o, do)),
       "prepass_tokens": (prepass(TOKENS), (o, do)),
       "fp8_operands_xla": (fp8_operands(xla_fp8.fp8_operands), fp8_args),
@@ -156,8 +172,10 @@ def main():
       read, written = moved_bytes(fn, *fn_args)
       totals[name] = (read, written, device_seconds(fn, fn_args, args.iters))
       rows.append(row(shape, name, *totals[name], copy))
-    parts = [totals[name] for name in ("k_mean", "quantize_fwd_bwd")]
-    rows.append(row(shape, "forward_total", *map(sum, zip(*parts)), copy))
+    for total, quantize_pass in (("forward_total", "quantize_fwd_bwd"),
+                                 ("forward_total_fp8", "quantize_fp8_fwd_bwd")):
+      parts = [totals[name] for name in ("k_mean", quantize_pass)]
+      rows.append(row(shape, total, *map(sum, zip(*parts)), copy))
 
   print(f"\n| shape | pass | MB read | MB written | us | TB/s | x copy ({copy / 1e12:.2f} TB/s) |")
   print("|---|---|---|---|---|---|---|")

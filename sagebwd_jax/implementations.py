@@ -63,8 +63,8 @@ def backend(implementation: str, causal: bool) -> Backend:
       raise NotImplementedError(
           f"implementation='mosaic' needs an NVIDIA Hopper GPU (compute capability 9.0); "
           f"{where}. Use implementation='triton' (Triton's interpreter without a GPU).")
-    # FP8 products: the Mosaic forward, the reference for the rest (no
-    # Triton kernel has them).
+    # FP8 products: the Mosaic kernels with the Triton passes around them,
+    # the reference where they do not run (no Triton attention kernel has them).
     return MosaicBackend.tuned(_triton_backend(causal), fp8_fallback=ReferenceBackend())
   raise ValueError(f"implementation must be one of {SAGE} or None; got {implementation!r}")
 

@@ -250,22 +250,27 @@ def backward_stage(backend, qkv, v, o, lse, do, masks, config):
 
 def check_quantization_pass(backend, reference, head_dim: int, smooth_q: bool,
                             smooth_k: bool, *, sum_atol: float = 0.0,
-                            ds_precision: str = "int8", layouts=None):
+                            ds_precision: str = "int8", layouts=None,
+                            quantization: str = "int8", for_backward: bool = True,
+                            shape: tuple[int, ...] = (2, 128, 192, 4, 2)):
   """`backend.quantize` forms `reference.quantize`'s tensors, each transposed
-  one in its `layouts` (types.Layouts; default TOKENS): int8 equal, scales
-  and means to fp32 rounding (`sum_atol` times the largest: for kernels that
-  add the Q-smoothing means in another order). `ds_precision="bf16"`
-  quantizes Q per token. The reference runs on the CPU: XLA:GPU divides fp32
-  to within an ulp, not correctly rounded (127 / amax differs in many
-  values on the H200: docs/performance-log.md), which moves int8 values by
-  one. Returns (ours, ref)."""
+  one in its `layouts` (types.Layouts; default TOKENS): int8 (and E4M3)
+  equal, scales and means to fp32 rounding (`sum_atol` times the largest:
+  for kernels that add the Q-smoothing means in another order).
+  `ds_precision="bf16"` quantizes Q per token. The reference runs on the
+  CPU: XLA:GPU divides fp32 to within an ulp, not correctly rounded (127 /
+  amax differs in many values on the H200: docs/performance-log.md), which
+  moves int8 values by one. `shape`: (B, Tq, Tk, H, Hkv). Returns (ours,
+  ref)."""
   from sagebwd_jax.sagebwd import key_mean
   layouts = Layouts() if layouts is None else layouts
-  q, k, v, _ = gaussian_qkv(jax.random.key(0), 2, 128, 192, 4, 2, head_dim, sigma=2.0)
-  config = kernel_config(smooth_q=smooth_q, scale=head_dim**-0.5, ds_precision=ds_precision)
+  q, k, v, _ = gaussian_qkv(jax.random.key(0), *shape, head_dim, sigma=2.0)
+  config = kernel_config(smooth_q=smooth_q, scale=head_dim**-0.5, ds_precision=ds_precision,
+                         quantization=quantization)
   k_mean = key_mean(k, None) if smooth_k else None
-  ours = backend.quantize(q, k, v, k_mean, config, layouts=layouts)
-  ref = reference.quantize(*jax.device_put((q, k, v, k_mean), CPU), config, layouts=layouts)
+  ours = backend.quantize(q, k, v, k_mean, config, for_backward=for_backward, layouts=layouts)
+  ref = reference.quantize(*jax.device_put((q, k, v, k_mean), CPU), config,
+                           for_backward=for_backward, layouts=layouts)
   # v_start, the portable forward's accumulator start, is the Triton pass's own.
   for name, a, b in zip(ours._fields, ours._replace(v_start=None), ref):
     assert (a is None) == (b is None), name
@@ -273,8 +278,8 @@ def check_quantization_pass(backend, reference, head_dim: int, smooth_q: bool,
       continue
     a, b = np.asarray(a), np.asarray(b)
     assert a.shape == b.shape and a.dtype == b.dtype, name
-    if a.dtype == np.int8:
-      np.testing.assert_array_equal(a, b, err_msg=name)
+    if a.dtype.itemsize == 1:  # int8 or E4M3: on the bits
+      np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=name)
     else:
       np.testing.assert_allclose(a, b, rtol=1e-6, atol=sum_atol * np.abs(b).max(),
                                  err_msg=name)

@@ -6,8 +6,9 @@ within the mode's bars of the INT8 mode and beat per-tensor FP8 (cuDNN FP8's
 numerics), its FP8 operands must be what the design says (numpy, with
 ml_dtypes' E4M3 rounding), and a token a row cannot see must not move that
 row's scales; the Hopper kernels (forward, dK/dV, dQ) must match it on the
-GPU and lower for CUDA on the CPU; the Triton kernels must refuse the mode so
-that the `implementation=` chain falls through; the Flax modules and
+GPU and lower for CUDA on the CPU; the Triton attention kernels must refuse the
+mode so that the `implementation=` chain falls through (their quantization
+pass takes it: tests/test_triton_kernels.py); the Flax modules and
 `python -m train` must pass it on.
 """
 
@@ -180,6 +181,7 @@ def test_bad_mode_and_backends_without_it():
   for bad in ("fp8", "INT8", None, 8):
     with pytest.raises(ValueError, match="quantization must be one of"):
       dot_product_attention(q, k, v, quantization=bad)
+  # The Triton pass quantizes; the Triton forward then refuses the mode.
   with pytest.raises(NotImplementedError, match="int8_fp8"):
     dot_product_attention(q, k, v, implementation="triton", quantization="int8_fp8")
   chained = dot_product_attention(q, k, v, implementation=("triton", "reference"),

@@ -66,6 +66,34 @@ def test_quantization_pass_forms_the_reference_int8_tensors(head_dim, smooth_q, 
     np.testing.assert_array_equal(ours.v_start, tiles.shifted_accumulator_start(ref.v8_t, 64))
 
 
+@pytest.mark.parametrize("for_backward", [True, False])
+@pytest.mark.parametrize("layouts", [Layouts(), Layouts(REGISTER_B, REGISTER_B)],
+                         ids=["tokens", "register_b"])
+@pytest.mark.parametrize("kv_heads,head_dim", [(2, 64), (1, 128), (2, 128), (1, 64)])
+def test_fp8_quantization_pass_forms_the_reference_tensors(kv_heads, head_dim, layouts,
+                                                          for_backward):
+  """quantization="int8_fp8": Q8 and K8 as in INT8, V8^T E4M3 per channel
+  (a channel-maximum launch before the pass) equal to the reference's bit
+  for bit, its scales (B, Hkv, D) too; no Q8^T and no accumulator start."""
+  ours, ref = check_quantization_pass(
+      TRITON, REFERENCE, head_dim, False, True, layouts=layouts, quantization="int8_fp8",
+      for_backward=for_backward, shape=(2, 256, 256, 4, kv_heads))
+  assert ours.v_start is None and ours.q8_t is None
+  assert ours.v8_t.dtype == jnp.float8_e4m3fn and ours.v_scale.shape == (2, kv_heads, head_dim)
+  np.testing.assert_array_equal(ours.v_scale, ref.v_scale)
+
+
+def test_fp8_mode_quantizes_in_triton_and_its_kernels_refuse_it():
+  """TritonBackend takes the FP8 mode at quantize, not in its forward."""
+  q, k, v, _ = gaussian_qkv(jax.random.key(3), 1, 128, 128, 2, 1, 64)
+  config = kernel_config(quantization="int8_fp8")
+  triton = TritonBackend.tuned(causal=False, interpret=True)
+  qkv = triton.quantize(q, k, v, None, config)
+  assert qkv.v8_t.dtype == jnp.float8_e4m3fn
+  with pytest.raises(NotImplementedError, match="int8_fp8"):
+    triton.forward(qkv, Masks(), config, q.dtype)
+
+
 @pytest.mark.parametrize("layout", [TOKENS, REGISTER_B])
 def test_backward_prepass_matches_reference_rules(layout):
   _, _, o, do = gaussian_qkv(jax.random.key(1), 2, 128, 128, 2, 2, 64)
@@ -223,6 +251,24 @@ def test_kernels_compile_for_hopper_and_ampere(op_kwargs):
   for captured in launches:
     for arch in (90, 80):
       assert captured.compile(arch), (captured.name, arch)
+
+
+@pytest.mark.parametrize("layouts", [Layouts(), Layouts(REGISTER_B, REGISTER_B)],
+                         ids=["tokens", "register_b"])
+def test_fp8_quantization_pass_compiles_for_hopper(layouts):
+  """Triton compiles the FP8 pass's two launches for sm_90, as jax_triton
+  would on a GPU, V converting to E4M3 with the instruction whose rounding
+  the interpreter's conversion follows."""
+  q, k, v, _ = gaussian_qkv(jax.random.key(7), 2, 128, 128, 4, 2, 128)
+  config = kernel_config(quantization="int8_fp8")
+  launches = sass.triton_launches(
+      lambda q, k, v: TRITON.quantize(q, k, v, key_mean(k, None), config, layouts=layouts),
+      q, k, v)
+  assert [launch.name for launch in launches] == ["sagebwd_triton_quantize_v_max",
+                                                  "sagebwd_triton_quantize"]
+  for launch in launches:
+    assert launch.compile(90), launch.name
+  assert "cvt.rn.satfinite.e4m3x2.f32" in launches[1].compiled(90).asm["ptx"]
 
 
 def test_forward_alone_writes_no_transposed_layouts():

@@ -69,7 +69,10 @@ class TritonBackend:
 
   def quantize(self, q, k, v, k_mean, config: Config, *, for_backward: bool = True,
                layouts: Layouts = Layouts()) -> QuantizedQKV:
-    _check_config(config)
+    """Either mode (for quantization='int8_fp8' the Hopper backend still
+    takes the reference's pass until this one is timed on a GPU); the
+    kernels after it refuse quantization='int8_fp8'."""
+    _check_blocks(config)
     return quantize_qkv(q, k, v, k_mean, config, self.forward_launch, for_backward, layouts)
 
   def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype):
@@ -114,8 +117,8 @@ class TritonBackend:
 def _check_config(config: Config) -> None:
   if config.fp8:
     raise NotImplementedError(
-        "the Triton kernels have no quantization='int8_fp8' (FP8 products) yet; "
-        "implementation='reference' computes it in plain JAX")
+        "the Triton forward and backward kernels have no quantization='int8_fp8' (FP8 "
+        "products) yet; implementation='reference' computes it in plain JAX")
   _check_blocks(config)
 
 
