@@ -84,7 +84,11 @@ def test_fp8_quantization_pass_forms_the_reference_tensors(kv_heads, head_dim, l
 
 
 def test_fp8_mode_quantizes_in_triton_and_its_kernels_refuse_it():
-  """TritonBackend takes the FP8 mode at quantize, not in its forward."""
+  """TritonBackend takes the FP8 mode at quantize, not in its forward; the
+  Hopper backend sends FP8 quantization to its (Triton) fallback where V8^T
+  is REGISTER_B (its forward runs), else to fp8_fallback (None here: it
+  raises)."""
+  from pallas_kernels.mosaic.backend import MosaicBackend
   q, k, v, _ = gaussian_qkv(jax.random.key(3), 1, 128, 128, 2, 1, 64)
   config = kernel_config(quantization="int8_fp8")
   triton = TritonBackend.tuned(causal=False, interpret=True)
@@ -92,6 +96,16 @@ def test_fp8_mode_quantizes_in_triton_and_its_kernels_refuse_it():
   assert qkv.v8_t.dtype == jnp.float8_e4m3fn
   with pytest.raises(NotImplementedError, match="int8_fp8"):
     triton.forward(qkv, Masks(), config, q.dtype)
+  hopper = MosaicBackend(triton)
+  register_b = Layouts(forward=REGISTER_B)
+  ours = hopper.quantize(q, k, v, None, config, for_backward=False, layouts=register_b)
+  direct = triton.quantize(q, k, v, None, config, for_backward=False, layouts=register_b)
+  for a, b in zip(ours, direct):
+    assert (a is None) == (b is None)
+    if a is not None:
+      np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+  with pytest.raises(NotImplementedError, match="fp8_fallback"):
+    hopper.quantize(q, k, v, None, config, for_backward=False)
 
 
 @pytest.mark.parametrize("layout", [TOKENS, REGISTER_B])

@@ -15,10 +15,11 @@ tiles of 128), quantizing P^T per key row to 0..255 (`MOSAIC_NUMERICS`: both).
 Anything else runs in the fallback, call by call (`reference_numerics` says
 which numerics a call gets). With quantization="int8_fp8" the forward (FP8
 P.V) and the backward (FP8 P^T.dO, dS^T.Q', dS.K') run in Mosaic GPU where
-the same rules accept the case; the stages between the forward and the
-backward's kernels (the pre-pass, the saturated rows, the FP8 operands) are
-then `fallback`'s, whose Triton kernels take either mode, and the
-quantization pass and everything else `fp8_fallback`'s. The Mosaic kernels
+the same rules accept the case; the quantization pass where the Mosaic
+forward runs, and the stages between the forward and the backward's kernels
+(the pre-pass, the saturated rows, the FP8 operands) where the Mosaic
+backward runs, are then `fallback`'s, whose Triton kernels take either mode,
+and everything else `fp8_fallback`'s. The Mosaic kernels
 compile for an sm_90 GPU only.
 """
 
@@ -61,9 +62,10 @@ class MosaicBackend:
 
   `fallback` runs the quantization pass, the backward pre-pass and every case
   `forward.takes` or `backward_takes` refuses (the op passes the portable
-  backend); `fp8_fallback` does so for quantization="int8_fp8" (the op
-  passes the reference; None: such calls raise NotImplementedError). `forward_mosaic=None` keeps the
-  fallback's forward.
+  backend); `fp8_fallback` does so for quantization="int8_fp8" where the
+  Mosaic kernels do not run (the op passes the reference; None: such calls
+  raise NotImplementedError). `forward_mosaic=None` keeps the fallback's
+  forward.
   """
 
   fallback: Backend
@@ -128,8 +130,12 @@ class MosaicBackend:
 
   def quantize(self, q, k, v, k_mean, config: Config, *, for_backward: bool = True,
                layouts: Layouts = Layouts()) -> QuantizedQKV:
-    return self._fallback(config).quantize(q, k, v, k_mean, config, for_backward=for_backward,
-                                           layouts=layouts)
+    """`fallback`'s pass where the Mosaic forward runs (in either mode: the
+    Triton pass writes the FP8 mode's E4M3 V too), else the mode's fallback's."""
+    # V8^T is REGISTER_B exactly where the Mosaic forward runs (`layouts`).
+    runs_mosaic = layouts.forward is TransposedLayout.REGISTER_B
+    return (self.fallback if runs_mosaic else self._fallback(config)).quantize(
+        q, k, v, k_mean, config, for_backward=for_backward, layouts=layouts)
 
   def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype):
     q_len, head_dim = qkv.q8.shape[2:]
