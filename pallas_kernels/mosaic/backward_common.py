@@ -39,7 +39,14 @@ class BackwardTuning(pipeline.Tuning):
   """Launch settings of a Mosaic backward kernel: blocks of 64 keys (dK/dV) or
   queries (dQ) per CTA, the ring of the other side's tiles, the schedule
   barrier. `python -m benchmarks.mosaic_backward` times them
-  (docs/performance-log.md)."""
+  (docs/performance-log.md).
+
+  `a_operands` (FP8 dK/dV): "smem" issues S^T and dP^T with both operands
+  in shared memory and dP^T from -Delta; "fresh" the same with dP^T from
+  nothing (-Delta folded into dS^T's factor); "k" also keeps K8 in registers
+  as S^T's A operand across the loop, "kv" K8 and V (dP^T's)."""
+
+  a_operands: str = "kv"
 
 
 def magic(shape=TILE):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import re
 
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -103,9 +104,13 @@ class _WgmmaRewrite:
     if self._unsigned_a:
       asm = asm.replace(".s32.s8.s8", ".s32.u8.s8")
     if self._first and "wgmma.mma_async" in asm:
-      # The last operand is the use-accumulator flag (`wgmma_m64`'s imms).
+      # `wgmma_m64` sets the scale-d predicate from the operand it names here
+      # ($n counts the outputs first).
+      flag = int(re.search(r"setp\.ne\.b32 p, \$(\d+), 0;", asm).group(1))
+      flag -= sum(c.startswith("=") for c in constraints.split(","))
       i32 = ir.IntegerType.get_signless(32)
-      operands = [*operands[:-1], llvm.ConstantOp(i32, ir.IntegerAttr.get(i32, 0)).result]
+      operands = list(operands)
+      operands[flag] = llvm.ConstantOp(i32, ir.IntegerAttr.get(i32, 0)).result
       self._first = False
     return self._real.inline_asm(result, operands, asm, constraints, *args, **kwargs)
 
@@ -196,6 +201,85 @@ def fp8_dots_from_registers(*products, transforms: tuple) -> tuple[jax.Array, ..
         [(mgpu.WGMMAAccumulator.from_registers(acc), a, b) for acc, a, b in args], swizzle))
 
   return product(*((acc, tuple(a), tuple(b)) for acc, a, b in products))
+
+
+def load_a(ref, transforms: tuple) -> jax.Array:
+  """A shared-memory (64, k) tile stored with `transforms` -> the register A
+  operand of a wgmma (WGMMA_8BIT for 8-bit values, WGMMA for 16-bit), to
+  keep in registers across a loop of products."""
+  narrow = jnp.dtype(ref.dtype).itemsize == 1
+  layout = plgpu.Layout.WGMMA_8BIT if narrow else plgpu.Layout.WGMMA
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms),),
+                     return_type=plgpu.ShapeDtypeStruct(ref.shape, ref.dtype, layout=layout))
+  def load(ctx, tiled):
+    del ctx
+    return fa.FragmentedArray.load_tiled(
+        tiled, transforms[-1].swizzle, is_signed=True if narrow else None,
+        layout=fa.WGMMA_LAYOUT_8BIT if narrow else fa.WGMMA_LAYOUT)
+
+  return load(ref)
+
+
+def dots(*products) -> tuple[jax.Array, ...]:
+  """For each (start, a, (b, b_transforms)) of `products`: start + A.B^T by
+  wgmmas, all issued before one commit and one wait; returns the (64, n)
+  accumulators, WGMMA layout.
+
+  `start`: the accumulator's start, or None: the first wgmma ignores its
+  input, so no instruction sets it (int32 for 8-bit A, else fp32). `a`: a
+  (64, k) register operand (`load_a`), or (ref, transforms) of a
+  shared-memory one. `b`: a shared-memory (n, k) tile of B^T.
+  """
+  arg_types, args, specs = [], [], []
+  for start, a, (b, b_transforms) in products:
+    a_in_smem = isinstance(a, tuple)
+    a_dtype = (a[0] if a_in_smem else a).dtype
+    acc_dtype = jnp.int32 if jnp.dtype(a_dtype).itemsize == 1 else jnp.float32
+    if start is not None:
+      arg_types.append(plgpu.Layout.WGMMA)
+      args.append(start)
+    if a_in_smem:
+      arg_types.append(plgpu.RefType(a[1]))
+      args.append(a[0])
+    else:
+      arg_types.append(plgpu.Layout.WGMMA_8BIT if acc_dtype == jnp.int32
+                       else plgpu.Layout.WGMMA)
+      args.append(a)
+    arg_types.append(plgpu.RefType(b_transforms))
+    args.append(b)
+    specs.append((start is not None, a_in_smem, b_transforms[-1].swizzle,
+                  (ROWS, b.shape[0]), acc_dtype))
+
+  @plgpu.inline_mgpu(
+      arg_types=tuple(arg_types),
+      return_type=tuple(plgpu.ShapeDtypeStruct(shape, dtype, layout=plgpu.Layout.WGMMA)
+                        for *_, shape, dtype in specs))
+  def product(ctx, *values):
+    del ctx
+    values, accs = list(values), []
+    for has_start, a_in_smem, swizzle, shape, dtype in specs:
+      signed = True if dtype == jnp.int32 else None
+      element = ir.IntegerType.get_signless(32) if signed else ir.F32Type.get()
+      if has_start:
+        start = values.pop(0)
+        start = fa.FragmentedArray(_registers=start.registers, _layout=start.layout,
+                                   _is_signed=signed)
+      else:
+        start = fa.FragmentedArray.splat(llvm.mlir_undef(element), shape, fa.WGMMA_LAYOUT,
+                                         is_signed=signed)
+      a, b = values.pop(0), values.pop(0)
+      acc = mgpu.WGMMAAccumulator.from_registers(start)
+      with (contextlib.nullcontext() if has_start
+            else _rewritten_wgmma(unsigned_a=False)):
+        acc = mgpu.wgmma(acc, a, mgpu_utils.memref_transpose(b, (1, 0, 3, 2)), swizzle=swizzle)
+      accs.append(acc)
+    void = ir.Type.parse("!llvm.void")
+    llvm.inline_asm(void, [], "wgmma.commit_group.sync.aligned;", "", has_side_effects=True)
+    llvm.inline_asm(void, [], "wgmma.wait_group.sync.aligned 0;", "", has_side_effects=True)
+    return tuple(acc.value for acc in accs)
+
+  return product(*args)
 
 
 def dot_from_registers(a_tiles: tuple[jax.Array, ...], b_tiles: tuple, transforms: tuple,
