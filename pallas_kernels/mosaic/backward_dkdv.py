@@ -119,7 +119,8 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         slot = ring.slot(i)
         q_scale = qs_ref[b, h, i * BLOCK]
         step = step_ref[b, h, i * BLOCK]
-        plgpu.barrier_wait(q_bars.at[slot])
+        with jax.named_scope("wait_q"):
+          plgpu.barrier_wait(q_bars.at[slot])
         s_product = (k_smem, q_ring.at[slot]), bc.magic()
 
         def dp_product():
@@ -128,49 +129,56 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
           return (v_smem, do_ring.at[slot]), minus_delta
 
         if fresh:
-          schedule.turn()
-          plgpu.barrier_wait(do_bars.at[slot])
-          s, dp = registers.dots((bc.magic(), k_a, (q_ring.at[slot], k_transforms)),
-                                 (None, v_a, (do_ring.at[slot], v_transforms)))
+          with jax.named_scope("turn"):
+            schedule.turn()
+            plgpu.barrier_wait(do_bars.at[slot])
+          with jax.named_scope("s_dp"):
+            s, dp = registers.dots((bc.magic(), k_a, (q_ring.at[slot], k_transforms)),
+                                   (None, v_a, (do_ring.at[slot], v_transforms)))
         elif fp8:  # dP^T with S^T under one wait: -10% (docs/performance-log.md)
-          (s, dp) = bc.products(*zip(s_product, dp_product()), schedule)
+          with jax.named_scope("s_dp"):
+            (s, dp) = bc.products(*zip(s_product, dp_product()), schedule)
         else:
-          (s,) = bc.products(*zip(s_product), schedule)
-        f = bc.as_float(s)
-        if masked:
-          f = bc.causal_mask(f, row_start=j * BLOCK, col_start=i * BLOCK, rows_are_keys=True)
-        lse = column(slot, 0)
-        if fp8:  # P^T * p_factor: the exponent shifted by its log2, capped there
-          p = jnp.exp2(bc.exponent(f, q_scale * k_scale, lse - step, along=1, cap=step))
-          if fresh:  # (dP^T - Delta) * c = dP^T * c - Delta * c, one FMA
-            col = lambda c: lax.broadcast_in_dim(column(slot, c), bc.TILE, [1])
-            ds_t = p * (dp * col(1) + col(2))
+          with jax.named_scope("s"):
+            (s,) = bc.products(*zip(s_product), schedule)
+        with jax.named_scope("elementwise"):
+          f = bc.as_float(s)
+          if masked:
+            f = bc.causal_mask(f, row_start=j * BLOCK, col_start=i * BLOCK, rows_are_keys=True)
+          lse = column(slot, 0)
+          if fp8:  # P^T * p_factor: the exponent shifted by its log2, capped there
+            p = jnp.exp2(bc.exponent(f, q_scale * k_scale, lse - step, along=1, cap=step))
+            if fresh:  # (dP^T - Delta) * c = dP^T * c - Delta * c, one FMA
+              col = lambda c: lax.broadcast_in_dim(column(slot, c), bc.TILE, [1])
+              ds_t = p * (dp * col(1) + col(2))
+            else:
+              ds_t = p * (dp * lax.broadcast_in_dim(column(slot, 2), bc.TILE, [1]))
+            p8, ds8 = registers.pack_e4m3(p), registers.pack_e4m3(ds_t)
           else:
-            ds_t = p * (dp * lax.broadcast_in_dim(column(slot, 2), bc.TILE, [1]))
-          p8, ds8 = registers.pack_e4m3(p), registers.pack_e4m3(ds_t)
-        else:
-          pq, top = nm.unsigned_rows(bc.exponent(f, q_scale * k_scale, lse, along=1))
-          # dP^T only now: with S^T, P^T and the int32 products of dK and dV
-          # it would not fit the registers (FP8 adds into dK and dV).
-          (dp,) = bc.products(*zip(dp_product()))
-          p8 = bc.pack_unsigned(pq)
-          ds8, ds_scale = bc.pack_signed_rows(pq * dp)
-        schedule.arrive()  # elementwise work done: the other warpgroup may issue
-        plgpu.barrier_wait(do8_t_bars.at[slot])
-        plgpu.barrier_wait(q8_t_bars.at[slot])
-        schedule.wait()
-        if fp8:
-          dv, dk = registers.fp8_dots_from_registers(
-              (dv, (p8,), (do8_t_ring.at[slot],)), (dk, (ds8,), (q8_t_ring.at[slot],)),
-              transforms=t_transforms)
-        else:
-          p_scale = jnp.exp2(top)
-          pdo = registers.dot_from_registers((p8,), (do8_t_ring.at[slot],), t_transforms,
-                                             head_dim, unsigned_a=True)
-          dv = bc.merge(dv, pdo, p_scale * step)
-          dsq = registers.dot_from_registers((ds8,), (q8_t_ring.at[slot],), t_transforms,
-                                             head_dim, unsigned_a=False)
-          dk = bc.merge(dk, dsq, ds_scale * p_scale * q_scale)
+            pq, top = nm.unsigned_rows(bc.exponent(f, q_scale * k_scale, lse, along=1))
+            # dP^T only now: with S^T, P^T and the int32 products of dK and dV
+            # it would not fit the registers (FP8 adds into dK and dV).
+            (dp,) = bc.products(*zip(dp_product()))
+            p8 = bc.pack_unsigned(pq)
+            ds8, ds_scale = bc.pack_signed_rows(pq * dp)
+        with jax.named_scope("wait_turn"):
+          schedule.arrive()  # elementwise work done: the other warpgroup may issue
+          plgpu.barrier_wait(do8_t_bars.at[slot])
+          plgpu.barrier_wait(q8_t_bars.at[slot])
+          schedule.wait()
+        with jax.named_scope("dv_dk"):
+          if fp8:
+            dv, dk = registers.fp8_dots_from_registers(
+                (dv, (p8,), (do8_t_ring.at[slot],)), (dk, (ds8,), (q8_t_ring.at[slot],)),
+                transforms=t_transforms)
+          else:
+            p_scale = jnp.exp2(top)
+            pdo = registers.dot_from_registers((p8,), (do8_t_ring.at[slot],), t_transforms,
+                                               head_dim, unsigned_a=True)
+            dv = bc.merge(dv, pdo, p_scale * step)
+            dsq = registers.dot_from_registers((ds8,), (q8_t_ring.at[slot],), t_transforms,
+                                               head_dim, unsigned_a=False)
+            dk = bc.merge(dk, dsq, ds_scale * p_scale * q_scale)
         plgpu.barrier_arrive(consumed.at[slot])
         return dk, dv
 

@@ -98,38 +98,45 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
 
       def kv_step(j, dq, *, masked: bool):
         slot = ring.slot(j)
-        plgpu.barrier_wait(k_bars.at[slot])
-        plgpu.barrier_wait(v_bars.at[slot])
+        with jax.named_scope("wait_kv"):
+          plgpu.barrier_wait(k_bars.at[slot])
+          plgpu.barrier_wait(v_bars.at[slot])
         tile = (BLOCK, step_keys)
-        s, dp = bc.products([(q_smem, k_ring.at[slot]), (do_smem, v_ring.at[slot])],
-                            [bc.magic(tile), -lax.broadcast_in_dim(delta, tile, [0])], schedule)
-        f = bc.as_float(s)
-        if masked:
-          f = bc.causal_mask(f, row_start=i * BLOCK, col_start=j * step_keys, rows_are_keys=False)
-        ds8s = []
-        for half in range(halves):  # each 64-key block with its own scales
-          blk = j * halves + half
-          k_scale, step = ks_ref[b, kvh, blk * BLOCK], step_ref[b, kvh, blk * BLOCK]
-          cols = slice(half * BLOCK, (half + 1) * BLOCK)
-          f_h, dp_h = (f, dp) if halves == 1 else (f[:, cols], dp[:, cols])
-          if fp8:
-            shift = row_shift + step
-            p = jnp.exp2(bc.exponent(f_h, q_scale * k_scale, lse - shift, along=0, cap=shift))
-            ds8s.append(registers.pack_e4m3(p * dp_h))
-          else:
-            p = jnp.exp2(bc.exponent(f_h, q_scale * k_scale, lse, along=0))
-            ds8, ds_scale = bc.pack_signed_rows(p * dp_h)
-        schedule.arrive()  # elementwise work done: the other warpgroup may issue
-        plgpu.barrier_wait(k8_t_bars.at[slot])
-        schedule.wait()
+        with jax.named_scope("s_dp"):
+          s, dp = bc.products([(q_smem, k_ring.at[slot]), (do_smem, v_ring.at[slot])],
+                              [bc.magic(tile), -lax.broadcast_in_dim(delta, tile, [0])],
+                              schedule)
+        with jax.named_scope("elementwise"):
+          f = bc.as_float(s)
+          if masked:
+            f = bc.causal_mask(f, row_start=i * BLOCK, col_start=j * step_keys,
+                               rows_are_keys=False)
+          ds8s = []
+          for half in range(halves):  # each 64-key block with its own scales
+            blk = j * halves + half
+            k_scale, step = ks_ref[b, kvh, blk * BLOCK], step_ref[b, kvh, blk * BLOCK]
+            cols = slice(half * BLOCK, (half + 1) * BLOCK)
+            f_h, dp_h = (f, dp) if halves == 1 else (f[:, cols], dp[:, cols])
+            if fp8:
+              shift = row_shift + step
+              p = jnp.exp2(bc.exponent(f_h, q_scale * k_scale, lse - shift, along=0, cap=shift))
+              ds8s.append(registers.pack_e4m3(p * dp_h))
+            else:
+              p = jnp.exp2(bc.exponent(f_h, q_scale * k_scale, lse, along=0))
+              ds8, ds_scale = bc.pack_signed_rows(p * dp_h)
+        with jax.named_scope("wait_turn"):
+          schedule.arrive()  # elementwise work done: the other warpgroup may issue
+          plgpu.barrier_wait(k8_t_bars.at[slot])
+          schedule.wait()
         k8_t_tiles = tuple(k8_t_ring.at[slot, half] for half in range(halves))
-        if fp8:
-          (dq,) = registers.fp8_dots_from_registers((dq, tuple(ds8s), k8_t_tiles),
-                                                    transforms=t_transforms)
-        else:
-          dsk = registers.dot_from_registers((ds8,), k8_t_tiles, t_transforms, head_dim,
-                                             unsigned_a=False)
-          dq = bc.merge(dq, dsk, ds_scale * step)
+        with jax.named_scope("dq"):
+          if fp8:
+            (dq,) = registers.fp8_dots_from_registers((dq, tuple(ds8s), k8_t_tiles),
+                                                      transforms=t_transforms)
+          else:
+            dsk = registers.dot_from_registers((ds8,), k8_t_tiles, t_transforms, head_dim,
+                                               unsigned_a=False)
+            dq = bc.merge(dq, dsk, ds_scale * step)
         plgpu.barrier_arrive(consumed.at[slot])
         return dq
 

@@ -16,6 +16,7 @@ elementwise work.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 
 import jax.numpy as jnp
@@ -95,7 +96,23 @@ def kernel(body: Callable, *, tuning: Tuning, scratch, barriers, out_type, grid,
   return plgpu.kernel(
       entry, out_type=out_type, grid=grid, grid_names=grid_names,
       num_threads=tuning.compute_wgs + 1, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True), kernel_name=name)
+      compiler_params=plgpu.CompilerParams(approx_math=True, **_profile_params()),
+      kernel_name=name)
+
+
+# Mosaic GPU's on-device profiler: with SAGEBWD_MOSAIC_PROFILE=DIR[:EVENTS],
+# each warpgroup records the clock at the bounds of the kernels'
+# `jax.named_scope` regions (up to EVENTS ranges, in shared memory) and each
+# call writes a trace to DIR (`python -m benchmarks.mosaic_profile`).
+PROFILE_ENV = "SAGEBWD_MOSAIC_PROFILE"
+
+
+def _profile_params() -> dict:
+  setting = os.environ.get(PROFILE_ENV)
+  if not setting:
+    return {}
+  folder, _, events = setting.partition(":")
+  return dict(profile_space=int(events or 256), profile_dir=folder, profile_bounds_check=True)
 
 
 def split(wg, tuning: Tuning, registers: Registers, *, compute: Callable[[], None],

@@ -1,0 +1,100 @@
+"""Where a Mosaic backward kernel's warpgroups spend their cycles, from Mosaic
+GPU's on-device profiler: each compute warpgroup records the SM clock at the
+bounds of the kernel's `jax.named_scope` regions (S and dP's products, the
+elementwise chain, the waits, the dK/dV or dQ products), and this script
+prints each region's mean cycles per step and share of the loop.
+
+    python -m benchmarks.mosaic_profile --batch 1 --seq 2048 --heads 8 [--variants mosaic_fp8]
+
+One call of each FP8 variant's dK/dV and dQ kernels, not causal. B=1
+T=2048 H=8 D=128 is one wave of 128 CTAs on an H100 or H200, one CTA per
+SM as at any larger shape. The profiler's own stores (~12 cycles a bound)
+are inside the figures. Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import glob
+import json
+import os
+import statistics
+import tempfile
+
+import jax
+
+from benchmarks.mosaic_backward import VARIANTS, fp8_inputs
+from benchmarks.variants import parse_args, random_inputs
+from pallas_kernels.mosaic import pipeline
+from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
+from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
+from pallas_kernels.types import Config, Masks
+
+
+def region_cycles(trace: dict) -> dict[str, list[float]]:
+  """{region: [cycles of each occurrence]} over the compute warpgroups'
+  traces (the producer's regions have other names), and the loop's span
+  per warpgroup as "loop"."""
+  by_thread = collections.defaultdict(list)
+  for event in trace["traceEvents"]:
+    by_thread[event["tid"]].append(event)
+  cycles = collections.defaultdict(list)
+  for events in by_thread.values():
+    stack = []
+    for event in events:  # ts: start time (ns) + clock cycles, / 1000
+      if event["ph"] == "B":
+        stack.append(event)
+      else:
+        begin = stack.pop()
+        cycles[begin["name"]].append((event["ts"] - begin["ts"]) * 1e3)
+    if events:
+      cycles["loop"].append((events[-1]["ts"] - events[0]["ts"]) * 1e3)
+  return cycles
+
+
+def report(name: str, folder: str):
+  """Prints the regions of the traces the profiler wrote to `folder`: mean
+  cycles an occurrence, occurrences a warpgroup, share of the warpgroups'
+  spans (first region's start to last region's end)."""
+  for path in sorted(glob.glob(os.path.join(folder, "*-trace.json"))):
+    with open(path) as f:
+      cycles = region_cycles(json.load(f))
+    spans = cycles.pop("loop")
+    print(f"{name}: {len(spans)} compute warpgroups, span {statistics.mean(spans):,.0f} cycles")
+    for region in sorted(cycles, key=lambda r: sum(cycles[r]), reverse=True):
+      c = cycles[region]
+      print(f"  {region:12} {statistics.mean(c):8,.0f} cycles x {len(c) / len(spans):5.1f}"
+            f"  {sum(c) / sum(spans):6.1%}")
+
+
+def main():
+  args, names = parse_args(__doc__, "benchmarks.mosaic_profile", VARIANTS)
+  q, k, v, do = random_inputs(args, 4)
+  config = Config(scale=args.head_dim**-0.5, causal=False, smooth_q=False, block_q=64,
+                  block_kv=64, quantization="int8_fp8")
+  (qkv, v8, lse, pre, do8), _, _ = jax.block_until_ready(
+      jax.jit(functools.partial(fp8_inputs, config=config))(q, k, v, do))
+  for name in (n for n in names if "fp8" in n):
+    tuning = VARIANTS[name]
+    for kernel in ("dkdv", "dq"):
+      with tempfile.TemporaryDirectory() as folder:
+        # Six regions a step, 64 queries or keys a step.
+        os.environ[pipeline.PROFILE_ENV] = f"{folder}:{6 * args.seq // 64 + 16}"
+        try:
+          if kernel == "dkdv":
+            run = lambda: backward_dkdv_mosaic(qkv, v8, lse, pre.delta, do8, pre.do8_t,
+                                               pre.do_scale, Masks(), config, tuning,
+                                               fp8=pre.fp8)
+          else:
+            run = lambda: backward_dq_mosaic(qkv, v8, lse, pre.delta, do8, Masks(), config,
+                                             tuning, fp8=pre.fp8)
+          jax.block_until_ready(run())
+          jax.effects_barrier()
+        finally:
+          del os.environ[pipeline.PROFILE_ENV]
+        report(f"{name} {kernel}", folder)
+
+
+if __name__ == "__main__":
+  main()
