@@ -135,6 +135,20 @@ def test_profile_reads_back_its_own_trace():
   assert breakdown.profile(fn, (jnp.ones((64, 64)),), iters=2) == {}
 
 
+def test_mosaic_profile_reads_regions_per_warpgroup():
+  """Two warpgroups' traces as Mosaic GPU's profiler writes them (ts: ns +
+  cycles, / 1000): each region's cycles per occurrence, and each
+  warpgroup's span from its first bound to its last."""
+  from benchmarks import mosaic_profile
+  events = [dict(name=name, ph=ph, ts=ts / 1e3, tid=tid) for tid, name, ph, ts in [
+      (1, "s_dp", "B", 100), (1, "s_dp", "E", 400), (1, "elementwise", "B", 400),
+      (1, "elementwise", "E", 1000), (2, "s_dp", "B", 50), (2, "s_dp", "E", 150)]]
+  cycles = mosaic_profile.region_cycles({"traceEvents": events})
+  np.testing.assert_allclose(cycles["s_dp"], [300, 100])
+  np.testing.assert_allclose(cycles["elementwise"], [600])
+  np.testing.assert_allclose(sorted(cycles["loop"]), [100, 900])
+
+
 def test_compile_time_measures_a_train_step_in_a_fresh_process():
   """`--part step`'s child builds train's step as `train` does, in a
   subprocess, and reports its trace, lowering and compile apart."""
