@@ -41,10 +41,11 @@ class BackwardTuning(pipeline.Tuning):
   barrier. `python -m benchmarks.mosaic_backward` times them
   (docs/performance-log.md).
 
-  `a_operands` (FP8 dK/dV): "smem" issues S^T and dP^T with both operands
-  in shared memory and dP^T from -Delta; "fresh" the same with dP^T from
-  nothing (-Delta folded into dS^T's factor); "k" also keeps K8 in registers
-  as S^T's A operand across the loop, "kv" K8 and V (dP^T's)."""
+  `a_operands` (FP8): "smem" issues S and dP with both operands in shared
+  memory and dP from -Delta; in dK/dV "fresh" the same with dP^T from
+  nothing (-Delta folded into dS^T's factor); "k" also keeps S's A operand
+  (K8 in dK/dV, Q8 in dQ) in registers across the loop, "kv" that and dP's
+  (V, dO)."""
 
   a_operands: str = "kv"
 

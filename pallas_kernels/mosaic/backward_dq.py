@@ -59,6 +59,9 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
   num_q_tiles = q_len // (wgs * BLOCK)
   out_dtype = do.dtype
   t_transforms = smem_transforms(BLOCK, k8_t.dtype)
+  q_transforms = smem_transforms(head_dim, jnp.int8)
+  do_transforms = smem_transforms(head_dim, do.dtype)
+  in_registers = fp8 and tuning.a_operands in ("k", "kv")
 
   def kv_range(i):
     """Key steps query block i sees: [0, full) whole, [full, end) masked."""
@@ -95,6 +98,11 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         row_shift, row_out = (bc.row_vector(ref.at[b, h, rows]) for ref in row_refs)
       plgpu.barrier_wait(q_bars.at[wg])
       plgpu.barrier_wait(do_bars.at[wg])
+      if in_registers:  # constant over the loop
+        q_a = (registers.load_a(q_smem, q_transforms) if "k" in tuning.a_operands
+               else (q_smem, q_transforms))
+        do_a = (registers.load_a(do_smem, do_transforms) if "v" in tuning.a_operands
+                else (do_smem, do_transforms))
 
       def kv_step(j, dq, *, masked: bool):
         slot = ring.slot(j)
@@ -102,10 +110,15 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
           plgpu.barrier_wait(k_bars.at[slot])
           plgpu.barrier_wait(v_bars.at[slot])
         tile = (BLOCK, step_keys)
+        starts = bc.magic(tile), -lax.broadcast_in_dim(delta, tile, [0])
         with jax.named_scope("s_dp"):
-          s, dp = bc.products([(q_smem, k_ring.at[slot]), (do_smem, v_ring.at[slot])],
-                              [bc.magic(tile), -lax.broadcast_in_dim(delta, tile, [0])],
-                              schedule)
+          if in_registers:
+            schedule.turn()
+            s, dp = registers.dots((starts[0], q_a, (k_ring.at[slot], q_transforms)),
+                                   (starts[1], do_a, (v_ring.at[slot], do_transforms)))
+          else:
+            s, dp = bc.products([(q_smem, k_ring.at[slot]), (do_smem, v_ring.at[slot])],
+                                starts, schedule)
         with jax.named_scope("elementwise"):
           f = bc.as_float(s)
           if masked:
@@ -167,9 +180,8 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
   i8, fdt = jnp.int8, v.dtype
   slots = tuning.max_concurrent_steps
   scratch = (
-      plgpu.SMEM((wgs, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),  # Q8
-      plgpu.SMEM((wgs, BLOCK, head_dim), do.dtype,
-                 transforms=smem_transforms(head_dim, do.dtype)),  # dO
+      plgpu.SMEM((wgs, BLOCK, head_dim), i8, transforms=q_transforms),  # Q8
+      plgpu.SMEM((wgs, BLOCK, head_dim), do.dtype, transforms=do_transforms),  # dO
       plgpu.SMEM((slots, step_keys, head_dim), i8, transforms=smem_transforms(head_dim, i8)),  # K8
       plgpu.SMEM((slots, halves, head_dim, BLOCK), k8_t.dtype, transforms=t_transforms),  # K8^T
       plgpu.SMEM((slots, step_keys, head_dim), fdt,
