@@ -10,7 +10,7 @@ scales). dP = dO.V^T runs in 16 bits (the one product never quantized) in an
 accumulator that starts at -Delta; dQ issues it with S under one wait, dK/dV
 after forming P^T (registers). The int8
 products (P^T.dO, dS^T.Q, dS.K) take their 8-bit operand straight from
-registers (`registers.dot_from_registers`; the B operands arrive REGISTER_B,
+registers (`registers.dots`; the B operands arrive REGISTER_B,
 `types.TransposedLayout`), rounded by one add each, into int32
 accumulators that no instruction initializes (the first wgmma ignores them):
 merging one into fp32 is a conversion and an FMA (its per-row scale).
@@ -105,7 +105,7 @@ def causal_mask(f, *, row_start, col_start, rows_are_keys: bool):
 
 
 def pack_signed_rows(y):
-  """`numerics.quantize_rows` of a tile, packed for `dot_from_registers`, and
+  """`numerics.quantize_rows` of a tile, packed for `registers.dots`, and
   the row scales (amax / 127). |y| * 127 / amax never rounds past 127, so no
   clip."""
   amax = jnp.max(jnp.abs(y), axis=1)
@@ -117,14 +117,14 @@ def pack_signed_rows(y):
 
 def pack_unsigned(pq):
   """P in 0..255 (`numerics.unsigned_rows`' pq), rounded by one add and
-  packed for `dot_from_registers`."""
+  packed for `registers.dots`."""
   return registers.pack(lax.bitcast_convert_type(pq + nm.ROUND_MAGIC_F32, jnp.int32))
 
 
 def merge(acc, product, row_scale):
   """acc + (int32 product) * row_scale: a conversion and an FMA per element.
 
-  The product started fresh (`registers.dot_from_registers`), so no
+  The product started fresh (`registers.dots`), so no
   instruction set its accumulator: against a biased start (0x4B400000, read
   back by one add) this saves a move per element and step
   (docs/performance-log.md, 2026-12-02)."""

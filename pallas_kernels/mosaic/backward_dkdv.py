@@ -133,8 +133,8 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
             schedule.turn()
             plgpu.barrier_wait(do_bars.at[slot])
           with jax.named_scope("s_dp"):
-            s, dp = registers.dots((bc.magic(), k_a, (q_ring.at[slot], k_transforms)),
-                                   (None, v_a, (do_ring.at[slot], v_transforms)))
+            s, dp = registers.dots((bc.magic(), (k_a,), (q_ring.at[slot],), k_transforms),
+                                   (None, (v_a,), (do_ring.at[slot],), v_transforms))
         elif fp8:  # dP^T with S^T under one wait: -10% (docs/performance-log.md)
           with jax.named_scope("s_dp"):
             (s, dp) = bc.products(*zip(s_product, dp_product()), schedule)
@@ -168,16 +168,14 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
           schedule.wait()
         with jax.named_scope("dv_dk"):
           if fp8:
-            dv, dk = registers.fp8_dots_from_registers(
-                (dv, (p8,), (do8_t_ring.at[slot],)), (dk, (ds8,), (q8_t_ring.at[slot],)),
-                transforms=t_transforms)
+            dv, dk = registers.dots((dv, (p8,), (do8_t_ring.at[slot],), t_transforms),
+                                    (dk, (ds8,), (q8_t_ring.at[slot],), t_transforms))
           else:
             p_scale = jnp.exp2(top)
-            pdo = registers.dot_from_registers((p8,), (do8_t_ring.at[slot],), t_transforms,
-                                               head_dim, unsigned_a=True)
+            (pdo,) = registers.dots((None, (p8,), (do8_t_ring.at[slot],), t_transforms),
+                                    unsigned_a=True)
             dv = bc.merge(dv, pdo, p_scale * step)
-            dsq = registers.dot_from_registers((ds8,), (q8_t_ring.at[slot],), t_transforms,
-                                               head_dim, unsigned_a=False)
+            (dsq,) = registers.dots((None, (ds8,), (q8_t_ring.at[slot],), t_transforms))
             dk = bc.merge(dk, dsq, ds_scale * p_scale * q_scale)
         plgpu.barrier_arrive(consumed.at[slot])
         return dk, dv

@@ -114,8 +114,8 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         with jax.named_scope("s_dp"):
           if in_registers:
             schedule.turn()
-            s, dp = registers.dots((starts[0], q_a, (k_ring.at[slot], q_transforms)),
-                                   (starts[1], do_a, (v_ring.at[slot], do_transforms)))
+            s, dp = registers.dots((starts[0], (q_a,), (k_ring.at[slot],), q_transforms),
+                                   (starts[1], (do_a,), (v_ring.at[slot],), do_transforms))
           else:
             s, dp = bc.products([(q_smem, k_ring.at[slot]), (do_smem, v_ring.at[slot])],
                                 starts, schedule)
@@ -144,11 +144,9 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         k8_t_tiles = tuple(k8_t_ring.at[slot, half] for half in range(halves))
         with jax.named_scope("dq"):
           if fp8:
-            (dq,) = registers.fp8_dots_from_registers((dq, tuple(ds8s), k8_t_tiles),
-                                                      transforms=t_transforms)
+            (dq,) = registers.dots((dq, tuple(ds8s), k8_t_tiles, t_transforms))
           else:
-            dsk = registers.dot_from_registers((ds8,), k8_t_tiles, t_transforms, head_dim,
-                                               unsigned_a=False)
+            (dsk,) = registers.dots((None, (ds8,), k8_t_tiles, t_transforms))
             dq = bc.merge(dq, dsk, ds_scale * step)
         plgpu.barrier_arrive(consumed.at[slot])
         return dq

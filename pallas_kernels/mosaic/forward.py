@@ -23,7 +23,7 @@ and half, a warpgroup computes
         elsewhere, so no argument exceeds log2 255 and P needs no clip;
 
 then rounds P by adding 1.5 * 2**23, packs the low bytes into wgmma's 8-bit
-register operand (`registers.dot_from_registers`; V^T arrives REGISTER_B, its
+register operand (`registers.dots`; V^T arrives REGISTER_B, its
 keys permuted to match, `types.TransposedLayout`), and forms PV = P_0.V8_0 +
 P_1.V8_1 in one int32 accumulator by unsigned x signed wgmmas. The output
 accumulates as acc = acc * exp2(E_prev - E) + float(PV). E is floored at the
@@ -247,11 +247,9 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scales: tuple, *, fp8: bool,
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         b_tiles = tuple(vt_smem.at[slot, i] for i in range(halves))
         if fp8:
-          (acc,) = registers.fp8_dots_from_registers((acc, a_tiles, b_tiles),
-                                                     transforms=vt_transforms)
+          (acc,) = registers.dots((acc, a_tiles, b_tiles, vt_transforms))
         else:
-          pv = registers.dot_from_registers(a_tiles, b_tiles, vt_transforms, head_dim,
-                                            unsigned_a=True)
+          (pv,) = registers.dots((None, a_tiles, b_tiles, vt_transforms), unsigned_a=True)
           acc = acc + pv.astype(jnp.float32)
         plgpu.barrier_arrive(v_consumed.at[slot])
         return (acc, m, l) if fp8 else (acc, m, e, l)

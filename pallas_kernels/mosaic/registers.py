@@ -13,13 +13,13 @@ unchanged.
 The values arrive as the int32 bits of `x + 1.5 * 2**23` (the rounding add of
 `numerics`), whose low byte is round(x) as an unsigned byte for 0 <= x <= 255
 and as a two's-complement byte for -128 <= x <= 127: three byte permutes pack
-four of them. jax 0.11.2's wgmma has no unsigned A operand; `dot_from_registers`
+four of them. jax 0.11.2's wgmma has no unsigned A operand; `dots`
 issues its instructions as `.u8.s8` when asked (see `_WgmmaRewrite`), so P may
 use all 256 levels.
 
 FP8 (`Config.fp8`): fp32 values in the same places, two conversions to an
 E4M3 pair and one move pack four (`pack_e4m3`, round to nearest even,
-saturated at 448 as `numerics.to_e4m3`), and `fp8_dots_from_registers` adds
+saturated at 448 as `numerics.to_e4m3`), and `dots` adds
 the products into running fp32 accumulators (no merge instruction).
 """
 
@@ -89,13 +89,13 @@ def _pack_e4m3(x: fa.FragmentedArray) -> fa.FragmentedArray:
 
 class _WgmmaRewrite:
   """Stands in for the `llvm` module of jax's wgmma lowering and rewrites the
-  register-A int8 instructions it emits: the first ignores its accumulator
+  instructions it emits: with `fresh` the first ignores its accumulator
   input (its scale-d predicate false), so the accumulator needs no start value
   and no instruction sets one; with `unsigned_a`, `.s32.s8.s8` becomes
   `.s32.u8.s8`."""
 
-  def __init__(self, real, *, unsigned_a: bool):
-    self._real, self._unsigned_a, self._first = real, unsigned_a, True
+  def __init__(self, real, *, fresh: bool, unsigned_a: bool):
+    self._real, self._unsigned_a, self._first = real, unsigned_a, fresh
 
   def __getattr__(self, name):
     return getattr(self._real, name)
@@ -116,12 +116,12 @@ class _WgmmaRewrite:
 
 
 @contextlib.contextmanager
-def _rewritten_wgmma(*, unsigned_a: bool):
-  """While lowering the wgmmas of one `dot_from_registers` (and nothing
+def _rewritten_wgmma(*, fresh: bool, unsigned_a: bool):
+  """While lowering the wgmmas of one accumulator in `dots` (and nothing
   else), `_WgmmaRewrite` edits them. Remove when jax's wgmma takes unsigned
   int8 A operands and a first product that ignores the accumulator."""
   real = mgpu_wgmma.llvm
-  mgpu_wgmma.llvm = _WgmmaRewrite(real, unsigned_a=unsigned_a)
+  mgpu_wgmma.llvm = _WgmmaRewrite(real, fresh=fresh, unsigned_a=unsigned_a)
   try:
     yield
   finally:
@@ -145,21 +145,6 @@ def pack(bits: jax.Array) -> jax.Array:
   return packed(bits)
 
 
-def _issue_and_wait(products, swizzle: int) -> list[fa.FragmentedArray]:
-  """Inside an `inline_mgpu` body: for each (acc, A tiles, B tiles) of
-  `products`, acc + sum over i of A_i.B_i by one wgmma each (B from the
-  REGISTER_B tiles, transposed), all issued before one commit and wait."""
-  results = []
-  for acc, a_regs, tiles in products:
-    for a, tile in zip(a_regs, tiles):
-      acc = mgpu.wgmma(acc, a, mgpu_utils.memref_transpose(tile, (1, 0, 3, 2)), swizzle=swizzle)
-    results.append(acc)
-  void = ir.Type.parse("!llvm.void")
-  llvm.inline_asm(void, [], "wgmma.commit_group.sync.aligned;", "", has_side_effects=True)
-  llvm.inline_asm(void, [], "wgmma.wait_group.sync.aligned 0;", "", has_side_effects=True)
-  return [acc.value for acc in results]
-
-
 def pack_e4m3(p: jax.Array) -> jax.Array:
   """(64, 64) fp32, WGMMA layout -> the (64, 64) float8_e4m3fn register A
   operand of a wgmma (WGMMA_8BIT layout), columns in `layouts.permute_keys`
@@ -174,33 +159,6 @@ def pack_e4m3(p: jax.Array) -> jax.Array:
     return _pack_e4m3(x)
 
   return packed(p)
-
-
-def fp8_dots_from_registers(*products, transforms: tuple) -> tuple[jax.Array, ...]:
-  """For each (acc, A tiles, B tiles) of `products`: acc + sum over i of
-  A_i.B_i in fp32, by FP8 wgmmas that add into `acc`; all issued before one
-  wait. Returns the accumulators.
-
-  `acc`: (64, n) fp32, WGMMA layout. A tiles: (64, 64) E4M3 from
-  `pack_e4m3`; B tiles: shared-memory (n, 64) E4M3 tiles of B^T as
-  `dot_from_registers` takes them (REGISTER_B), stored with `transforms`.
-  """
-  swizzle = transforms[-1].swizzle
-  arg_types = tuple((plgpu.Layout.WGMMA, (plgpu.Layout.WGMMA_8BIT,) * len(a_tiles),
-                     (plgpu.RefType(transforms),) * len(b_tiles))
-                    for _, a_tiles, b_tiles in products)
-
-  @plgpu.inline_mgpu(
-      arg_types=arg_types,
-      return_type=tuple(plgpu.ShapeDtypeStruct(acc.shape, jnp.float32,
-                                               layout=plgpu.Layout.WGMMA)
-                        for acc, _, _ in products))
-  def product(ctx, *args):
-    del ctx
-    return tuple(_issue_and_wait(
-        [(mgpu.WGMMAAccumulator.from_registers(acc), a, b) for acc, a, b in args], swizzle))
-
-  return product(*((acc, tuple(a), tuple(b)) for acc, a, b in products))
 
 
 def load_a(ref, transforms: tuple) -> jax.Array:
@@ -221,35 +179,35 @@ def load_a(ref, transforms: tuple) -> jax.Array:
   return load(ref)
 
 
-def dots(*products) -> tuple[jax.Array, ...]:
-  """For each (start, a, (b, b_transforms)) of `products`: start + A.B^T by
-  wgmmas, all issued before one commit and one wait; returns the (64, n)
-  accumulators, WGMMA layout.
+def dots(*products, unsigned_a: bool = False) -> tuple[jax.Array, ...]:
+  """For each (start, A tiles, B tiles, B's transforms) of `products`: start +
+  sum over i of A_i.B_i^T by wgmmas, all issued before one commit and one
+  wait; returns the (64, n) accumulators, WGMMA layout.
 
-  `start`: the accumulator's start, or None: the first wgmma ignores its
-  input, so no instruction sets it (int32 for 8-bit A, else fp32). `a`: a
-  (64, k) register operand (`load_a`), or (ref, transforms) of a
-  shared-memory one. `b`: a shared-memory (n, k) tile of B^T.
+  `start`: the accumulator's start (for FP8 products: the running sum they
+  add into), or None: the first wgmma ignores its input, so no instruction
+  sets it (int32 for int8 A, else fp32). A tiles: (64, k) register operands
+  (`pack`, `pack_e4m3`, `load_a`), or (ref, transforms) of shared-memory
+  ones. B tiles: shared-memory (n, k) tiles of B^T; with a packed A their
+  contraction axis is in `layouts.permute_keys` order (REGISTER_B).
+  `unsigned_a`: int8 A read as unsigned (P in 0..255).
   """
   arg_types, args, specs = [], [], []
-  for start, a, (b, b_transforms) in products:
-    a_in_smem = isinstance(a, tuple)
-    a_dtype = (a[0] if a_in_smem else a).dtype
-    acc_dtype = jnp.int32 if jnp.dtype(a_dtype).itemsize == 1 else jnp.float32
+  for start, a_tiles, b_tiles, b_transforms in products:
+    in_smem = [isinstance(a, tuple) for a in a_tiles]
+    a_dtype = jnp.dtype((a_tiles[0][0] if in_smem[0] else a_tiles[0]).dtype)
+    acc_dtype = jnp.int32 if a_dtype == jnp.int8 else jnp.float32
     if start is not None:
       arg_types.append(plgpu.Layout.WGMMA)
       args.append(start)
-    if a_in_smem:
-      arg_types.append(plgpu.RefType(a[1]))
-      args.append(a[0])
-    else:
-      arg_types.append(plgpu.Layout.WGMMA_8BIT if acc_dtype == jnp.int32
-                       else plgpu.Layout.WGMMA)
-      args.append(a)
-    arg_types.append(plgpu.RefType(b_transforms))
-    args.append(b)
-    specs.append((start is not None, a_in_smem, b_transforms[-1].swizzle,
-                  (ROWS, b.shape[0]), acc_dtype))
+    for a, smem in zip(a_tiles, in_smem):
+      arg_types.append(plgpu.RefType(a[1]) if smem else
+                       plgpu.Layout.WGMMA_8BIT if a_dtype.itemsize == 1 else plgpu.Layout.WGMMA)
+      args.append(a[0] if smem else a)
+    arg_types += [plgpu.RefType(b_transforms)] * len(b_tiles)
+    args += list(b_tiles)
+    specs.append((start is not None, len(a_tiles), b_transforms[-1].swizzle,
+                  (ROWS, b_tiles[0].shape[0]), acc_dtype))
 
   @plgpu.inline_mgpu(
       arg_types=tuple(arg_types),
@@ -258,21 +216,25 @@ def dots(*products) -> tuple[jax.Array, ...]:
   def product(ctx, *values):
     del ctx
     values, accs = list(values), []
-    for has_start, a_in_smem, swizzle, shape, dtype in specs:
+    for has_start, count, swizzle, shape, dtype in specs:
       signed = True if dtype == jnp.int32 else None
-      element = ir.IntegerType.get_signless(32) if signed else ir.F32Type.get()
       if has_start:
         start = values.pop(0)
         start = fa.FragmentedArray(_registers=start.registers, _layout=start.layout,
                                    _is_signed=signed)
       else:
+        element = ir.IntegerType.get_signless(32) if signed else ir.F32Type.get()
         start = fa.FragmentedArray.splat(llvm.mlir_undef(element), shape, fa.WGMMA_LAYOUT,
                                          is_signed=signed)
-      a, b = values.pop(0), values.pop(0)
+      a_tiles, b_tiles = values[:count], values[count:2 * count]
+      del values[:2 * count]
       acc = mgpu.WGMMAAccumulator.from_registers(start)
-      with (contextlib.nullcontext() if has_start
-            else _rewritten_wgmma(unsigned_a=False)):
-        acc = mgpu.wgmma(acc, a, mgpu_utils.memref_transpose(b, (1, 0, 3, 2)), swizzle=swizzle)
+      rewrite = unsigned_a or not has_start
+      with (_rewritten_wgmma(fresh=not has_start, unsigned_a=unsigned_a) if rewrite
+            else contextlib.nullcontext()):
+        for a, b in zip(a_tiles, b_tiles):
+          acc = mgpu.wgmma(acc, a, mgpu_utils.memref_transpose(b, (1, 0, 3, 2)),
+                           swizzle=swizzle)
       accs.append(acc)
     void = ir.Type.parse("!llvm.void")
     llvm.inline_asm(void, [], "wgmma.commit_group.sync.aligned;", "", has_side_effects=True)
@@ -280,33 +242,3 @@ def dots(*products) -> tuple[jax.Array, ...]:
     return tuple(acc.value for acc in accs)
 
   return product(*args)
-
-
-def dot_from_registers(a_tiles: tuple[jax.Array, ...], b_tiles: tuple, transforms: tuple,
-                       n: int, *, unsigned_a: bool) -> jax.Array:
-  """int32 sum over i of A_i.B_i, each A_i 8-bit from registers.
-
-  `a_tiles[i]`: (64, 64) int8 from `pack`, its columns in
-  `layouts.permute_keys` order (read as unsigned with `unsigned_a`).
-  `b_tiles[i]`: a shared-memory (n, 64) int8 tile of B^T whose contraction
-  axis is in that order (REGISTER_B), stored with `transforms` (64-byte
-  swizzle). Issues every product, then waits for them; returns (64, n)
-  int32, WGMMA layout. The first wgmma ignores its accumulator input, so no
-  instruction initializes the accumulator (callers convert and scale the
-  exact sum).
-  """
-  swizzle = transforms[-1].swizzle
-  count = len(a_tiles)
-
-  @plgpu.inline_mgpu(
-      arg_types=((plgpu.Layout.WGMMA_8BIT,) * count, (plgpu.RefType(transforms),) * count),
-      return_type=plgpu.ShapeDtypeStruct((ROWS, n), jnp.int32, layout=plgpu.Layout.WGMMA))
-  def product(ctx, a_regs, tiles):
-    del ctx
-    undefined = llvm.mlir_undef(ir.IntegerType.get_signless(32))
-    acc = mgpu.WGMMAAccumulator.from_registers(
-        fa.FragmentedArray.splat(undefined, (ROWS, n), fa.WGMMA_LAYOUT, is_signed=True))
-    with _rewritten_wgmma(unsigned_a=unsigned_a):
-      return _issue_and_wait([(acc, a_regs, tiles)], swizzle)[0]
-
-  return product(tuple(a_tiles), tuple(b_tiles))
