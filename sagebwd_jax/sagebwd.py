@@ -40,6 +40,25 @@ def key_mean(k: jax.Array, kv_ids: jax.Array | None) -> jax.Array:
   return total / jnp.maximum(jnp.sum(valid, axis=1), 1.0)[:, None, None]
 
 
+def key_block_means(k: jax.Array, kv_ids: jax.Array | None, block: int) -> jax.Array:
+  """Mean of K over each `block` keys' valid tokens: (B, Hkv, T // block, D)
+  fp32, 0 for a block with none (`Config.causal_exact`).
+
+  A block's mean depends on its own keys only, so a row that sees the whole
+  block sees every key its mean depends on; the scores restore q_i . m_b
+  exactly (`score_tiles.ScoreTiles`), so the mean only decides what the
+  int8 grid spends its range on. Padding never enters it.
+  """
+  batch, length, heads, dim = k.shape
+  k = jnp.swapaxes(k.astype(jnp.float32), 1, 2).reshape(batch, heads, length // block, block,
+                                                         dim)
+  if kv_ids is None:
+    return nm.ordered_sum(k, axis=-2) / block
+  valid = (kv_ids != nm.KV_INVALID_ID).astype(jnp.float32).reshape(batch, 1, -1, block)
+  total = nm.ordered_sum(k * valid[..., None], axis=-2)
+  return total / jnp.maximum(nm.ordered_sum(valid), 1.0)[..., None]
+
+
 def opaque(*arrays: jax.Array) -> tuple[jax.Array, ...]:
   """The arrays, as values XLA cannot fold at compile time.
 
@@ -101,10 +120,16 @@ def quantize(q, k, v, masks: Masks, config: Config, backend: Backend,
   with the earlier queries. (K-smoothing's mean spreads a NaN key so anyway.)
   """
   q, k, v = opaque(q, k, v)
-  k_mean = key_mean(k, masks.kv_ids) if smooth_k else None
+  means = (functools.partial(key_block_means, block=config.block_kv) if config.causal_exact
+           else key_mean)
+  k_mean = means(k, masks.kv_ids) if smooth_k else None
   qkv = backend.quantize(q, k, v, k_mean, config, for_backward=for_backward,
                          layouts=backend.layouts(q, k, masks, config))
-  if config.keeps_qk16 and for_backward:
+  if config.causal_exact:
+    # The forward reads them too: the scores' per-block correction takes Q,
+    # the edge tiles Q, K and V as they are.
+    qkv = qkv._replace(q16=q, k16=k, k_mean=k_mean, v16=v if config.exact_edges else None)
+  elif config.keeps_qk16 and for_backward:
     # dS.K and dS^T.Q in 16 bits, or in FP8 from copies the backward makes:
     # their second operands unquantized. K is the smoothed one, as in the
     # int8 product: rows of dS sum to zero only up to the forward's error,
