@@ -2,7 +2,7 @@
 
     python -m benchmarks.accuracy [--implementation triton] [--seq 4096] [--ds-precision bf16]
     python -m benchmarks.accuracy --quantization int8_fp8 [--sigmas 1,3,5,8]
-    python -m benchmarks.accuracy --causal [--quantization int8_fp8]
+    python -m benchmarks.accuracy --causal [--quantization int8_fp8] [--causal-exact]
 
 Gaussian Q, K with sigma in {1, 3, 5, 8, 10}, V and dO with sigma 1, bf16
 inputs, B=1, H=1, D=128. Prints cosine similarity / relative L2 of O, dQ, dK,
@@ -20,7 +20,8 @@ ratio (bar: at most 0.8x).
 
 `--causal` runs the same inputs with a causal mask (every backend, the fp64
 oracle and the per-tensor FP8 design): the paper's table is not causal, and
-its figures stay the bar.
+its figures stay the bar. `--causal-exact` runs the op's `causal_exact=True`
+(docs/algorithm.md, "Statistics over what each row sees").
 """
 
 from __future__ import annotations
@@ -66,12 +67,12 @@ def exact(q, k, v, do, causal: bool = False):
 
 
 def errors(sigma: float, seq: int, implementation: str | None, ds_precision: str = "int8",
-           quantization: str = "int8", causal: bool = False):
+           quantization: str = "int8", causal: bool = False, causal_exact: bool = False):
   """(cosine, relative L2) of O, dQ, dK, dV against fp64 attention."""
   q, k, v, do = inputs(sigma, seq)
   ours = lambda q, k, v: sagebwd_jax.dot_product_attention(
       q, k, v, is_causal=causal, implementation=implementation, ds_precision=ds_precision,
-      quantization=quantization)
+      quantization=quantization, causal_exact=causal_exact)
   o, vjp = jax.vjp(ours, q, k, v)
   return [(float(metrics.cosine_similarity(a, b)), float(metrics.relative_l2(a, b)))
           for a, b in zip((o, *vjp(do)), exact(q, k, v, do, causal))]
@@ -121,13 +122,13 @@ def per_tensor_fp8(q, k, v, do, steps: int = 128, causal: bool = False):
 
 
 def _fp8_table(sigmas: list[int], seq: int, implementation: str | None, ds_precision: str,
-               causal: bool):
+               causal: bool, causal_exact: bool):
   print("| sigma | tensor | int8_fp8 rel. L2 | INT8 rel. L2 | x INT8 (bar) | per-tensor FP8 "
         "rel. L2 | x per-tensor (bar 0.8) |")
   print("|---|---|---|---|---|---|---|")
   for sigma in sigmas:
-    fp8 = errors(sigma, seq, implementation, ds_precision, "int8_fp8", causal)
-    int8 = errors(sigma, seq, implementation, ds_precision, "int8", causal)
+    fp8 = errors(sigma, seq, implementation, ds_precision, "int8_fp8", causal, causal_exact)
+    int8 = errors(sigma, seq, implementation, ds_precision, "int8", causal, causal_exact)
     q, k, v, do = inputs(sigma, seq)
     cudnn_like = [float(metrics.relative_l2(a, b)) for a, b in zip(
         per_tensor_fp8(q, k, v, do, causal=causal), exact(q, k, v, do, causal))]
@@ -152,6 +153,8 @@ def main():
                       help="the numerics mode (default int8); int8_fp8 prints its bars")
   parser.add_argument("--causal", action="store_true",
                       help="causal attention (the paper's table is not)")
+  parser.add_argument("--causal-exact", action="store_true",
+                      help="the op's causal_exact=True (no output depends on a later token)")
   parser.add_argument("--sigmas", default=",".join(map(str, PAPER)),
                       help="comma list of the paper's sigmas to run")
   args = parser.parse_args()
@@ -164,14 +167,16 @@ def main():
     print("no GPU: the op runs its pure-JAX reference on the CPU, about a minute per sigma",
           flush=True)
   if args.quantization == "int8_fp8":
-    _fp8_table(sigmas, args.seq, args.implementation, args.ds_precision, args.causal)
+    _fp8_table(sigmas, args.seq, args.implementation, args.ds_precision, args.causal,
+               args.causal_exact)
     return
   print("| sigma | tensor | cosine | rel. L2 | paper rel. L2 | within 1.25x |")
   print("|---|---|---|---|---|---|")
   for sigma, paper in ((s, PAPER[s]) for s in sigmas):
     for name, (cos, rel), ref in zip(("O", "dQ", "dK", "dV"),
                                      errors(sigma, args.seq, args.implementation,
-                                            args.ds_precision, causal=args.causal), paper):
+                                            args.ds_precision, causal=args.causal,
+                                            causal_exact=args.causal_exact), paper):
       print(f"| {sigma} | {name} | {cos:.4f} | {rel:.4f} | {ref:.4f} | "
             f"{'yes' if rel <= 1.25 * ref else 'NO'} |", flush=True)
 

@@ -213,6 +213,10 @@ class QuantizedQKV(NamedTuple):
   # the edge tiles' P.V operand.
   k_mean: jax.Array | None = None
   v16: jax.Array | None = None
+  # `Config.causal_exact` only, for the backward: per query block, the mean of
+  # the keys up to its first row's last visible one (B, Hkv, Tq // block_q,
+  # D) fp32 (`sagebwd.key_means_seen`), which dQ's K is taken less.
+  k_mean_seen: jax.Array | None = None
   # The portable forward's P.V accumulator start per V block, (B, Hkv,
   # Tk // block_kv, D) int32 (`jax_triton.tiles.shifted_accumulator_start`):
   # the Triton quantization pass forms it while it holds each block, where V8^T

@@ -271,17 +271,31 @@ class ReferenceBackend:
     if config.fp8:
       fp8 = _Fp8Tiles.of(prepass.fp8, rows)
 
+    # causal_exact: dQ = dS.(K - m'), m' the query block's `dq_mean` (the
+    # rowsum(dS) m' it drops is 0 in exact arithmetic); K8 lacks its block's
+    # m_b, so each 8-bit tile adds rowsum_b(dS) (m_b - m'), and the edge tiles
+    # run in 16 bits with K - m' rounded to the inputs' dtype.
+    dq_mean = tiles.dq_mean()
+
     def exact_dq(ds, j):
-      """dQ's terms outside its 8-bit product (`Config.causal_exact`): the
-      edge tiles' dS.K, in 16 bits from K as it is, and elsewhere the
-      block mean's, rowsum_b(dS) m_b, which K8 lacks."""
+      """dQ's terms outside its 8-bit product (`Config.causal_exact`)."""
       edge, mean = tiles.edge(j), tiles.block_mean(j)
-      terms = 0.0 if mean is None else nm.ordered_sum(ds)[..., None] * mean
+      terms = 0.0 if mean is None else nm.ordered_sum(ds)[..., None] * (mean - dq_mean)
       if edge is None:
         return terms
-      edge_dq = wide_einsum("bhgiqk,bhkd->bhgiqd", sixteen_bit(ds, v.dtype),
-                            tiles.kv_block(k16_heads, j, axis=-2))
+      k16 = tiles.kv_block(k16_heads, j, axis=-2)[:, :, None]  # (B, Hkv, 1, bk, D)
+      if dq_mean is not None:  # one operand per query block
+        k16 = sixteen_bit(k16.astype(_f32) - dq_mean[:, :, 0], v.dtype)
+      k16 = jnp.broadcast_to(k16, (*k16.shape[:2], ds.shape[3], *k16.shape[3:]))
+      edge_dq = wide_einsum("bhgiqk,bhikd->bhgiqd", sixteen_bit(ds, v.dtype), k16)
       return jnp.where(edge, edge_dq, terms)
+
+    def k16_block(j):
+      """dS.K's second operand in 16 bits: K less its block's mean with
+      causal_exact, K as `QuantizedQKV.k16` holds it otherwise."""
+      k16 = tiles.kv_block(k16_heads, j, axis=-2)
+      mean = tiles.block_mean(j)
+      return k16 if mean is None else sixteen_bit(k16 - mean[:, :, 0, 0], v.dtype)
 
     def without_edges(dq_tiles, j):
       edge = tiles.edge(j)
@@ -311,18 +325,16 @@ class ReferenceBackend:
         dv_tiles = int8_einsum("bhgikq,bhgiqd->bhgikd", p8_t, do8)
         dv = sum_tiles(nm.dequantize(dv_tiles, p_scale[..., None], do_scale[..., None, None]))
 
+      if config.causal_exact:
+        dq_exact = dq_exact + exact_dq(ds, j)
       if config.ds_precision == "bf16":  # dS in the inputs' dtype
-        # K as it is with causal_exact (no mean to restore), else smoothed.
         ds16 = sixteen_bit(ds, qkv.k16.dtype)
-        dq = dq + wide_einsum("bhgiqk,bhkd->bhgiqd", ds16,
-                              tiles.kv_block(k16_heads, j, axis=-2))
+        dq = dq + without_edges(wide_einsum("bhgiqk,bhkd->bhgiqd", ds16, k16_block(j)), j)
         # Q's multiplier, as the int8 Q scale carries it (ln 2 follows below).
         dk_tiles = wide_einsum("bhgikq,bhgiqd->bhgikd", jnp.swapaxes(ds16, -1, -2),
                                q16) * (config.scale * nm.LOG2_E)
         return (dq, dq_exact), (sum_tiles(dk_tiles), dv)
 
-      if config.causal_exact:
-        dq_exact = dq_exact + exact_dq(ds, j)
       if config.fp8:
         # dS / b_i to E4M3_MAX, with the other operand's block scale over
         # its head's largest folded in; the row bound and those largest

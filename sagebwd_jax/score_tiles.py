@@ -137,6 +137,13 @@ class ScoreTiles:
     return jax.lax.dynamic_index_in_dim(self.qkv.k_mean, j, axis=2,
                                         keepdims=False)[:, :, None, None, None, :]
 
+  def dq_mean(self) -> jax.Array | None:
+    """Each query block's `QuantizedQKV.k_mean_seen` (B, Hkv, 1, nq, 1, D),
+    which dQ's K is taken less; None without it."""
+    if self.qkv.k_mean_seen is None:
+      return None
+    return self.qkv.k_mean_seen[:, :, None, :, None, :]
+
   def _mean_scores(self, j) -> jax.Array | None:
     if self.mean_scores is None:
       return None
