@@ -133,16 +133,17 @@ def dot_product_attention(
       "reference" (pure JAX), and "triton" raises NotImplementedError. The
       default is then ("mosaic", "reference") on an H100/H200 and
       "reference" elsewhere.
-    causal_exact: no output row, nor its dQ, then depends on a key or value
-      after the last key the row sees (with `is_causal`: on no later
-      token), as in exact attention. K is smoothed by each key block's own
-      mean, and each row's score of that mean is added back exactly; the
-      tiles that the causal edge crosses run in 16 bits; with
-      quantization="int8_fp8", V's FP8 scales are per block and the
-      backward's bounds are taken over what each row sees
-      (docs/algorithm.md). Only "reference" implements it so far: the
-      default is then "reference" on every device, and the kernel
-      backends raise NotImplementedError.
+    causal_exact: with `is_causal` (or a `local_window_size`), no output
+      row, nor its dQ, then depends on a key or value after the last key
+      the row sees (with `is_causal`: on no later token), as in exact
+      attention. K is smoothed by each key block's own mean, and each row's
+      score of that mean is added back exactly; the tiles that the causal
+      edge crosses run in 16 bits; with quantization="int8_fp8", V's FP8
+      scales are per block and the backward's bounds are taken over what
+      each row sees (docs/algorithm.md). Without causality or a window it
+      changes nothing. Only "reference" implements it so far: the default
+      is then "reference" on every device, and the kernel backends raise
+      NotImplementedError.
 
   Returns:
     The attention output, shaped and typed like `query` (and the residual
@@ -172,7 +173,12 @@ def dot_product_attention(
   batch, q_len, num_heads, _ = query.shape
   kv_len = key.shape[1]
   quantization = arguments.quantization(quantization)
-  causal_exact = arguments.flag("causal_exact", causal_exact)
+  window = arguments.window(local_window_size)
+  # Without causality or a window every row sees every key (ids aside): no
+  # key comes after a row's last, and head-wide statistics stay, which
+  # measured as accurate or more (docs/algorithm.md).
+  causal_exact = (arguments.flag("causal_exact", causal_exact)
+                  and (bool(is_causal) or window is not None))
   names = implementations.resolve(implementation, quantization, causal_exact)
   implementations.check_no_auto_sharding(names, query, key, value)
   q_lengths = arguments.lengths("query_seq_lengths", query_seq_lengths, batch, q_len)
@@ -186,8 +192,7 @@ def dot_product_attention(
       block_q=arguments.block("block_q", block_q, arguments.DEFAULT_BLOCK, q_len),
       block_kv=arguments.block("block_kv", block_kv, arguments.DEFAULT_BLOCK, kv_len),
       ds_precision=arguments.ds_precision(ds_precision),
-      window=arguments.window(local_window_size),
-      quantization=quantization, causal_exact=causal_exact)
+      window=window, quantization=quantization, causal_exact=causal_exact)
   case = _Case(config, scale, bool(smooth_k), q_lengths, kv_lengths, q_seg, kv_seg)
 
   # Tokens past a length are zeroed before anything reads them, so they
