@@ -8,6 +8,10 @@ the query blocks and scans over key blocks, like the forward and dQ kernels.
 
 `full_precision_attention` is plain softmax attention in fp32 (fp64 under
 `jax_enable_x64`): the independent oracle for accuracy.
+
+Longer than 400 lines because the forward and the backward are each one
+loop for both numerics modes and `Config.causal_exact`'s 16-bit edge tiles,
+as a kernel's loop is: split by mode, they would repeat the loop's frame.
 """
 
 from __future__ import annotations
