@@ -2,6 +2,7 @@
 
     python -m benchmarks.accuracy [--implementation triton] [--seq 4096] [--ds-precision bf16]
     python -m benchmarks.accuracy --quantization int8_fp8 [--sigmas 1,3,5,8]
+    python -m benchmarks.accuracy --causal [--quantization int8_fp8] [--causal-exact]
 
 Gaussian Q, K with sigma in {1, 3, 5, 8, 10}, V and dO with sigma 1, bf16
 inputs, B=1, H=1, D=128. Prints cosine similarity / relative L2 of O, dQ, dK,
@@ -16,6 +17,11 @@ relative L2: the INT8 mode's on the same inputs and the ratio (the mode's
 bars: at most 2.3x at sigma 1, 1.5x from sigma 3), and a per-tensor-scaled
 FP8 design without smoothing (`per_tensor_fp8`, cuDNN FP8's numerics) and the
 ratio (bar: at most 0.8x).
+
+`--causal` runs the same inputs with a causal mask (every backend, the fp64
+oracle and the per-tensor FP8 design): the paper's table is not causal, and
+its figures stay the bar. `--causal-exact` runs the op's `causal_exact=True`
+(docs/algorithm.md, "Statistics over what each row sees").
 """
 
 from __future__ import annotations
@@ -51,27 +57,28 @@ def inputs(sigma: float, seq: int):
   return tuple(x.astype(jnp.bfloat16) for x in (q, k, v, do))
 
 
-def exact(q, k, v, do):
+def exact(q, k, v, do, causal: bool = False):
   """O, dQ, dK, dV of fp64 attention."""
   with jax.enable_x64(True):
     wide = [x.astype(jnp.float64) for x in (q, k, v, do)]
-    o64, vjp64 = jax.vjp(sagebwd_jax.full_precision_attention, *wide[:3])
+    o64, vjp64 = jax.vjp(lambda q, k, v: sagebwd_jax.full_precision_attention(
+        q, k, v, is_causal=causal), *wide[:3])
     return [np.asarray(x) for x in (o64, *vjp64(wide[3]))]
 
 
 def errors(sigma: float, seq: int, implementation: str | None, ds_precision: str = "int8",
-           quantization: str = "int8"):
+           quantization: str = "int8", causal: bool = False, causal_exact: bool = False):
   """(cosine, relative L2) of O, dQ, dK, dV against fp64 attention."""
   q, k, v, do = inputs(sigma, seq)
   ours = lambda q, k, v: sagebwd_jax.dot_product_attention(
-      q, k, v, implementation=implementation, ds_precision=ds_precision,
-      quantization=quantization)
+      q, k, v, is_causal=causal, implementation=implementation, ds_precision=ds_precision,
+      quantization=quantization, causal_exact=causal_exact)
   o, vjp = jax.vjp(ours, q, k, v)
   return [(float(metrics.cosine_similarity(a, b)), float(metrics.relative_l2(a, b)))
-          for a, b in zip((o, *vjp(do)), exact(q, k, v, do))]
+          for a, b in zip((o, *vjp(do)), exact(q, k, v, do, causal))]
 
 
-def per_tensor_fp8(q, k, v, do, steps: int = 128):
+def per_tensor_fp8(q, k, v, do, steps: int = 128, causal: bool = False):
   """O, dQ, dK, dV of attention with cuDNN FP8's numerics, in numpy
   (float64 arithmetic on FP8 values), from (1, T, 1, D) inputs: Q, K, V and
   dO in E4M3 with one scale per tensor (its amax / 448), no smoothing; the
@@ -91,6 +98,8 @@ def per_tensor_fp8(q, k, v, do, steps: int = 128):
   scale = 1.0 / math.sqrt(dim)
   (q8, sq), (k8, sk), (v8, sv), (do8, sdo) = map(per_tensor, (q, k, v, do))
   s = q8 @ k8.T * (sq * sk * scale * math.log2(math.e))  # base-2 logits
+  if causal:  # every row sees key 0, so each row's running maximum is finite from the start
+    s = np.where(np.tril(np.ones((seq, seq), bool)), s, -np.inf)
   m, l, acc = np.full(seq, -np.inf), np.zeros(seq), np.zeros((seq, dim))
   for j in range(0, seq, steps):
     tile = s[:, j:j + steps]
@@ -112,16 +121,17 @@ def per_tensor_fp8(q, k, v, do, steps: int = 128):
   return [x[None, :, None] for x in (o, dq, dk, dv)]
 
 
-def _fp8_table(sigmas: list[int], seq: int, implementation: str | None, ds_precision: str):
+def _fp8_table(sigmas: list[int], seq: int, implementation: str | None, ds_precision: str,
+               causal: bool, causal_exact: bool):
   print("| sigma | tensor | int8_fp8 rel. L2 | INT8 rel. L2 | x INT8 (bar) | per-tensor FP8 "
         "rel. L2 | x per-tensor (bar 0.8) |")
   print("|---|---|---|---|---|---|---|")
   for sigma in sigmas:
-    fp8 = errors(sigma, seq, implementation, ds_precision, "int8_fp8")
-    int8 = errors(sigma, seq, implementation, ds_precision, "int8")
+    fp8 = errors(sigma, seq, implementation, ds_precision, "int8_fp8", causal, causal_exact)
+    int8 = errors(sigma, seq, implementation, ds_precision, "int8", causal, causal_exact)
     q, k, v, do = inputs(sigma, seq)
-    cudnn_like = [float(metrics.relative_l2(a, b))
-                  for a, b in zip(per_tensor_fp8(q, k, v, do), exact(q, k, v, do))]
+    cudnn_like = [float(metrics.relative_l2(a, b)) for a, b in zip(
+        per_tensor_fp8(q, k, v, do, causal=causal), exact(q, k, v, do, causal))]
     bar = FP8_OVER_INT8.get(sigma, FP8_OVER_INT8_FROM_SIGMA_3)
     for name, (_, ours), (_, base), other in zip(("O", "dQ", "dK", "dV"), fp8, int8, cudnn_like):
       over, under = ours / base, ours / other
@@ -141,6 +151,10 @@ def main():
                       help="precision of the backward's dS.K and dS^T.Q (default int8)")
   parser.add_argument("--quantization", default="int8", choices=["int8", "int8_fp8"],
                       help="the numerics mode (default int8); int8_fp8 prints its bars")
+  parser.add_argument("--causal", action="store_true",
+                      help="causal attention (the paper's table is not)")
+  parser.add_argument("--causal-exact", action="store_true",
+                      help="the op's causal_exact=True (no output depends on a later token)")
   parser.add_argument("--sigmas", default=",".join(map(str, PAPER)),
                       help="comma list of the paper's sigmas to run")
   args = parser.parse_args()
@@ -153,14 +167,16 @@ def main():
     print("no GPU: the op runs its pure-JAX reference on the CPU, about a minute per sigma",
           flush=True)
   if args.quantization == "int8_fp8":
-    _fp8_table(sigmas, args.seq, args.implementation, args.ds_precision)
+    _fp8_table(sigmas, args.seq, args.implementation, args.ds_precision, args.causal,
+               args.causal_exact)
     return
   print("| sigma | tensor | cosine | rel. L2 | paper rel. L2 | within 1.25x |")
   print("|---|---|---|---|---|---|")
   for sigma, paper in ((s, PAPER[s]) for s in sigmas):
     for name, (cos, rel), ref in zip(("O", "dQ", "dK", "dV"),
                                      errors(sigma, args.seq, args.implementation,
-                                            args.ds_precision), paper):
+                                            args.ds_precision, causal=args.causal,
+                                            causal_exact=args.causal_exact), paper):
       print(f"| {sigma} | {name} | {cos:.4f} | {rel:.4f} | {ref:.4f} | "
             f"{'yes' if rel <= 1.25 * ref else 'NO'} |", flush=True)
 

@@ -41,6 +41,16 @@ def kv_range(i, block_q: int, block_kv: int, num_kv_blocks: int, *,
   return start, full_start, full_end, end
 
 
+def right_edge(i, block_q: int, block_kv: int, num_kv_blocks: int, *, right: int):
+  """Key blocks [start, end) that the band's right edge crosses for query
+  block i: each holds keys after the last key some row of the block sees, so
+  a statistic of the block would carry a later key to that row
+  (`Config.exact_edges`). A window's left edge is left out: the keys it
+  hides come before the row."""
+  _, _, start, end = kv_range(i, block_q, block_kv, num_kv_blocks, left=None, right=right)
+  return start, end
+
+
 def q_range(j, block_q: int, block_kv: int, num_q_blocks: int, *,
             left: int | None, right: int | None):
   """Query blocks that see key block j: (start, full_start, full_end, end),

@@ -7,6 +7,10 @@ Statistics over keys are taken over the key blocks that each query block
 sees (`seen_key_blocks`): causality, a window and the sequences' ids leave
 out every block no row of the query block can attend to, so a key or value a
 row cannot see (a later token, padding) does not move that row's scales.
+With `Config.exact_edges` the blocks that the band's right edge crosses
+(`edge_key_blocks`) hold keys after some of the block's rows: K''s largest
+block scale leaves them out (their dS.K runs in 16 bits), and the dS bound
+takes each row's own largest ||V_j|| over their keys up to its last.
 """
 
 from __future__ import annotations
@@ -39,6 +43,42 @@ def seen_key_blocks(masks: Masks, config: Config, q_len: int, kv_len: int) -> ja
     kv_ids = masks.kv_ids.reshape(batch, 1, 1, num_kv, config.block_kv)
     seen = seen & jnp.any(q_ids == kv_ids, axis=(2, 4))
   return seen
+
+
+def edge_key_blocks(config: Config, q_len: int, kv_len: int) -> jax.Array | None:
+  """(1, Tq // block_q, Tk // block_kv) bool: the edge tiles
+  (`causal_blocks.right_edge`), None without `Config.exact_edges`."""
+  if not config.exact_edges:
+    return None
+  num_kv = kv_len // config.block_kv
+  _, right = causal_blocks.band(config.causal, config.window)
+  start, end = causal_blocks.right_edge(jnp.arange(q_len // config.block_q, dtype=jnp.int32),
+                                        config.block_q, config.block_kv, num_kv, right=right)
+  j = jnp.arange(num_kv, dtype=jnp.int32)[None]
+  return ((j >= start[:, None]) & (j < end[:, None]))[None]
+
+
+def _max_over_edges(per_key: jax.Array, edge: jax.Array, config: Config,
+                    q_len: int) -> jax.Array:
+  """(B, Hkv, Tk) values of keys -> (B, Hkv, Tq): each query's largest over
+  the keys of its block's edge blocks (`edge`, (1, nq, nk)) up to the last
+  key it sees (its position + the band's right), 0 where none: a running
+  maximum within each key block, and the edge blocks before the one that
+  holds that key whole."""
+  block_q, block_kv = config.block_q, config.block_kv
+  batch, kv_heads, kv_len = per_key.shape
+  num_kv = kv_len // block_kv
+  blocked = per_key.reshape(batch, kv_heads, num_kv, block_kv)
+  running = jax.lax.cummax(blocked, axis=3).reshape(per_key.shape)
+  _, right = causal_blocks.band(config.causal, config.window)
+  last = jnp.minimum(jnp.arange(q_len) + right, kv_len - 1)  # (Tq,)
+  last_block = last // block_kv
+  edge_rows = jnp.repeat(edge[0], block_q, axis=0)  # (Tq, nk)
+  within = jnp.where(edge_rows[jnp.arange(q_len), last_block], running[..., last], 0.0)
+  before = edge_rows & (jnp.arange(num_kv)[None] < last_block[:, None])
+  whole = jnp.max(jnp.where(before[None, None], jnp.max(blocked, axis=-1)[:, :, None], 0.0),
+                  axis=-1)
+  return jnp.maximum(within, whole)
 
 
 def max_over_seen(per_block: jax.Array, seen: jax.Array, heads: int, block_q: int) -> jax.Array:
@@ -74,16 +114,26 @@ def fp8_operands(qkv: QuantizedQKV, v: jax.Array, do: jax.Array, do_scale: jax.A
   batch, q_len, heads, _ = do.shape
   kv_heads, kv_len = v.shape[2], v.shape[1]
   seen = seen_key_blocks(masks, config, q_len, kv_len)
+  edge = edge_key_blocks(config, q_len, kv_len)
+  if edge is not None:
+    seen = seen & ~edge
   if masks.kv_ids is not None:  # padding's values bound nothing
     v = jnp.where((masks.kv_ids != nm.KV_INVALID_ID)[:, :, None, None], v, 0)
-  v_norm = jnp.sqrt(nm.ordered_sum(jnp.square(jnp.swapaxes(v, 1, 2).astype(_f32))))
-  v_norm = jnp.max(v_norm.reshape(batch, kv_heads, -1, config.block_kv), axis=-1)
-  ds_bound = nm.ds_row_bound(row_max, lse, delta, do,
-                             max_over_seen(v_norm, seen, heads, config.block_q))
+  v_key_norm = jnp.sqrt(nm.ordered_sum(jnp.square(jnp.swapaxes(v, 1, 2).astype(_f32))))
+  v_norm = jnp.max(v_key_norm.reshape(batch, kv_heads, -1, config.block_kv), axis=-1)
+  v_norm = max_over_seen(v_norm, seen, heads, config.block_q)
+  if edge is not None:
+    v_norm = jnp.maximum(v_norm, jnp.repeat(_max_over_edges(v_key_norm, edge, config, q_len),
+                                            heads // kv_heads, axis=1))
+  ds_bound = nm.ds_row_bound(row_max, lse, delta, do, v_norm)
 
   q = jnp.swapaxes(qkv.q16, 1, 2).astype(_f32) * (config.scale * nm.LOG2_E)
   q8, q_scale = _e4m3_blocks(q * ds_bound[..., None], config.block_q)
-  k8, k_scale = _e4m3_blocks(jnp.swapaxes(qkv.k16, 1, 2).astype(_f32), config.block_kv)
+  k = jnp.swapaxes(qkv.k16, 1, 2).astype(_f32)
+  if qkv.k_mean is not None:  # causal_exact: K16 is not smoothed, K' is
+    k = (k.reshape(*qkv.k_mean.shape[:3], config.block_kv, -1)
+         - qkv.k_mean[..., None, :]).reshape(k.shape)
+  k8, k_scale = _e4m3_blocks(k, config.block_kv)
   transposed = lambda x8: to_layout(jnp.swapaxes(x8, -1, -2), layout)
   return assemble(transposed(q8), q_scale, transposed(k8), k_scale, do_scale, ds_bound, seen,
                   config)

@@ -220,13 +220,17 @@ def safe_row_max(m: jax.Array) -> jax.Array:
 
 
 def block_scores(product: jax.Array, scale: jax.Array, *, mask: jax.Array | None = None,
-                 bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-  """One key block's base-2 scores S = product * scale (+ bias), -inf where
-  `mask` is False, as the row maxima `top` (..., rows) and `S - top`
-  (..., rows, keys), the forms `folded_softmax_step` takes.
+                 bias: jax.Array | None = None, row_bias: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
+  """One key block's base-2 scores S = product * scale (+ bias) (+ row_bias),
+  -inf where `mask` is False, as the row maxima `top` (..., rows) and
+  `S - top` (..., rows, keys), the forms `folded_softmax_step` takes.
 
   `product` is the int32 Q8.K8^T tile, `scale` its dequantization factor
-  (broadcastable to (..., rows, 1)), `bias` Q-smoothing's (..., 1, keys).
+  (broadcastable to (..., rows, 1)), `bias` Q-smoothing's (..., 1, keys),
+  `row_bias` (..., rows) the score each row gives the block's K mean
+  (`Config.causal_exact`), which K8 lacks: the same for every key of the
+  row, so it moves `top` only, one add per row, and `S - top` stays exact.
   Without a bias, S - top is the exact int32 difference times `scale`: one
   rounding, so the row's largest score gives exactly 0, however a compiler
   fuses or contracts the arithmetic. (Formed as S - max(S), the two uses of S
@@ -237,17 +241,26 @@ def block_scores(product: jax.Array, scale: jax.Array, *, mask: jax.Array | None
   `int32_to_float`'s bit trick.
   """
   if bias is not None:
-    s = product.astype(jnp.float32) * scale + bias
-    s = s if mask is None else jnp.where(mask, s, -jnp.inf)
-    top = jnp.max(s, axis=-1)
-    return top, s - safe_row_max(top)[..., None]
-  lowest = jnp.iinfo(jnp.int32).min
-  top_int = jnp.max(product if mask is None else jnp.where(mask, product, lowest), axis=-1)
-  top = top_int.astype(jnp.float32) * (scale if jnp.ndim(scale) == 0 else scale[..., 0])
-  from_top = (product - top_int[..., None]).astype(jnp.float32) * scale
-  if mask is None:
-    return top, from_top
-  return jnp.where(top_int == lowest, -jnp.inf, top), jnp.where(mask, from_top, -jnp.inf)
+    top, from_top = float_block_scores(product.astype(jnp.float32) * scale + bias, mask)
+  else:
+    lowest = jnp.iinfo(jnp.int32).min
+    top_int = jnp.max(product if mask is None else jnp.where(mask, product, lowest), axis=-1)
+    top = top_int.astype(jnp.float32) * (scale if jnp.ndim(scale) == 0 else scale[..., 0])
+    from_top = (product - top_int[..., None]).astype(jnp.float32) * scale
+    if mask is not None:
+      top = jnp.where(top_int == lowest, -jnp.inf, top)
+      from_top = jnp.where(mask, from_top, -jnp.inf)
+  return top if row_bias is None else top + row_bias, from_top
+
+
+def float_block_scores(s: jax.Array, mask: jax.Array | None = None
+                       ) -> tuple[jax.Array, jax.Array]:
+  """`block_scores` of fp32 scores `s` (..., rows, keys): a 16-bit product's,
+  or an int8 one's with a bias. S ends in an addition or a product's one
+  rounding, which S - top then reads once."""
+  s = s if mask is None else jnp.where(mask, s, -jnp.inf)
+  top = jnp.max(s, axis=-1)
+  return top, s - safe_row_max(top)[..., None]
 
 
 def log2_p(s_minus_lse: jax.Array) -> jax.Array:
@@ -374,24 +387,38 @@ def folded_softmax_step(blocks: Sequence[tuple[jax.Array, jax.Array]],
 
 
 def fp8_softmax_step(blocks: Sequence[tuple[jax.Array, jax.Array]], m: jax.Array,
-                     l: jax.Array):
+                     l: jax.Array, log2_v_scales: Sequence[jax.Array] | None = None,
+                     inv_v_scales: Sequence[jax.Array] | None = None):
   """One step of the online softmax for FP8 P.V: P = E4M3_MAX * exp2(S - m),
   m the running row maximum, so the largest P of a row is exactly E4M3_MAX
   and no P exceeds it; no per-step scale: P's FP8 conversion needs none, and
   V's per-channel scale waits for the end, so the fp32 accumulator runs
   across steps and is only rescaled by alpha.
 
+  With V's scales per block (`Config.causal_exact`: no channel's scale over
+  the head's tokens) each block's is folded into P as the INT8 forward folds
+  it, `log2_v_scales` and `inv_v_scales` as `folded_softmax_step` takes them:
+  P = E4M3_MAX * exp2(S + log2 sV - m) with m the running maximum of the
+  folded scores, l the row sums of P / sV, and O = acc / l (per (row,
+  block) terms only: the exponent's constant and the row sum's factor).
+
   `blocks`: each key block's `block_scores` (top, S - top). `m` starts at
   NOTHING_SEEN, `l` at 0. Returns (P, alpha, m, l): P fp32, the blocks'
   keys concatenated, before its FP8 conversion; l the row sums of that P
   (unconverted), which `finalize_fp8_rows` divides by.
   """
-  top = functools.reduce(jnp.maximum, [t for t, _ in blocks])
-  m_new = jnp.maximum(m, top)
+  tops = [t for t, _ in blocks]
+  if log2_v_scales is not None:
+    tops = [t + lsv for t, lsv in zip(tops, log2_v_scales)]
+  m_new = jnp.maximum(m, functools.reduce(jnp.maximum, tops))
   alpha = jnp.exp2(m - m_new)
   # (t - m_new) is -inf for a block whose row sees no key, and m_new finite.
-  ps = [E4M3_MAX * jnp.exp2(from_top + (t - m_new)[..., None]) for t, from_top in blocks]
-  l_new = alpha * l + functools.reduce(jnp.add, [ordered_sum(p) for p in ps])
+  ps = [E4M3_MAX * jnp.exp2(from_top + (t - m_new)[..., None])
+        for t, (_, from_top) in zip(tops, blocks)]
+  sums = [ordered_sum(p) for p in ps]
+  if inv_v_scales is not None:
+    sums = [x * inv for x, inv in zip(sums, inv_v_scales)]
+  l_new = alpha * l + functools.reduce(jnp.add, sums)
   p = ps[0] if len(ps) == 1 else jnp.concatenate(ps, axis=-1)
   return p, alpha, m_new, l_new
 
@@ -399,7 +426,8 @@ def fp8_softmax_step(blocks: Sequence[tuple[jax.Array, jax.Array]], m: jax.Array
 def finalize_fp8_rows(acc: jax.Array, m: jax.Array, l: jax.Array, v_scale: jax.Array):
   """O = acc * v_scale / l and the base-2 log-sum-exp from
   `fp8_softmax_step`'s state; `v_scale` V's per-channel scale, broadcastable
-  to acc. Rows that saw no key give O = 0 and lse = +inf."""
+  to acc (1 where V's scales were folded into P). Rows that saw no key give
+  O = 0 and lse = +inf."""
   empty = l == 0
   l_safe = jnp.where(empty, 1.0, l)
   lse = jnp.where(empty, jnp.inf, m + jnp.log2(l_safe) - math.log2(E4M3_MAX))

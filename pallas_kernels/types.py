@@ -38,6 +38,14 @@ class Config:
   causality. `quantization`: the numerics mode (`Quantization`); with
   "int8_fp8" and ds_precision="bf16", dS.K and dS^T.Q run in 16 bits and
   P.V and P^T.dO in FP8.
+  `causal_exact`: no output row, nor its dQ, depends on a key or value after
+  the last one it sees (docs/algorithm.md, "Statistics over what each row
+  sees"): K-smoothing by each `block_kv` block's own mean, with the exact
+  score q_i . m_b restored per row and block; the tiles that the band's
+  right edge crosses (`exact_edges`) in 16 bits; with "int8_fp8", V in E4M3
+  per block (its scale folded into P) and the backward's statistics over
+  the keys each row sees. Only the reference implements it; the op sets it
+  only with causality or a window (`banded`).
   """
 
   scale: float
@@ -48,6 +56,7 @@ class Config:
   ds_precision: DsPrecision = "int8"
   window: tuple[int, int] | None = None
   quantization: Quantization = "int8"
+  causal_exact: bool = False
 
   @property
   def fp8(self) -> bool:
@@ -58,8 +67,19 @@ class Config:
   def keeps_qk16(self) -> bool:
     """Whether the backward reads Q and the smoothed K in the inputs' dtype
     (`QuantizedQKV.q16`, `k16`): the 16-bit dS products take them as they
-    are, the FP8 ones as the sources of their FP8 copies."""
-    return self.ds_precision == "bf16" or self.fp8
+    are, the FP8 ones as the sources of their FP8 copies, and with
+    `causal_exact` the scores' per-block correction and the 16-bit edge
+    tiles."""
+    return self.ds_precision == "bf16" or self.fp8 or self.causal_exact
+
+  @property
+  def exact_edges(self) -> bool:
+    """Whether the tiles that the band's right edge crosses (some of whose
+    keys come after some of their rows' last visible key) run in 16 bits
+    from the unquantized Q, K and V (`causal_exact` with causality or a
+    window): no statistic of a key block then reaches a row that cannot see
+    all of that block."""
+    return self.causal_exact and (self.causal or self.window is not None)
 
   @property
   def banded(self) -> bool:
@@ -178,12 +198,26 @@ class QuantizedQKV(NamedTuple):
   # 8-bit V^T: int8 per block_kv rows, or with `Config.fp8` float8_e4m3fn per
   # channel (the P.V product's fp32 accumulator then runs across steps).
   v8_t: jax.Array  # Layouts.forward
-  v_scale: jax.Array  # (B, Hkv, Tk) fp32 per token; with `Config.fp8` (B, Hkv, D) per channel
+  # (B, Hkv, Tk) fp32 per token; with `Config.fp8` (B, Hkv, D) per channel,
+  # but per token (one E4M3 scale per block) with `Config.causal_exact` too.
+  v_scale: jax.Array
   # `Config.keeps_qk16` only: Q and the smoothed K in the inputs' dtype and
   # layout (B, T, H, D), the second operands of dS.K and dS^T.Q in 16 bits,
-  # or the sources of their FP8 copies.
+  # or the sources of their FP8 copies. With `Config.causal_exact` K is not
+  # smoothed (its per-block mean would round a row's 16-bit operands by
+  # later keys): the FP8 copy subtracts `k_mean` itself.
   q16: jax.Array | None = None
   k16: jax.Array | None = None
+  # `Config.causal_exact` only: each key block's mean (B, Hkv, Tk // block_kv,
+  # D) fp32, which K8 lacks (and the score correction q_i . m_b restores);
+  # with `Config.exact_edges` V in the inputs' dtype and layout (B, T, Hkv, D),
+  # the edge tiles' P.V operand.
+  k_mean: jax.Array | None = None
+  v16: jax.Array | None = None
+  # `Config.causal_exact` only, for the backward: per query block, the mean of
+  # the keys up to its first row's last visible one (B, Hkv, Tq // block_q,
+  # D) fp32 (`sagebwd.key_means_seen`), which dQ's K is taken less.
+  k_mean_seen: jax.Array | None = None
   # The portable forward's P.V accumulator start per V block, (B, Hkv,
   # Tk // block_kv, D) int32 (`jax_triton.tiles.shifted_accumulator_start`):
   # the Triton quantization pass forms it while it holds each block, where V8^T

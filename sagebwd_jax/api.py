@@ -46,6 +46,7 @@ def dot_product_attention(
     return_residual: bool = False,
     ds_precision: DsPrecision = "int8",
     quantization: Quantization = "int8",
+    causal_exact: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
   """SageBwd attention: INT8 forward and backward, drop-in for jax.nn's.
 
@@ -132,6 +133,17 @@ def dot_product_attention(
       "reference" (pure JAX), and "triton" raises NotImplementedError. The
       default is then ("mosaic", "reference") on an H100/H200 and
       "reference" elsewhere.
+    causal_exact: with `is_causal` (or a `local_window_size`), no output
+      row, nor its dQ, then depends on a key or value after the last key
+      the row sees (with `is_causal`: on no later token), as in exact
+      attention. K is smoothed by each key block's own mean, and each row's
+      score of that mean is added back exactly; the tiles that the causal
+      edge crosses run in 16 bits; with quantization="int8_fp8", V's FP8
+      scales are per block and the backward's bounds are taken over what
+      each row sees (docs/algorithm.md). Without causality or a window it
+      changes nothing. Only "reference" implements it so far: the default
+      is then "reference" on every device, and the kernel backends raise
+      NotImplementedError.
 
   Returns:
     The attention output, shaped and typed like `query` (and the residual
@@ -161,7 +173,13 @@ def dot_product_attention(
   batch, q_len, num_heads, _ = query.shape
   kv_len = key.shape[1]
   quantization = arguments.quantization(quantization)
-  names = implementations.resolve(implementation, quantization)
+  window = arguments.window(local_window_size)
+  # Without causality or a window every row sees every key (ids aside): no
+  # key comes after a row's last, and head-wide statistics stay, which
+  # measured as accurate or more (docs/algorithm.md).
+  causal_exact = (arguments.flag("causal_exact", causal_exact)
+                  and (bool(is_causal) or window is not None))
+  names = implementations.resolve(implementation, quantization, causal_exact)
   implementations.check_no_auto_sharding(names, query, key, value)
   q_lengths = arguments.lengths("query_seq_lengths", query_seq_lengths, batch, q_len)
   kv_lengths = arguments.lengths("key_value_seq_lengths", key_value_seq_lengths, batch,
@@ -174,8 +192,7 @@ def dot_product_attention(
       block_q=arguments.block("block_q", block_q, arguments.DEFAULT_BLOCK, q_len),
       block_kv=arguments.block("block_kv", block_kv, arguments.DEFAULT_BLOCK, kv_len),
       ds_precision=arguments.ds_precision(ds_precision),
-      window=arguments.window(local_window_size),
-      quantization=quantization)
+      window=window, quantization=quantization, causal_exact=causal_exact)
   case = _Case(config, scale, bool(smooth_k), q_lengths, kv_lengths, q_seg, kv_seg)
 
   # Tokens past a length are zeroed before anything reads them, so they
@@ -241,6 +258,10 @@ def _sage(name: str | Backend, query, key, value, case: _Case, return_residual: 
   kv_len = key.shape[1]
   config = case.config
   backend = implementations.backend(name, config.causal) if isinstance(name, str) else name
+  if config.causal_exact and implementations.runs_kernels(backend):
+    raise NotImplementedError(
+        "causal_exact=True: no kernel computes its statistics yet (per-block K means, 16-bit "
+        "edge tiles); implementation='reference' does")
   block_q, block_kv = config.block_q, config.block_kv
   if (implementations.runs_kernels(backend) and implementations.on_gpu()
       and min(block_q, block_kv) < arguments.MIN_DEFAULT_BLOCK):

@@ -125,6 +125,14 @@ def quantization(value) -> Quantization:
   return value
 
 
+def flag(name: str, value) -> bool:
+  """A static on/off option: a Python or numpy bool (not a traced one: it
+  picks what is computed)."""
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a bool; got {value!r}")
+  return bool(value)
+
+
 def window(local_window_size) -> tuple[int, int] | None:
   """jax.nn's `local_window_size` as (left, right): an int w is (w, w)."""
   if local_window_size is None:

@@ -24,14 +24,15 @@ FULL_PRECISION = ("cudnn", "xla")
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
-def resolve(implementation, quantization: str = "int8") -> tuple[str | Backend, ...]:
+def resolve(implementation, quantization: str = "int8",
+            causal_exact: bool = False) -> tuple[str | Backend, ...]:
   """`implementation` as the names (or backend objects) to try, in order.
 
   The default with quantization="int8_fp8": the Hopper backend (its FP8
   forward) on an H100/H200, the reference elsewhere: no Triton kernel has
-  FP8 products yet."""
+  FP8 products yet. With causal_exact: the reference, which alone has it."""
   if implementation is None:
-    if not on_gpu():
+    if not on_gpu() or causal_exact:
       return ("reference",)
     if quantization == "int8_fp8":
       return ("mosaic", "reference") if hopper() else ("reference",)

@@ -8,11 +8,16 @@ the query blocks and scans over key blocks, like the forward and dQ kernels.
 
 `full_precision_attention` is plain softmax attention in fp32 (fp64 under
 `jax_enable_x64`): the independent oracle for accuracy.
+
+Longer than 400 lines because the forward and the backward are each one
+loop for both numerics modes and `Config.causal_exact`'s 16-bit edge tiles,
+as a kernel's loop is: split by mode, they would repeat the loop's frame.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -24,7 +29,8 @@ from pallas_kernels.layouts import arrange, layout_of, to_layout
 from pallas_kernels.types import (Backend, Config, Fp8Operands, Layouts, Masks, Numerics,
                                   Prepass, QuantizedQKV, TransposedLayout)
 from sagebwd_jax.saturated_rows import where_saturated
-from sagebwd_jax.score_tiles import ScoreTiles, blocks, int8_einsum, sum_tiles, wide_einsum
+from sagebwd_jax.score_tiles import (ScoreTiles, blocks, int8_einsum, sixteen_bit, sum_tiles,
+                                     wide_einsum)
 
 _f32 = jnp.float32
 
@@ -100,13 +106,17 @@ class ReferenceBackend:
       q8, q_scale = _quantize_blocks(q_blocks)
       q_scale = _per_token(q_scale * multiplier, config.block_q)
 
-    k_heads = _heads(k).astype(_f32)
-    if k_mean is not None:
-      k_heads = k_heads - k_mean[:, :, None, :]
-    k8, k_scale = _quantize_blocks(blocks(k_heads, config.block_kv))
+    k_blocks = blocks(_heads(k).astype(_f32), config.block_kv)
+    if k_mean is not None:  # (B, Hkv, D), or per block with causal_exact
+      k_blocks = k_blocks - (k_mean[..., None, :] if config.causal_exact
+                             else k_mean[:, :, None, None, :])
+    k8, k_scale = _quantize_blocks(k_blocks)
     k8, k_scale = _unblock(k8), _per_token(k_scale, config.block_kv)
     v_heads = _heads(v).astype(_f32)
-    if config.fp8:  # per channel, over the head's tokens
+    if config.fp8 and config.causal_exact:  # per block: a channel's scale would see every key
+      v8, v_scale = nm.quantize_e4m3(blocks(v_heads, config.block_kv), axis=(-2, -1))
+      v8, v_scale = _unblock(v8), _per_token(v_scale[..., 0, 0], config.block_kv)
+    elif config.fp8:  # per channel, over the head's tokens
       v8, v_scale = nm.quantize_e4m3(v_heads, axis=-2)
       v_scale = v_scale[..., 0, :]
     else:
@@ -142,19 +152,69 @@ class ReferenceBackend:
     init = (jnp.zeros((*shape, head_dim), _f32), jnp.full(shape, nm.NOTHING_SEEN, _f32),
             jnp.zeros(shape, _f32))
 
-    if config.fp8:
-      def fp8_step(carry, j):
-        acc, m, l = carry
-        p, alpha, m, l = nm.fp8_softmax_step(
-            [tiles.block_scores(j * blocks_per_step + i) for i in range(blocks_per_step)], m, l)
-        keys = jax.lax.dynamic_slice_in_dim(qkv.v8_t, j * p_block, p_block, axis=-1)
-        pv = wide_einsum("bhgiqk,bhdk->bhgiqd", nm.to_e4m3(p), keys)
-        return (acc * alpha[..., None] + pv, m, l), None
+    block = lambda x, i: jax.lax.dynamic_index_in_dim(x, i, axis=-1, keepdims=False)
+    v16 = None if qkv.v16 is None else _heads(qkv.v16)
 
-      (acc, m, l), _ = jax.lax.scan(fp8_step, init, jnp.arange(kv_len // p_block))
-      v_scale = qkv.v_scale[:, :, None, None, None, :]  # per channel
+    def folded(x, blocks, edge_value):
+      """Each of the step's blocks' V factor, (B, Hkv, 1, 1, 1) or, for
+      blocks that are an edge tile of some query block, (B, Hkv, 1, nq, 1)
+      with `edge_value` there: the edge tiles' P.V takes V unscaled."""
+      factors = []
+      for i in blocks:
+        edge = tiles.edge(i)
+        factor = block(x, i)
+        factors.append(factor if edge is None else jnp.where(edge[..., 0], edge_value, factor))
+      return factors
+
+    product = wide_einsum if config.fp8 else int8_einsum
+
+    def p_times_v(p, blocks, p8):
+      """P.V of the step's keys: `p8` (P to its 8-bit form) times 8-bit V,
+      but P rounded to the inputs' dtype times their V in the edge tiles."""
+      if not config.exact_edges:
+        keys = jax.lax.dynamic_slice_in_dim(qkv.v8_t, blocks[0] * config.block_kv, p_block,
+                                            axis=-1)
+        return product("bhgiqk,bhdk->bhgiqd", p8(p), keys).astype(_f32)
+      pv = 0.0
+      for n, i in enumerate(blocks):
+        p_block_i = p[..., n * config.block_kv:(n + 1) * config.block_kv]
+        keys = tiles.kv_block(qkv.v8_t, i, axis=-1)
+        pv_i = product("bhgiqk,bhdk->bhgiqd", p8(p_block_i), keys).astype(_f32)
+        edge = tiles.edge(i)
+        if edge is not None:
+          pv_i = jnp.where(edge, wide_einsum("bhgiqk,bhkd->bhgiqd",
+                                             sixteen_bit(p_block_i, out_dtype),
+                                             tiles.kv_block(v16, i, axis=-2)), pv_i)
+        pv = pv + pv_i
+      return pv
+
+    def step_blocks(j):
+      return [j * blocks_per_step + i for i in range(blocks_per_step)]
+
+    if config.fp8:
+      # With causal_exact, V's scale is per block (per token) and folded into
+      # P; else per channel, applied to O at the end.
+      v_fold = None
+      if config.causal_exact:
+        v_fold = tuple(x[:, :, None, None, None, :] for x in nm.folded_v_scales(
+            qkv.v_scale[..., ::config.block_kv], blocks_per_step))
+
+      def fp8_step(carry, j):
+        acc, m, l, row_max = carry
+        blocks = step_blocks(j)
+        scores = [tiles.block_scores(i) for i in blocks]
+        folds = (None, None) if v_fold is None else (
+            folded(v_fold[0], blocks, 0.0), folded(v_fold[1], blocks, 1.0))
+        p, alpha, m, l = nm.fp8_softmax_step(scores, m, l, *folds)
+        # The rows' largest scores (the dS bound's), unfolded.
+        row_max = functools.reduce(jnp.maximum, [t for t, _ in scores], row_max)
+        return (acc * alpha[..., None] + p_times_v(p, blocks, nm.to_e4m3), m, l, row_max), None
+
+      init = (*init, init[1])
+      (acc, m, l, row_max), _ = jax.lax.scan(fp8_step, init, jnp.arange(kv_len // p_block))
+      v_scale = 1.0 if v_fold else qkv.v_scale[:, :, None, None, None, :]  # per channel
       o, lse = nm.finalize_fp8_rows(acc, m, l, v_scale)
-      return out(o), heads(lse), heads(m)
+      return out(o), heads(lse), heads(row_max)
 
     levels = nm.UINT8_MAX if numerics.unsigned_p else nm.INT8_MAX
     # (B, Hkv, 1, 1, 1, blocks): each block's factor broadcasts to its tiles' rows.
@@ -163,15 +223,12 @@ class ReferenceBackend:
 
     def kv_step(carry, j):
       acc, m, e, l = carry
-      blocks = [j * blocks_per_step + i for i in range(blocks_per_step)]
-      block = lambda x, i: jax.lax.dynamic_index_in_dim(x, i, axis=-1, keepdims=False)
+      blocks = step_blocks(j)
       p, alpha, m, e, l = nm.folded_softmax_step(
-          [tiles.block_scores(i) for i in blocks], [block(log2_v_scale, i) for i in blocks],
-          [block(inv_v_scale, i) for i in blocks], m, e, l, levels=levels)
-      p = jnp.round(jnp.minimum(p, levels))
-      keys = jax.lax.dynamic_slice_in_dim(qkv.v8_t, j * p_block, p_block, axis=-1)
-      pv = int8_einsum("bhgiqk,bhdk->bhgiqd", p, keys)
-      return (acc * alpha[..., None] + pv.astype(_f32), m, e, l), None
+          [tiles.block_scores(i) for i in blocks], folded(log2_v_scale, blocks, 0.0),
+          folded(inv_v_scale, blocks, 1.0), m, e, l, levels=levels)
+      pv = p_times_v(p, blocks, lambda p: jnp.round(jnp.minimum(p, levels)))
+      return (acc * alpha[..., None] + pv, m, e, l), None
 
     init = (init[0], init[1], jnp.full(shape, -jnp.inf, _f32), init[2])
     (acc, _, e, l), _ = jax.lax.scan(kv_step, init, jnp.arange(kv_len // p_block))
@@ -218,7 +275,38 @@ class ReferenceBackend:
     if config.fp8:
       fp8 = _Fp8Tiles.of(prepass.fp8, rows)
 
-    def kv_step(dq, j):
+    # causal_exact: dQ = dS.(K - m'), m' the query block's `dq_mean` (the
+    # rowsum(dS) m' it drops is 0 in exact arithmetic); K8 lacks its block's
+    # m_b, so each 8-bit tile adds rowsum_b(dS) (m_b - m'), and the edge tiles
+    # run in 16 bits with K - m' rounded to the inputs' dtype.
+    dq_mean = tiles.dq_mean()
+
+    def exact_dq(ds, j):
+      """dQ's terms outside its 8-bit product (`Config.causal_exact`)."""
+      edge, mean = tiles.edge(j), tiles.block_mean(j)
+      terms = 0.0 if mean is None else nm.ordered_sum(ds)[..., None] * (mean - dq_mean)
+      if edge is None:
+        return terms
+      k16 = tiles.kv_block(k16_heads, j, axis=-2)[:, :, None]  # (B, Hkv, 1, bk, D)
+      if dq_mean is not None:  # one operand per query block
+        k16 = sixteen_bit(k16.astype(_f32) - dq_mean[:, :, 0], v.dtype)
+      k16 = jnp.broadcast_to(k16, (*k16.shape[:2], ds.shape[3], *k16.shape[3:]))
+      edge_dq = wide_einsum("bhgiqk,bhikd->bhgiqd", sixteen_bit(ds, v.dtype), k16)
+      return jnp.where(edge, edge_dq, terms)
+
+    def k16_block(j):
+      """dS.K's second operand in 16 bits: K less its block's mean with
+      causal_exact, K as `QuantizedQKV.k16` holds it otherwise."""
+      k16 = tiles.kv_block(k16_heads, j, axis=-2)
+      mean = tiles.block_mean(j)
+      return k16 if mean is None else sixteen_bit(k16 - mean[:, :, 0, 0], v.dtype)
+
+    def without_edges(dq_tiles, j):
+      edge = tiles.edge(j)
+      return dq_tiles if edge is None else jnp.where(edge, 0.0, dq_tiles)
+
+    def kv_step(carry, j):
+      dq, dq_exact = carry
       s = tiles.scores(j)
       log2_p = nm.log2_p(s - lse[..., None])
       p = jnp.exp2(log2_p)
@@ -241,34 +329,32 @@ class ReferenceBackend:
         dv_tiles = int8_einsum("bhgikq,bhgiqd->bhgikd", p8_t, do8)
         dv = sum_tiles(nm.dequantize(dv_tiles, p_scale[..., None], do_scale[..., None, None]))
 
+      if config.causal_exact:
+        dq_exact = dq_exact + exact_dq(ds, j)
       if config.ds_precision == "bf16":  # dS in the inputs' dtype
-        # Rounded explicitly: XLA may drop an f32 -> bf16 -> f32 round trip
-        # (excess precision), while the kernels' 16-bit dots do round.
-        finfo = jnp.finfo(qkv.k16.dtype)
-        ds16 = jax.lax.reduce_precision(ds, finfo.nexp, finfo.nmant).astype(qkv.k16.dtype)
-        dq = dq + wide_einsum("bhgiqk,bhkd->bhgiqd", ds16,
-                              tiles.kv_block(k16_heads, j, axis=-2))
+        ds16 = sixteen_bit(ds, qkv.k16.dtype)
+        dq = dq + without_edges(wide_einsum("bhgiqk,bhkd->bhgiqd", ds16, k16_block(j)), j)
         # Q's multiplier, as the int8 Q scale carries it (ln 2 follows below).
         dk_tiles = wide_einsum("bhgikq,bhgiqd->bhgikd", jnp.swapaxes(ds16, -1, -2),
                                q16) * (config.scale * nm.LOG2_E)
-        return dq, (sum_tiles(dk_tiles), dv)
+        return (dq, dq_exact), (sum_tiles(dk_tiles), dv)
 
       if config.fp8:
         # dS / b_i to E4M3_MAX, with the other operand's block scale over
         # its head's largest folded in; the row bound and those largest
         # scales multiply the sums after the loop.
         ds_q = nm.to_e4m3(ds * (fp8.dq_factor * tiles.block_scale(fp8.k_scale, j)))
-        dq = dq + wide_einsum("bhgiqk,bhkd->bhgiqd", ds_q,
-                             tiles.kv_block(fp8.k8, j, axis=-2))
+        dq = dq + without_edges(wide_einsum("bhgiqk,bhkd->bhgiqd", ds_q,
+                                            tiles.kv_block(fp8.k8, j, axis=-2)), j)
         ds_k = nm.to_e4m3(jnp.swapaxes(ds * (fp8.ds_factor * fp8.q_fold), -1, -2))
         dk = sum_tiles(wide_einsum("bhgikq,bhgiqd->bhgikd", ds_k, fp8.q8)) * fp8.dk_scale
-        return dq, (dk, dv)
+        return (dq, dq_exact), (dk, dv)
 
       k_scale = tiles.block_scale(qkv.k_scale, j)
       ds8, ds_scale = nm.quantize_rows(ds)
       dq_tiles = int8_einsum("bhgiqk,bhdk->bhgiqd", ds8,
                               tiles.kv_block(qkv.k8_t, j, axis=-1))
-      dq = dq + nm.dequantize(dq_tiles, ds_scale[..., None], k_scale)
+      dq = dq + without_edges(nm.dequantize(dq_tiles, ds_scale[..., None], k_scale), j)
 
       ds8_t, ds_t_scale = nm.quantize_rows(ds_t)
       if unsigned_p_t:
@@ -279,12 +365,15 @@ class ReferenceBackend:
       if config.smooth_q:
         dk_tiles = dk_tiles + nm.ordered_sum(ds, axis=-2)[..., None] * tiles.q_mean[..., None, :]
       dk = sum_tiles(dk_tiles)
-      return dq, (dk, dv)
+      return (dq, dq_exact), (dk, dv)
 
     dq0 = jnp.zeros((*tiles.q8.shape[:-1], head_dim), _f32)
-    dq, (dk, dv) = jax.lax.scan(kv_step, dq0, jnp.arange(tiles.num_kv_blocks))
+    (dq, dq_exact), (dk, dv) = jax.lax.scan(kv_step, (dq0, dq0),
+                                            jnp.arange(tiles.num_kv_blocks))
     if config.fp8 and config.ds_precision == "int8":
       dq = dq * fp8.dq_scale
+    if config.causal_exact:
+      dq = dq + dq_exact
     # S was formed from Q * scale * log2(e): dQ takes `scale` once, dK ln 2.
     dq = jnp.swapaxes(dq.reshape(batch, num_heads, q_len, head_dim), 1, 2) * config.scale
     # Scan outputs are (key block, B, Hkv, row, D).

@@ -19,6 +19,7 @@ import inspect
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import causal_blocks
 from pallas_kernels import numerics as nm
 from pallas_kernels.layouts import layout_of
 from pallas_kernels.types import Backend, Config, Masks, Prepass, QuantizedQKV
@@ -38,6 +39,63 @@ def key_mean(k: jax.Array, kv_ids: jax.Array | None) -> jax.Array:
   valid = (kv_ids != nm.KV_INVALID_ID).astype(jnp.float32)
   total = jnp.einsum("bthd,bt->bhd", k, valid)
   return total / jnp.maximum(jnp.sum(valid, axis=1), 1.0)[:, None, None]
+
+
+def key_block_means(k: jax.Array, kv_ids: jax.Array | None, block: int) -> jax.Array:
+  """Mean of K over each `block` keys' valid tokens: (B, Hkv, T // block, D)
+  fp32, 0 for a block with none (`Config.causal_exact`).
+
+  A block's mean depends on its own keys only, so a row that sees the whole
+  block sees every key its mean depends on; the scores restore q_i . m_b
+  exactly (`score_tiles.ScoreTiles`), so the mean only decides what the
+  int8 grid spends its range on. Padding never enters it.
+  """
+  batch, length, heads, dim = k.shape
+  k = jnp.swapaxes(k.astype(jnp.float32), 1, 2).reshape(batch, heads, length // block, block,
+                                                         dim)
+  if kv_ids is None:
+    return nm.ordered_sum(k, axis=-2) / block
+  valid = (kv_ids != nm.KV_INVALID_ID).astype(jnp.float32).reshape(batch, 1, -1, block)
+  total = nm.ordered_sum(k * valid[..., None], axis=-2)
+  return total / jnp.maximum(nm.ordered_sum(valid), 1.0)[..., None]
+
+
+def key_means_seen(k: jax.Array, kv_ids: jax.Array | None, config: Config,
+                   q_len: int) -> jax.Array:
+  """For each query block, the mean of the valid keys up to the last key its
+  first row sees (its position plus the band's right; every key without
+  one): (B, Hkv, Tq // block_q, D) fp32 (`Config.causal_exact`).
+
+  dQ takes K less this mean (`ScoreTiles.dq_mean`): the term it drops,
+  rowsum(dS) times the mean, is 0 in exact arithmetic (rows of dS sum to
+  zero) but not in the 8-bit backward's (Delta comes from the INT8 O), and
+  K's channel bias would multiply it. One mean per query block, of keys no
+  row of the block comes before, so no row's dQ depends on a later key.
+  """
+  batch, kv_len, heads, dim = k.shape
+  block = config.block_kv
+  num_kv = kv_len // block
+  valid = (jnp.ones((batch, kv_len), jnp.float32) if kv_ids is None
+           else (kv_ids != nm.KV_INVALID_ID).astype(jnp.float32))
+  valid = valid.reshape(batch, 1, num_kv, block)
+  keys = jnp.swapaxes(k.astype(jnp.float32), 1, 2).reshape(batch, heads, num_kv, block, dim)
+  keys = keys * valid[..., None]
+  _, right = causal_blocks.band(config.causal, config.window)
+  first = jnp.arange(q_len // config.block_q) * config.block_q
+  last = (jnp.full_like(first, kv_len - 1) if right is None
+          else jnp.minimum(first + right, kv_len - 1))
+  last_block = last // block
+  # The blocks before the last key's whole, then that block up to it.
+  whole = (jnp.arange(num_kv)[None] < last_block[:, None])[None, None, :, :, None]
+  partial = (last_block[:, None] * block + jnp.arange(block)[None] <= last[:, None])
+  partial = partial[None, None, :, :, None]
+
+  def total(x):  # (B, h, nb, block, d) -> (B, h, nq, d)
+    before = nm.ordered_sum(jnp.where(whole, nm.ordered_sum(x, axis=-2)[:, :, None], 0.0),
+                            axis=-2)
+    return before + nm.ordered_sum(jnp.where(partial, x[:, :, last_block], 0.0), axis=-2)
+
+  return total(keys) / jnp.maximum(total(valid[..., None]), 1.0)
 
 
 def opaque(*arrays: jax.Array) -> tuple[jax.Array, ...]:
@@ -101,10 +159,19 @@ def quantize(q, k, v, masks: Masks, config: Config, backend: Backend,
   with the earlier queries. (K-smoothing's mean spreads a NaN key so anyway.)
   """
   q, k, v = opaque(q, k, v)
-  k_mean = key_mean(k, masks.kv_ids) if smooth_k else None
+  means = (functools.partial(key_block_means, block=config.block_kv) if config.causal_exact
+           else key_mean)
+  k_mean = means(k, masks.kv_ids) if smooth_k else None
   qkv = backend.quantize(q, k, v, k_mean, config, for_backward=for_backward,
                          layouts=backend.layouts(q, k, masks, config))
-  if config.keeps_qk16 and for_backward:
+  if config.causal_exact:
+    # The forward reads them too: the scores' per-block correction takes Q,
+    # the edge tiles Q, K and V as they are.
+    qkv = qkv._replace(
+        q16=q, k16=k, k_mean=k_mean, v16=v if config.exact_edges else None,
+        k_mean_seen=(key_means_seen(k, masks.kv_ids, config, q.shape[1])
+                     if smooth_k and for_backward else None))
+  elif config.keeps_qk16 and for_backward:
     # dS.K and dS^T.Q in 16 bits, or in FP8 from copies the backward makes:
     # their second operands unquantized. K is the smoothed one, as in the
     # int8 product: rows of dS sum to zero only up to the forward's error,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import causal_blocks
 from pallas_kernels import numerics as nm
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
@@ -46,6 +47,15 @@ def wide_einsum(subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
                     preferred_element_type=_f32, precision=jax.lax.Precision.HIGHEST)
 
 
+def sixteen_bit(x: jax.Array, dtype) -> jax.Array:
+  """fp32 `x` rounded to `dtype` (the inputs': bf16, fp16 or fp32), the
+  first operand of a 16-bit product. Rounded explicitly: XLA may drop an
+  f32 -> bf16 -> f32 round trip (excess precision), while the kernels'
+  16-bit dots do round."""
+  finfo = jnp.finfo(dtype)
+  return jax.lax.reduce_precision(x, finfo.nexp, finfo.nmant).astype(dtype)
+
+
 def sum_tiles(x: jax.Array) -> jax.Array:
   """Tiles (B, Hkv, G, nq, rows, ...) summed over the group and the query
   blocks (axes 2 and 3), in `numerics.ordered_sum`'s fixed order."""
@@ -62,6 +72,12 @@ class ScoreTiles:
 
   Arrays are laid out (B, Hkv, group, query block, row, ...), so one key block
   broadcasts across the query heads that share it (GQA without copies).
+
+  With `Config.causal_exact` a tile's scores are exact up to quantization:
+  K8 lacks its block's mean m_b (`QuantizedQKV.k_mean`), and each row's
+  q_i . m_b, from the 16-bit Q, is added back (one term per row and block);
+  and the tiles that the band's right edge crosses (`edge`) are Q.K^T from
+  the 16-bit Q and K, which no key block's statistic enters.
   """
 
   def __init__(self, qkv: QuantizedQKV, masks: Masks, config: Config):
@@ -72,6 +88,21 @@ class ScoreTiles:
     self.q_mean = None if qkv.q_mean is None else group(qkv.q_mean, self.num_kv_heads)
     self.num_kv_blocks = qkv.k8.shape[2] // config.block_kv
     num_q_blocks = qkv.q8.shape[2] // config.block_q
+    multiplier = config.scale * nm.LOG2_E  # Q8's scale carries it; the 16-bit Q does not
+    q16 = None if qkv.q16 is None else self.rows(jnp.swapaxes(qkv.q16, 1, 2))
+    # (B, Hkv, G, nq, bq, nb): q_i . m_b for every row and key block, base 2.
+    self.mean_scores = None
+    if qkv.k_mean is not None:
+      self.mean_scores = wide_einsum("bhgiqd,bhnd->bhgiqn", q16, qkv.k_mean) * multiplier
+    self.q16 = None
+    if config.exact_edges:
+      self.q16 = q16
+      self.k16 = jnp.swapaxes(qkv.k16, 1, 2)
+      self.multiplier = multiplier
+      _, right = causal_blocks.band(config.causal, config.window)
+      self.edge_start, self.edge_end = causal_blocks.right_edge(
+          jnp.arange(num_q_blocks, dtype=jnp.int32), config.block_q, config.block_kv,
+          self.num_kv_blocks, right=right)
     # (1, 1, 1, nq, bq, 1): the tiles' rank, so masks broadcast without rank
     # promotion (jax_numpy_rank_promotion="raise" passes).
     self.q_pos = (jnp.arange(num_q_blocks)[:, None] * config.block_q
@@ -89,6 +120,39 @@ class ScoreTiles:
   def block_scale(self, scale: jax.Array, j) -> jax.Array:
     """The scale of key block j, from per-token scales, broadcast to tiles."""
     return scale[:, :, j * self.config.block_kv][:, :, None, None, None, None]
+
+  def edge(self, j) -> jax.Array | None:
+    """(1, 1, 1, nq, 1, 1) bool: whether tile (i, j) is an edge tile, 16-bit
+    (`Config.exact_edges`); None without them."""
+    if self.q16 is None:
+      return None
+    edge = (j >= self.edge_start) & (j < self.edge_end)
+    return edge[None, None, None, :, None, None]
+
+  def block_mean(self, j) -> jax.Array | None:
+    """Key block j's mean m_b (B, Hkv, 1, 1, 1, D), which K8 lacks; None
+    without per-block means."""
+    if self.qkv.k_mean is None:
+      return None
+    return jax.lax.dynamic_index_in_dim(self.qkv.k_mean, j, axis=2,
+                                        keepdims=False)[:, :, None, None, None, :]
+
+  def dq_mean(self) -> jax.Array | None:
+    """Each query block's `QuantizedQKV.k_mean_seen` (B, Hkv, 1, nq, 1, D),
+    which dQ's K is taken less; None without it."""
+    if self.qkv.k_mean_seen is None:
+      return None
+    return self.qkv.k_mean_seen[:, :, None, :, None, :]
+
+  def _mean_scores(self, j) -> jax.Array | None:
+    if self.mean_scores is None:
+      return None
+    return jax.lax.dynamic_index_in_dim(self.mean_scores, j, axis=-1, keepdims=False)
+
+  def _edge_scores(self, j) -> jax.Array:
+    """Tiles (i, j) from the 16-bit Q and K, fp32 accumulation, base 2."""
+    k16 = self.kv_block(self.k16, j, axis=-2)
+    return wide_einsum("bhgiqd,bhkd->bhgiqk", self.q16, k16) * self.multiplier
 
   def _product(self, j):
     """The int32 products Q8.K8^T of tiles (i, j) (B, Hkv, G, nq, bq, bk), their
@@ -117,9 +181,19 @@ class ScoreTiles:
     product, scale, bias, mask = self._product(j)
     s = nm.dequantize(product, scale, 1.0)
     s = s if bias is None else s + bias
+    mean_scores = self._mean_scores(j)
+    s = s if mean_scores is None else s + mean_scores[..., None]
+    edge = self.edge(j)
+    s = s if edge is None else jnp.where(edge, self._edge_scores(j), s)
     return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
   def block_scores(self, j) -> tuple[jax.Array, jax.Array]:
     """`numerics.block_scores` of tiles (i, j): the forward's form of them."""
     product, scale, bias, mask = self._product(j)
-    return nm.block_scores(product, scale, mask=mask, bias=bias)
+    top, from_top = nm.block_scores(product, scale, mask=mask, bias=bias,
+                                    row_bias=self._mean_scores(j))
+    edge = self.edge(j)
+    if edge is None:
+      return top, from_top
+    edge_top, edge_from_top = nm.float_block_scores(self._edge_scores(j), mask)
+    return jnp.where(edge[..., 0], edge_top, top), jnp.where(edge, edge_from_top, from_top)
