@@ -49,9 +49,6 @@ VARIANTS = {
     "mosaic_1wg": BackwardTuning(compute_wgs=1, schedule_barrier=False),
     "mosaic_fp8": BackwardTuning(),
     "mosaic_fp8_no_sched": BackwardTuning(schedule_barrier=False),
-    "mosaic_fp8_smem": BackwardTuning(a_operands="smem"),
-    "mosaic_fp8_fresh": BackwardTuning(a_operands="fresh"),
-    "mosaic_fp8_k": BackwardTuning(a_operands="k"),
     "mosaic_fp8_kv3": BackwardTuning(max_concurrent_steps=3),
 }
 

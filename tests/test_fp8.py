@@ -315,8 +315,7 @@ def _fp8_kernels(config, tuning, qkv, v, lse, pre, do):
 
 
 FP8_TUNINGS = {"default": BackwardTuning(),
-               "no_schedule_barrier": BackwardTuning(schedule_barrier=False),
-               **{f"a_{a}": BackwardTuning(a_operands=a) for a in ("smem", "fresh", "k")}}
+               "no_schedule_barrier": BackwardTuning(schedule_barrier=False)}
 
 
 @pytest.mark.parametrize("tuning", sorted(FP8_TUNINGS))

@@ -39,15 +39,7 @@ class BackwardTuning(pipeline.Tuning):
   """Launch settings of a Mosaic backward kernel: blocks of 64 keys (dK/dV) or
   queries (dQ) per CTA, the ring of the other side's tiles, the schedule
   barrier. `python -m benchmarks.mosaic_backward` times them
-  (docs/performance-log.md).
-
-  `a_operands` (FP8): "smem" issues S and dP with both operands in shared
-  memory and dP from -Delta; in dK/dV "fresh" the same with dP^T from
-  nothing (-Delta folded into dS^T's factor); "k" also keeps S's A operand
-  (K8 in dK/dV, Q8 in dQ) in registers across the loop, "kv" that and dP's
-  (V, dO)."""
-
-  a_operands: str = "kv"
+  (docs/performance-log.md)."""
 
 
 def magic(shape=TILE):

@@ -67,7 +67,6 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
   num_q_blocks = q_len // BLOCK
   wgs = tuning.compute_wgs
   fp8 = out_scales is not None
-  fresh = fp8 and tuning.a_operands != "smem"
   t_transforms = smem_transforms(BLOCK, q8_t.dtype)
   k_transforms = smem_transforms(head_dim, jnp.int8)
   v_transforms = smem_transforms(head_dim, v.dtype)
@@ -102,13 +101,6 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
       k_scale = ks_ref[b, kvh, j * BLOCK]
       plgpu.barrier_wait(k_bars.at[wg])
       plgpu.barrier_wait(v_bars.at[wg])
-      # Constant over the loop: in registers, the A operands read no shared
-      # memory per step.
-      if fresh:
-        k_a = (registers.load_a(k_smem, k_transforms) if "k" in tuning.a_operands
-               else (k_smem, k_transforms))
-        v_a = (registers.load_a(v_smem, v_transforms) if "v" in tuning.a_operands
-               else (v_smem, v_transforms))
 
       def column(slot, c):
         plgpu.barrier_wait(col_bars[c].at[slot])
@@ -128,14 +120,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
           plgpu.barrier_wait(do_bars.at[slot])
           return (v_smem, do_ring.at[slot]), minus_delta
 
-        if fresh:
-          with jax.named_scope("turn"):
-            schedule.turn()
-            plgpu.barrier_wait(do_bars.at[slot])
-          with jax.named_scope("s_dp"):
-            s, dp = registers.dots((bc.magic(), (k_a,), (q_ring.at[slot],), k_transforms),
-                                   (None, (v_a,), (do_ring.at[slot],), v_transforms))
-        elif fp8:  # dP^T with S^T under one wait: -10% (docs/performance-log.md)
+        if fp8:  # dP^T with S^T under one wait: -10% (docs/performance-log.md)
           with jax.named_scope("s_dp"):
             (s, dp) = bc.products(*zip(s_product, dp_product()), schedule)
         else:
@@ -148,11 +133,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
           lse = column(slot, 0)
           if fp8:  # P^T * p_factor: the exponent shifted by its log2, capped there
             p = jnp.exp2(bc.exponent(f, q_scale * k_scale, lse - step, along=1, cap=step))
-            if fresh:  # (dP^T - Delta) * c = dP^T * c - Delta * c, one FMA
-              col = lambda c: lax.broadcast_in_dim(column(slot, c), bc.TILE, [1])
-              ds_t = p * (dp * col(1) + col(2))
-            else:
-              ds_t = p * (dp * lax.broadcast_in_dim(column(slot, 2), bc.TILE, [1]))
+            ds_t = p * (dp * lax.broadcast_in_dim(column(slot, 2), bc.TILE, [1]))
             p8, ds8 = registers.pack_e4m3(p), registers.pack_e4m3(ds_t)
           else:
             pq, top = nm.unsigned_rows(bc.exponent(f, q_scale * k_scale, lse, along=1))
@@ -269,9 +250,7 @@ def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
     positive = fp8.p_factor > 0
     ds_col = jnp.where(positive, nm.inverse_scale(fp8.ds_bound, nm.E4M3_MAX) * fp8.q_fold
                        / jnp.where(positive, fp8.p_factor, 1.0), 0.0)
-    step_scale = jnp.log2(fp8.p_factor)
-    columns = ((lse, delta, ds_col) if tuning.a_operands == "smem"
-               else (lse, ds_col, -delta * ds_col))
+    step_scale, columns = jnp.log2(fp8.p_factor), (lse, delta, ds_col)
     out_scales = (fp8.dk_scale * nm.LN_2, fp8.dv_scale)
   dk, dv = _dkdv_call(qkv.q8, q8_t, qkv.q_scale, qkv.k8, qkv.k_scale, v, do, do8_t,
                       step_scale, columns, out_scales, causal=config.causal,

@@ -61,7 +61,6 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
   t_transforms = smem_transforms(BLOCK, k8_t.dtype)
   q_transforms = smem_transforms(head_dim, jnp.int8)
   do_transforms = smem_transforms(head_dim, do.dtype)
-  in_registers = fp8 and tuning.a_operands in ("k", "kv")
 
   def kv_range(i):
     """Key steps query block i sees: [0, full) whole, [full, end) masked."""
@@ -98,11 +97,6 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         row_shift, row_out = (bc.row_vector(ref.at[b, h, rows]) for ref in row_refs)
       plgpu.barrier_wait(q_bars.at[wg])
       plgpu.barrier_wait(do_bars.at[wg])
-      if in_registers:  # constant over the loop
-        q_a = (registers.load_a(q_smem, q_transforms) if "k" in tuning.a_operands
-               else (q_smem, q_transforms))
-        do_a = (registers.load_a(do_smem, do_transforms) if "v" in tuning.a_operands
-                else (do_smem, do_transforms))
 
       def kv_step(j, dq, *, masked: bool):
         slot = ring.slot(j)
@@ -110,15 +104,10 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
           plgpu.barrier_wait(k_bars.at[slot])
           plgpu.barrier_wait(v_bars.at[slot])
         tile = (BLOCK, step_keys)
-        starts = bc.magic(tile), -lax.broadcast_in_dim(delta, tile, [0])
         with jax.named_scope("s_dp"):
-          if in_registers:
-            schedule.turn()
-            s, dp = registers.dots((starts[0], (q_a,), (k_ring.at[slot],), q_transforms),
-                                   (starts[1], (do_a,), (v_ring.at[slot],), do_transforms))
-          else:
-            s, dp = bc.products([(q_smem, k_ring.at[slot]), (do_smem, v_ring.at[slot])],
-                                starts, schedule)
+          s, dp = bc.products([(q_smem, k_ring.at[slot]), (do_smem, v_ring.at[slot])],
+                              [bc.magic(tile), -lax.broadcast_in_dim(delta, tile, [0])],
+                              schedule)
         with jax.named_scope("elementwise"):
           f = bc.as_float(s)
           if masked:

@@ -161,24 +161,6 @@ def pack_e4m3(p: jax.Array) -> jax.Array:
   return packed(p)
 
 
-def load_a(ref, transforms: tuple) -> jax.Array:
-  """A shared-memory (64, k) tile stored with `transforms` -> the register A
-  operand of a wgmma (WGMMA_8BIT for 8-bit values, WGMMA for 16-bit), to
-  keep in registers across a loop of products."""
-  narrow = jnp.dtype(ref.dtype).itemsize == 1
-  layout = plgpu.Layout.WGMMA_8BIT if narrow else plgpu.Layout.WGMMA
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms),),
-                     return_type=plgpu.ShapeDtypeStruct(ref.shape, ref.dtype, layout=layout))
-  def load(ctx, tiled):
-    del ctx
-    return fa.FragmentedArray.load_tiled(
-        tiled, transforms[-1].swizzle, is_signed=True if narrow else None,
-        layout=fa.WGMMA_LAYOUT_8BIT if narrow else fa.WGMMA_LAYOUT)
-
-  return load(ref)
-
-
 def dots(*products, unsigned_a: bool = False) -> tuple[jax.Array, ...]:
   """For each (start, A tiles, B tiles, B's transforms) of `products`: start +
   sum over i of A_i.B_i^T by wgmmas, all issued before one commit and one
@@ -186,24 +168,20 @@ def dots(*products, unsigned_a: bool = False) -> tuple[jax.Array, ...]:
 
   `start`: the accumulator's start (for FP8 products: the running sum they
   add into), or None: the first wgmma ignores its input, so no instruction
-  sets it (int32 for int8 A, else fp32). A tiles: (64, k) register operands
-  (`pack`, `pack_e4m3`, `load_a`), or (ref, transforms) of shared-memory
-  ones. B tiles: shared-memory (n, k) tiles of B^T; with a packed A their
-  contraction axis is in `layouts.permute_keys` order (REGISTER_B).
+  sets it (int32 for int8 A, else fp32). A tiles: (64, 64) 8-bit register
+  operands (`pack`, `pack_e4m3`). B tiles: shared-memory (n, 64) tiles of
+  B^T whose contraction axis is in `layouts.permute_keys` order
+  (REGISTER_B).
   `unsigned_a`: int8 A read as unsigned (P in 0..255).
   """
   arg_types, args, specs = [], [], []
   for start, a_tiles, b_tiles, b_transforms in products:
-    in_smem = [isinstance(a, tuple) for a in a_tiles]
-    a_dtype = jnp.dtype((a_tiles[0][0] if in_smem[0] else a_tiles[0]).dtype)
-    acc_dtype = jnp.int32 if a_dtype == jnp.int8 else jnp.float32
+    acc_dtype = jnp.int32 if jnp.dtype(a_tiles[0].dtype) == jnp.int8 else jnp.float32
     if start is not None:
       arg_types.append(plgpu.Layout.WGMMA)
       args.append(start)
-    for a, smem in zip(a_tiles, in_smem):
-      arg_types.append(plgpu.RefType(a[1]) if smem else
-                       plgpu.Layout.WGMMA_8BIT if a_dtype.itemsize == 1 else plgpu.Layout.WGMMA)
-      args.append(a[0] if smem else a)
+    arg_types += [plgpu.Layout.WGMMA_8BIT] * len(a_tiles)
+    args += list(a_tiles)
     arg_types += [plgpu.RefType(b_transforms)] * len(b_tiles)
     args += list(b_tiles)
     specs.append((start is not None, len(a_tiles), b_transforms[-1].swizzle,
