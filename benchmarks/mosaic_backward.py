@@ -49,8 +49,19 @@ VARIANTS = {
     "mosaic_1wg": BackwardTuning(compute_wgs=1, schedule_barrier=False),
     "mosaic_fp8": BackwardTuning(),
     "mosaic_fp8_no_sched": BackwardTuning(schedule_barrier=False),
-    "mosaic_fp8_kv3": BackwardTuning(max_concurrent_steps=3),
+    # dK/dV alone with these: dQ's three-slot ring overflows shared memory at D=128.
+    "mosaic_fp8_3st": (BackwardTuning(max_concurrent_steps=3), BackwardTuning()),
+    "mosaic_fp8_3st_no_sched": (BackwardTuning(max_concurrent_steps=3, schedule_barrier=False),
+                                BackwardTuning()),
+    "mosaic_fp8_pipelined": (BackwardTuning(pipelined=True, max_concurrent_steps=3,
+                                            schedule_barrier=False), BackwardTuning()),
 }
+
+
+def tunings(name: str) -> tuple[BackwardTuning, BackwardTuning]:
+  """A variant's dK/dV and dQ launch settings."""
+  variant = VARIANTS[name]
+  return variant if isinstance(variant, tuple) else (variant, variant)
 
 
 def fp8_inputs(q, k, v, do, config: Config):
@@ -134,8 +145,8 @@ def main():
                      lambda *a: backward_dq(*a, Masks(), config, triton.dq_launch))
     for name in (n for n in names if "fp8" not in n):
       time_pair(name,
-                lambda *a, l=VARIANTS[name]: backward_dkdv_mosaic(*a, Masks(), config, l),
-                lambda *a, l=VARIANTS[name]: backward_dq_mosaic(*a, Masks(), config, l),
+                lambda *a, l=tunings(name)[0]: backward_dkdv_mosaic(*a, Masks(), config, l),
+                lambda *a, l=tunings(name)[1]: backward_dq_mosaic(*a, Masks(), config, l),
                 want, mosaic_args)
     fp8_names = [n for n in names if "fp8" in n]
     if fp8_names:
@@ -149,9 +160,9 @@ def main():
               (qkv8, v8, lse8, pre8.delta, do8, pre8.fp8))
       for name in fp8_names:
         time_pair(name,
-                  lambda *a, l=VARIANTS[name]: backward_dkdv_mosaic(
+                  lambda *a, l=tunings(name)[0]: backward_dkdv_mosaic(
                       *a[:-1], Masks(), fp8_config, l, fp8=a[-1]),
-                  lambda *a, l=VARIANTS[name]: backward_dq_mosaic(
+                  lambda *a, l=tunings(name)[1]: backward_dq_mosaic(
                       *a[:-1], Masks(), fp8_config, l, fp8=a[-1]),
                   fp8_want, pair)
     table.ratios(causal, ref_row)

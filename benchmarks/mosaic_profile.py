@@ -24,7 +24,7 @@ import tempfile
 
 import jax
 
-from benchmarks.mosaic_backward import VARIANTS, fp8_inputs
+from benchmarks.mosaic_backward import VARIANTS, fp8_inputs, tunings
 from benchmarks.variants import parse_args, random_inputs
 from pallas_kernels.mosaic import pipeline
 from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
@@ -76,7 +76,7 @@ def main():
   (qkv, v8, lse, pre, do8), _, _ = jax.block_until_ready(
       jax.jit(functools.partial(fp8_inputs, config=config))(q, k, v, do))
   for name in (n for n in names if "fp8" in n):
-    tuning = VARIANTS[name]
+    dkdv_tuning, dq_tuning = tunings(name)
     for kernel in ("dkdv", "dq"):
       with tempfile.TemporaryDirectory() as folder:
         # Six regions a step, 64 queries or keys a step.
@@ -84,11 +84,11 @@ def main():
         try:
           if kernel == "dkdv":
             run = lambda: backward_dkdv_mosaic(qkv, v8, lse, pre.delta, do8, pre.do8_t,
-                                               pre.do_scale, Masks(), config, tuning,
+                                               pre.do_scale, Masks(), config, dkdv_tuning,
                                                fp8=pre.fp8)
           else:
             run = lambda: backward_dq_mosaic(qkv, v8, lse, pre.delta, do8, Masks(), config,
-                                             tuning, fp8=pre.fp8)
+                                             dq_tuning, fp8=pre.fp8)
           jax.block_until_ready(run())
           jax.effects_barrier()
         finally:

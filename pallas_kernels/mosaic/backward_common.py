@@ -39,7 +39,20 @@ class BackwardTuning(pipeline.Tuning):
   """Launch settings of a Mosaic backward kernel: blocks of 64 keys (dK/dV) or
   queries (dQ) per CTA, the ring of the other side's tiles, the schedule
   barrier. `python -m benchmarks.mosaic_backward` times them
-  (docs/performance-log.md)."""
+  (docs/performance-log.md).
+
+  `pipelined` (FP8 dK/dV): each step issues the next step's S^T and dP^T
+  with its own dV and dK products, one wait covering both; the ring keeps
+  the next step's tiles beside the current ones (at least three slots), and
+  the warpgroups do not take turns."""
+
+  pipelined: bool = False
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.pipelined and (self.max_concurrent_steps < 3 or self.schedule_barrier):
+      raise ValueError("pipelined needs max_concurrent_steps >= 3 and no schedule_barrier; "
+                       f"got {self.max_concurrent_steps}, {self.schedule_barrier}")
 
 
 def magic(shape=TILE):

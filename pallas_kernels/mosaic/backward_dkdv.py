@@ -161,13 +161,69 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         plgpu.barrier_arrive(consumed.at[slot])
         return dk, dv
 
+      def issue_s_dp(i):
+        """S^T and dP^T of step i, issued and left in flight."""
+        slot = ring.slot(i)
+        plgpu.barrier_wait(q_bars.at[slot])
+        minus_delta = -lax.broadcast_in_dim(column(slot, 1), bc.TILE, [1])
+        plgpu.barrier_wait(do_bars.at[slot])
+        return registers.dots(
+            (bc.magic(), ((k_smem, k_transforms),), (q_ring.at[slot],), k_transforms),
+            (minus_delta, ((v_smem, v_transforms),), (do_ring.at[slot],), v_transforms),
+            wait=False)
+
+      def pipelined_step(i, carry, *, masked: bool, last: bool = False):
+        """Step i with FP8 products, its S^T and dP^T issued by step i - 1:
+        dV and dK of step i go out with S^T and dP^T of step i + 1, and one
+        wait at the next step's start covers both, so the tensor cores hold
+        this warpgroup's next products while it runs its chain."""
+        s, dp, dk, dv = registers.wait_for(*carry)
+        slot = ring.slot(i)
+
+        @pl.when(i > start)
+        def _release_previous():  # dV and dK of step i - 1 are done
+          plgpu.barrier_arrive(consumed.at[ring.slot(i - 1)])
+
+        q_scale, step = qs_ref[b, h, i * BLOCK], step_ref[b, h, i * BLOCK]
+        f = bc.as_float(s)
+        if masked:
+          f = bc.causal_mask(f, row_start=j * BLOCK, col_start=i * BLOCK, rows_are_keys=True)
+        p = jnp.exp2(bc.exponent(f, q_scale * k_scale, column(slot, 0) - step, along=1,
+                                 cap=step))
+        ds_t = p * (dp * lax.broadcast_in_dim(column(slot, 2), bc.TILE, [1]))
+        p8, ds8 = registers.pack_e4m3(p), registers.pack_e4m3(ds_t)
+        plgpu.barrier_wait(do8_t_bars.at[slot])
+        plgpu.barrier_wait(q8_t_bars.at[slot])
+        dv, dk = registers.dots((dv, (p8,), (do8_t_ring.at[slot],), t_transforms),
+                                (dk, (ds8,), (q8_t_ring.at[slot],), t_transforms), wait=False)
+        if last:
+          return dk, dv
+        return (*issue_s_dp(i + 1), dk, dv)
+
+      def pipelined_steps(start, full, zeros):
+        """Steps [start, end) as `pipelined_step`s: masked ones, whole ones,
+        then the last (masked when causal: a whole block's mask keeps all)."""
+        carry = (*issue_s_dp(start), *zeros)
+        last = end - 1
+        carry = lax.fori_loop(start, jnp.minimum(full, last),
+                              functools.partial(pipelined_step, masked=True), carry)
+        carry = lax.fori_loop(jnp.minimum(full, last), last,
+                              functools.partial(pipelined_step, masked=False), carry)
+        carry = pipelined_step(last, carry, masked=causal, last=True)
+        dk, dv = registers.wait_for(*carry)
+        plgpu.barrier_arrive(consumed.at[ring.slot(last)])
+        return dk, dv
+
       start, full, _ = q_range(j)
       pipeline.release(ring, cta_start, start, bars=ring_bars, consumed=consumed,
                        schedule=schedule)
       schedule.lead_in(wg)
-      carry = (bc.zeros((BLOCK, head_dim)), bc.zeros((BLOCK, head_dim)))
-      carry = lax.fori_loop(start, full, functools.partial(q_step, masked=True), carry)
-      dk, dv = lax.fori_loop(full, end, functools.partial(q_step, masked=False), carry)
+      zeros = (bc.zeros((BLOCK, head_dim)), bc.zeros((BLOCK, head_dim)))
+      if fp8 and tuning.pipelined:
+        dk, dv = pipelined_steps(start, full, zeros)
+      else:
+        carry = lax.fori_loop(start, full, functools.partial(q_step, masked=True), zeros)
+        dk, dv = lax.fori_loop(full, end, functools.partial(q_step, masked=False), carry)
       schedule.lead_out(wg)
       # Q was quantized as Q * scale * log2(e): dK carries log2(e) once (FP8:
       # in its factor).

@@ -161,7 +161,7 @@ def pack_e4m3(p: jax.Array) -> jax.Array:
   return packed(p)
 
 
-def dots(*products, unsigned_a: bool = False) -> tuple[jax.Array, ...]:
+def dots(*products, unsigned_a: bool = False, wait: bool = True) -> tuple[jax.Array, ...]:
   """For each (start, A tiles, B tiles, B's transforms) of `products`: start +
   sum over i of A_i.B_i^T by wgmmas, all issued before one commit and one
   wait; returns the (64, n) accumulators, WGMMA layout.
@@ -169,19 +169,27 @@ def dots(*products, unsigned_a: bool = False) -> tuple[jax.Array, ...]:
   `start`: the accumulator's start (for FP8 products: the running sum they
   add into), or None: the first wgmma ignores its input, so no instruction
   sets it (int32 for int8 A, else fp32). A tiles: (64, 64) 8-bit register
-  operands (`pack`, `pack_e4m3`). B tiles: shared-memory (n, 64) tiles of
-  B^T whose contraction axis is in `layouts.permute_keys` order
-  (REGISTER_B).
-  `unsigned_a`: int8 A read as unsigned (P in 0..255).
+  operands (`pack`, `pack_e4m3`), whose B tiles are shared-memory (n, 64)
+  tiles of B^T with the contraction axis in `layouts.permute_keys` order
+  (REGISTER_B); or (ref, transforms) of shared-memory (64, k) tiles, with
+  (n, k) B^T tiles stored as they are. `unsigned_a`: int8 A read as
+  unsigned (P in 0..255). `wait=False` returns the accumulators in flight:
+  nothing may read them before `wait_for` returns them.
   """
   arg_types, args, specs = [], [], []
   for start, a_tiles, b_tiles, b_transforms in products:
-    acc_dtype = jnp.int32 if jnp.dtype(a_tiles[0].dtype) == jnp.int8 else jnp.float32
+    in_smem = isinstance(a_tiles[0], tuple)
+    a_dtype = jnp.dtype((a_tiles[0][0] if in_smem else a_tiles[0]).dtype)
+    acc_dtype = jnp.int32 if a_dtype == jnp.int8 else jnp.float32
     if start is not None:
       arg_types.append(plgpu.Layout.WGMMA)
       args.append(start)
-    arg_types += [plgpu.Layout.WGMMA_8BIT] * len(a_tiles)
-    args += list(a_tiles)
+    if in_smem:
+      arg_types += [plgpu.RefType(transforms) for _, transforms in a_tiles]
+      args += [ref for ref, _ in a_tiles]
+    else:
+      arg_types += [plgpu.Layout.WGMMA_8BIT] * len(a_tiles)
+      args += list(a_tiles)
     arg_types += [plgpu.RefType(b_transforms)] * len(b_tiles)
     args += list(b_tiles)
     specs.append((start is not None, len(a_tiles), b_transforms[-1].swizzle,
@@ -216,7 +224,26 @@ def dots(*products, unsigned_a: bool = False) -> tuple[jax.Array, ...]:
       accs.append(acc)
     void = ir.Type.parse("!llvm.void")
     llvm.inline_asm(void, [], "wgmma.commit_group.sync.aligned;", "", has_side_effects=True)
-    llvm.inline_asm(void, [], "wgmma.wait_group.sync.aligned 0;", "", has_side_effects=True)
+    if wait:
+      llvm.inline_asm(void, [], "wgmma.wait_group.sync.aligned 0;", "", has_side_effects=True)
     return tuple(acc.value for acc in accs)
 
   return product(*args)
+
+
+def wait_for(*accs) -> tuple[jax.Array, ...]:
+  """Waits for every wgmma this warpgroup issued; returns `accs` (in flight
+  from `dots(..., wait=False)`) as values that nothing reads before the wait."""
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA,) * len(accs),
+      return_type=tuple(plgpu.ShapeDtypeStruct(acc.shape, acc.dtype, layout=plgpu.Layout.WGMMA)
+                        for acc in accs))
+  def waited(ctx, *values):
+    del ctx
+    void = ir.Type.parse("!llvm.void")
+    llvm.inline_asm(void, [], "wgmma.wait_group.sync.aligned 0;", "", has_side_effects=True)
+    return tuple(fa.optimization_barrier(*values)) if len(values) > 1 else (
+        fa.optimization_barrier(values[0]),)
+
+  return waited(*accs)
