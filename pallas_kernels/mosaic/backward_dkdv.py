@@ -84,7 +84,10 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
     b, h, t = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("kv_seq")
     wg = lax.axis_index("wg")
     kvh = lax.div(h, jnp.array(group, h.dtype))
-    smem, (k_bars, v_bars), ring_bars, consumed, sched = scoped
+    smem, (k_bars, v_bars), ring_bars, releases, sched = scoped
+    # Pipelined, Q8^T's and dO8^T's slots (read by dV and dK, a step later)
+    # are released on their own barriers, the rest's after the chain.
+    consumed, consumed_t = releases if tuning.pipelined else releases * 2
     k_smem2, v_smem2, q_ring, q8_t_ring, do_ring, do8_t_ring, col_rings, out_smem2 = smem
     q_bars, q8_t_bars, do_bars, do8_t_bars, *col_bars = ring_bars
     cta_start = q_range(t * wgs)[0]
@@ -182,7 +185,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
 
         @pl.when(i > start)
         def _release_previous():  # dV and dK of step i - 1 are done
-          plgpu.barrier_arrive(consumed.at[ring.slot(i - 1)])
+          plgpu.barrier_arrive(consumed_t.at[ring.slot(i - 1)])
 
         q_scale, step = qs_ref[b, h, i * BLOCK], step_ref[b, h, i * BLOCK]
         f = bc.as_float(s)
@@ -191,6 +194,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         p = jnp.exp2(bc.exponent(f, q_scale * k_scale, column(slot, 0) - step, along=1,
                                  cap=step))
         ds_t = p * (dp * lax.broadcast_in_dim(column(slot, 2), bc.TILE, [1]))
+        plgpu.barrier_arrive(consumed.at[slot])  # Q8, dO and the rows' vectors
         p8, ds8 = registers.pack_e4m3(p), registers.pack_e4m3(ds_t)
         plgpu.barrier_wait(do8_t_bars.at[slot])
         plgpu.barrier_wait(q8_t_bars.at[slot])
@@ -211,11 +215,11 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
                               functools.partial(pipelined_step, masked=False), carry)
         carry = pipelined_step(last, carry, masked=causal, last=True)
         dk, dv = registers.wait_for(*carry)
-        plgpu.barrier_arrive(consumed.at[ring.slot(last)])
+        plgpu.barrier_arrive(consumed_t.at[ring.slot(last)])
         return dk, dv
 
       start, full, _ = q_range(j)
-      pipeline.release(ring, cta_start, start, bars=ring_bars, consumed=consumed,
+      pipeline.release(ring, cta_start, start, bars=ring_bars, consumed=releases,
                        schedule=schedule)
       schedule.lead_in(wg)
       zeros = (bc.zeros((BLOCK, head_dim)), bc.zeros((BLOCK, head_dim)))
@@ -237,16 +241,22 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         bc.write_tile(x.astype(out_dtype), out_smem, dst.at[b, kv, h])
 
     def producer():
-      def load(i, slot):
+      def load_first(i, slot):  # what S^T, dP^T and the chain read
         rows = pl.ds(i * BLOCK, BLOCK)
         plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_ring.at[slot], q_bars.at[slot])
         plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_ring.at[slot], do_bars.at[slot])
-        plgpu.copy_gmem_to_smem(do8_t_ref.at[b, h, i], do8_t_ring.at[slot], do8_t_bars.at[slot])
-        plgpu.copy_gmem_to_smem(q8_t_ref.at[b, h, i], q8_t_ring.at[slot], q8_t_bars.at[slot])
         for c, (ref, bar) in enumerate(zip(col_refs, col_bars)):
           plgpu.copy_gmem_to_smem(ref.at[b, h, rows], col_rings.at[slot, c], bar.at[slot])
 
-      pipeline.stream(ring, first=cta_start, end=end, load=load, consumed=(consumed,))
+      def load_last(i, slot):  # what dV and dK read
+        plgpu.copy_gmem_to_smem(do8_t_ref.at[b, h, i], do8_t_ring.at[slot], do8_t_bars.at[slot])
+        plgpu.copy_gmem_to_smem(q8_t_ref.at[b, h, i], q8_t_ring.at[slot], q8_t_bars.at[slot])
+
+      if tuning.pipelined:
+        groups = ((load_first, (consumed,)), (load_last, (consumed_t,)))
+      else:
+        groups = ((lambda i, slot: (load_first(i, slot), load_last(i, slot)), (consumed,)),)
+      pipeline.stream(ring, first=cta_start, end=end, groups=groups)
 
     pipeline.split(wg, tuning, pipeline.BACKWARD_REGISTERS, compute=compute, producer=producer)
 
@@ -265,7 +275,8 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
   )
   barriers = ((plgpu.Barrier(num_barriers=wgs),) * 2,
               (plgpu.Barrier(num_barriers=slots),) * (4 + len(columns)),
-              plgpu.Barrier(num_arrivals=wgs, num_barriers=slots),
+              (plgpu.Barrier(num_arrivals=wgs, num_barriers=slots),) * (
+                  2 if tuning.pipelined else 1),
               plgpu.Barrier(num_arrivals=wgs))
   shape = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), out_dtype)
   return pipeline.kernel(

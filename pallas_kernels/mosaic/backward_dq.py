@@ -146,7 +146,8 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
                          bc.zeros((BLOCK, head_dim)))
       dq = lax.fori_loop(full, end, functools.partial(kv_step, masked=True), dq)
       schedule.lead_out(wg)
-      pipeline.release(ring, end, cta_end, bars=ring_bars, consumed=consumed, schedule=schedule)
+      pipeline.release(ring, end, cta_end, bars=ring_bars, consumed=(consumed,),
+                       schedule=schedule)
       # Q was quantized as Q * scale * log2(e); dS is in base-2 units: dQ takes
       # `scale` (FP8: in its row factor).
       dq = dq * lax.broadcast_in_dim(row_out, dq.shape, [0]) if fp8 else dq * scale
@@ -160,7 +161,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         plgpu.copy_gmem_to_smem(k8_t_ref.at[b, kvh, pl.ds(j * halves, halves)],
                                 k8_t_ring.at[slot], k8_t_bars.at[slot])
 
-      pipeline.stream(ring, first=jnp.int32(0), end=cta_end, load=load, consumed=(consumed,))
+      pipeline.stream(ring, first=jnp.int32(0), end=cta_end, groups=((load, (consumed,)),))
 
     pipeline.split(wg, tuning, pipeline.BACKWARD_REGISTERS, compute=compute, producer=producer)
 

@@ -300,8 +300,8 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scales: tuple, *, fp8: bool,
         plgpu.copy_gmem_to_smem(k_ref.at[b, kvh, blocks], k_smem.at[slot], k_bars.at[slot])
         plgpu.copy_gmem_to_smem(vt_ref.at[b, kvh, blocks], vt_smem.at[slot], v_bars.at[slot])
 
-      pipeline.stream(ring, first=jnp.int32(0), end=cta_steps, load=load,
-                      consumed=(k_consumed, v_consumed))
+      pipeline.stream(ring, first=jnp.int32(0), end=cta_steps,
+                      groups=((load, (k_consumed, v_consumed)),))
 
     pipeline.split(wg, tuning, pipeline.FORWARD_REGISTERS, compute=compute, producer=producer)
 

@@ -142,28 +142,34 @@ class Ring:
     return lax.rem(i, jnp.array(self.slots, i.dtype))
 
 
-def stream(ring: Ring, *, first, end, load: Callable, consumed: Sequence):
-  """The producer's loop: `load(i, slot)` tiles i in [first, end), each once
-  the compute warpgroups released the slot's previous tile on every barrier
-  array of `consumed`; then it observes the last releases too, so every
-  barrier phase is waited on."""
+def stream(ring: Ring, *, first, end, groups: Sequence[tuple[Callable, Sequence]]):
+  """The producer's loop over tiles i in [first, end): for each (load,
+  consumed) of `groups`, `load(i, slot)` once the compute warpgroups
+  released the slot's previous tiles of that group on every barrier array
+  of `consumed`; then it observes the last releases too, so every barrier
+  phase is waited on. A group released early (the tiles a step's first
+  products read) refills while the step's later products still read the
+  others."""
 
-  def wait_released(i):
+  def wait_released(i, consumed):
     for bar in consumed:
       plgpu.barrier_wait(bar.at[ring.slot(i)])
 
   @pl.loop(first, jnp.minimum(first + ring.slots, end))
   def _prologue(i):
-    load(i, ring.slot(i))
+    for load, _ in groups:
+      load(i, ring.slot(i))
 
   @pl.loop(first + ring.slots, end)
   def _steady(i):
-    wait_released(i)  # tile i - slots is done
-    load(i, ring.slot(i))
+    for load, consumed in groups:
+      wait_released(i, consumed)  # tile i - slots is done with
+      load(i, ring.slot(i))
 
   @pl.loop(jnp.maximum(end - ring.slots, first), end)
   def _drain(i):
-    wait_released(i)
+    for _, consumed in groups:
+      wait_released(i, consumed)
 
 
 class Schedule:
@@ -198,16 +204,18 @@ class Schedule:
       pl.when(wg == 0)(self.turn)
 
 
-def release(ring: Ring, first, end, *, bars: Sequence, consumed, schedule: Schedule):
-  """Waits for and releases ring tiles [first, end) that a compute warpgroup
-  does not use (another one of its CTA does). It still takes its two turns
-  per tile at the schedule barrier, so both warpgroups pass it equally
-  often."""
+def release(ring: Ring, first, end, *, bars: Sequence, consumed: Sequence,
+            schedule: Schedule):
+  """Waits for and releases (on each barrier array of `consumed`) ring tiles
+  [first, end) that a compute warpgroup does not use (another one of its
+  CTA does). It still takes its two turns per tile at the schedule barrier,
+  so both warpgroups pass it equally often."""
 
   @pl.loop(first, end)
   def _release(i):
     for bar in bars:
       plgpu.barrier_wait(bar.at[ring.slot(i)])
-    plgpu.barrier_arrive(consumed.at[ring.slot(i)])
+    for bar in consumed:
+      plgpu.barrier_arrive(bar.at[ring.slot(i)])
     schedule.turn()
     schedule.turn()
