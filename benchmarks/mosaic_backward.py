@@ -49,10 +49,9 @@ VARIANTS = {
     "mosaic_1wg": BackwardTuning(compute_wgs=1, schedule_barrier=False),
     "mosaic_fp8": BackwardTuning(),
     "mosaic_fp8_no_sched": BackwardTuning(schedule_barrier=False),
+    "mosaic_fp8_pipelined": BackwardTuning(pipelined=True, schedule_barrier=False),
     # dK/dV alone with these (dQ's three-slot ring overflows shared memory at D=128).
     "mosaic_fp8_3st": (BackwardTuning(max_concurrent_steps=3), BackwardTuning()),
-    "mosaic_fp8_pipelined": (BackwardTuning(pipelined=True, schedule_barrier=False),
-                             BackwardTuning()),
     "mosaic_fp8_pipelined_3st": (BackwardTuning(pipelined=True, schedule_barrier=False,
                                                 max_concurrent_steps=3), BackwardTuning()),
 }

@@ -307,12 +307,10 @@ def _fp8_backward_case(batch, seq, heads, kv_heads, head_dim, causal, *, seed=0,
 
 
 def _fp8_kernels(config, tuning, qkv, v, lse, pre, do):
-  """dQ, dK, dV from the Hopper FP8 backward kernels (dQ with its default
-  launch where dK/dV's is pipelined)."""
+  """dQ, dK, dV from the Hopper FP8 backward kernels."""
   dk, dv = backward_dkdv_mosaic(qkv, v, lse, pre.delta, do, pre.do8_t, pre.do_scale, Masks(),
                                 config, tuning, fp8=pre.fp8)
-  dq_tuning = BackwardTuning() if tuning.pipelined else tuning
-  dq = backward_dq_mosaic(qkv, v, lse, pre.delta, do, Masks(), config, dq_tuning, fp8=pre.fp8)
+  dq = backward_dq_mosaic(qkv, v, lse, pre.delta, do, Masks(), config, tuning, fp8=pre.fp8)
   return dq, dk, dv
 
 

@@ -41,10 +41,10 @@ class BackwardTuning(pipeline.Tuning):
   barrier. `python -m benchmarks.mosaic_backward` times them
   (docs/performance-log.md).
 
-  `pipelined` (FP8 dK/dV): each step issues the next step's S^T and dP^T
-  with its own dV and dK products, one wait covering both; the ring's
-  tiles for the first products are released after the chain, those for
-  the second a step later, and the warpgroups do not take turns."""
+  `pipelined` (FP8): each step issues the next step's S and dP with its own
+  FP8 products (dV and dK, or dQ), one wait covering both; the ring's tiles
+  for the first products are released after the chain, those for the
+  second a step later, and the warpgroups do not take turns."""
 
   pipelined: bool = False
 

@@ -109,6 +109,25 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         plgpu.barrier_wait(col_bars[c].at[slot])
         return bc.col_vector(col_rings.at[slot, c])
 
+      def exponent(i, s, q_scale, *, masked: bool, shift=None):
+        """The exponent of P^T of step i from S^T (less `shift`, capped
+        there)."""
+        f = bc.as_float(s)
+        if masked:
+          f = bc.causal_mask(f, row_start=j * BLOCK, col_start=i * BLOCK, rows_are_keys=True)
+        lse = column(ring.slot(i), 0)
+        if shift is None:
+          return bc.exponent(f, q_scale * k_scale, lse, along=1)
+        return bc.exponent(f, q_scale * k_scale, lse - shift, along=1, cap=shift)
+
+      def fp8_chain(i, s, dp, *, masked: bool):
+        """P'^T = P^T * p_factor (the exponent shifted by its log2, capped
+        there) and dS'^T of step i, in E4M3."""
+        p = jnp.exp2(exponent(i, s, qs_ref[b, h, i * BLOCK], masked=masked,
+                              shift=step_ref[b, h, i * BLOCK]))
+        ds_t = p * (dp * lax.broadcast_in_dim(column(ring.slot(i), 2), bc.TILE, [1]))
+        return registers.pack_e4m3(p), registers.pack_e4m3(ds_t)
+
       def q_step(i, carry, *, masked: bool):
         dk, dv = carry
         slot = ring.slot(i)
@@ -130,16 +149,10 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
           with jax.named_scope("s"):
             (s,) = bc.products(*zip(s_product), schedule)
         with jax.named_scope("elementwise"):
-          f = bc.as_float(s)
-          if masked:
-            f = bc.causal_mask(f, row_start=j * BLOCK, col_start=i * BLOCK, rows_are_keys=True)
-          lse = column(slot, 0)
-          if fp8:  # P^T * p_factor: the exponent shifted by its log2, capped there
-            p = jnp.exp2(bc.exponent(f, q_scale * k_scale, lse - step, along=1, cap=step))
-            ds_t = p * (dp * lax.broadcast_in_dim(column(slot, 2), bc.TILE, [1]))
-            p8, ds8 = registers.pack_e4m3(p), registers.pack_e4m3(ds_t)
+          if fp8:
+            p8, ds8 = fp8_chain(i, s, dp, masked=masked)
           else:
-            pq, top = nm.unsigned_rows(bc.exponent(f, q_scale * k_scale, lse, along=1))
+            pq, top = nm.unsigned_rows(exponent(i, s, q_scale, masked=masked))
             # dP^T only now: with S^T, P^T and the int32 products of dK and dV
             # it would not fit the registers (FP8 adds into dK and dV).
             (dp,) = bc.products(*zip(dp_product()))
@@ -187,15 +200,8 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         def _release_previous():  # dV and dK of step i - 1 are done
           plgpu.barrier_arrive(consumed_t.at[ring.slot(i - 1)])
 
-        q_scale, step = qs_ref[b, h, i * BLOCK], step_ref[b, h, i * BLOCK]
-        f = bc.as_float(s)
-        if masked:
-          f = bc.causal_mask(f, row_start=j * BLOCK, col_start=i * BLOCK, rows_are_keys=True)
-        p = jnp.exp2(bc.exponent(f, q_scale * k_scale, column(slot, 0) - step, along=1,
-                                 cap=step))
-        ds_t = p * (dp * lax.broadcast_in_dim(column(slot, 2), bc.TILE, [1]))
+        p8, ds8 = fp8_chain(i, s, dp, masked=masked)
         plgpu.barrier_arrive(consumed.at[slot])  # Q8, dO and the rows' vectors
-        p8, ds8 = registers.pack_e4m3(p), registers.pack_e4m3(ds_t)
         plgpu.barrier_wait(do8_t_bars.at[slot])
         plgpu.barrier_wait(q8_t_bars.at[slot])
         dv, dk = registers.dots((dv, (p8,), (do8_t_ring.at[slot],), t_transforms),

@@ -77,7 +77,10 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
       t = num_q_tiles - 1 - t
     wg = lax.axis_index("wg")
     kvh = lax.div(h, jnp.array(group, h.dtype))
-    smem, (q_bars, do_bars), ring_bars, consumed, sched = scoped
+    smem, (q_bars, do_bars), ring_bars, releases, sched = scoped
+    # Pipelined, K8^T's slots (read by dQ's product, a step later) are
+    # released on their own barriers, K8's and V's after the chain.
+    consumed, consumed_t = releases if tuning.pipelined else releases * 2
     q_smem2, do_smem2, k_ring, k8_t_ring, v_ring, dq_smem2 = smem
     k_bars, k8_t_bars, v_bars = ring_bars
     cta_end = kv_range(t * wgs + wgs - 1)[1]
@@ -98,34 +101,44 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
       plgpu.barrier_wait(q_bars.at[wg])
       plgpu.barrier_wait(do_bars.at[wg])
 
+      tile = (BLOCK, step_keys)
+      starts = lambda: (bc.magic(tile), -lax.broadcast_in_dim(delta, tile, [0]))
+
+      def chain(j, s, dp, *, masked: bool):
+        """dS of step j from S and dP - Delta: with FP8 its E4M3 tiles, else
+        the int8 tile and its row scales, and K's block scale."""
+        f = bc.as_float(s)
+        if masked:
+          f = bc.causal_mask(f, row_start=i * BLOCK, col_start=j * step_keys,
+                             rows_are_keys=False)
+        ds8s = []
+        for half in range(halves):  # each 64-key block with its own scales
+          blk = j * halves + half
+          k_scale, step = ks_ref[b, kvh, blk * BLOCK], step_ref[b, kvh, blk * BLOCK]
+          cols = slice(half * BLOCK, (half + 1) * BLOCK)
+          f_h, dp_h = (f, dp) if halves == 1 else (f[:, cols], dp[:, cols])
+          if fp8:
+            shift = row_shift + step
+            p = jnp.exp2(bc.exponent(f_h, q_scale * k_scale, lse - shift, along=0, cap=shift))
+            ds8s.append(registers.pack_e4m3(p * dp_h))
+          else:
+            p = jnp.exp2(bc.exponent(f_h, q_scale * k_scale, lse, along=0))
+            return bc.pack_signed_rows(p * dp_h), step
+        return tuple(ds8s)
+
       def kv_step(j, dq, *, masked: bool):
         slot = ring.slot(j)
         with jax.named_scope("wait_kv"):
           plgpu.barrier_wait(k_bars.at[slot])
           plgpu.barrier_wait(v_bars.at[slot])
-        tile = (BLOCK, step_keys)
         with jax.named_scope("s_dp"):
           s, dp = bc.products([(q_smem, k_ring.at[slot]), (do_smem, v_ring.at[slot])],
-                              [bc.magic(tile), -lax.broadcast_in_dim(delta, tile, [0])],
-                              schedule)
+                              starts(), schedule)
         with jax.named_scope("elementwise"):
-          f = bc.as_float(s)
-          if masked:
-            f = bc.causal_mask(f, row_start=i * BLOCK, col_start=j * step_keys,
-                               rows_are_keys=False)
-          ds8s = []
-          for half in range(halves):  # each 64-key block with its own scales
-            blk = j * halves + half
-            k_scale, step = ks_ref[b, kvh, blk * BLOCK], step_ref[b, kvh, blk * BLOCK]
-            cols = slice(half * BLOCK, (half + 1) * BLOCK)
-            f_h, dp_h = (f, dp) if halves == 1 else (f[:, cols], dp[:, cols])
-            if fp8:
-              shift = row_shift + step
-              p = jnp.exp2(bc.exponent(f_h, q_scale * k_scale, lse - shift, along=0, cap=shift))
-              ds8s.append(registers.pack_e4m3(p * dp_h))
-            else:
-              p = jnp.exp2(bc.exponent(f_h, q_scale * k_scale, lse, along=0))
-              ds8, ds_scale = bc.pack_signed_rows(p * dp_h)
+          if fp8:
+            ds8s = chain(j, s, dp, masked=masked)
+          else:
+            (ds8, ds_scale), step = chain(j, s, dp, masked=masked)
         with jax.named_scope("wait_turn"):
           schedule.arrive()  # elementwise work done: the other warpgroup may issue
           plgpu.barrier_wait(k8_t_bars.at[slot])
@@ -133,20 +146,65 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         k8_t_tiles = tuple(k8_t_ring.at[slot, half] for half in range(halves))
         with jax.named_scope("dq"):
           if fp8:
-            (dq,) = registers.dots((dq, tuple(ds8s), k8_t_tiles, t_transforms))
+            (dq,) = registers.dots((dq, ds8s, k8_t_tiles, t_transforms))
           else:
             (dsk,) = registers.dots((None, (ds8,), k8_t_tiles, t_transforms))
             dq = bc.merge(dq, dsk, ds_scale * step)
         plgpu.barrier_arrive(consumed.at[slot])
         return dq
 
+      def issue_s_dp(j):
+        """S and dP of step j, issued and left in flight."""
+        slot = ring.slot(j)
+        plgpu.barrier_wait(k_bars.at[slot])
+        plgpu.barrier_wait(v_bars.at[slot])
+        start_s, start_dp = starts()
+        return registers.dots(
+            (start_s, ((q_smem, q_transforms),), (k_ring.at[slot],), q_transforms),
+            (start_dp, ((do_smem, do_transforms),), (v_ring.at[slot],), do_transforms),
+            wait=False)
+
+      def pipelined_step(j, carry, *, masked: bool, last: bool = False):
+        """Step j, its S and dP issued by step j - 1: dQ's product goes out
+        with S and dP of step j + 1, one wait at the next step covering both."""
+        s, dp, dq = registers.wait_for(*carry)
+        slot = ring.slot(j)
+
+        @pl.when(j > 0)
+        def _release_previous():  # dQ's product of step j - 1 is done
+          plgpu.barrier_arrive(consumed_t.at[ring.slot(j - 1)])
+
+        ds8s = chain(j, s, dp, masked=masked)
+        plgpu.barrier_arrive(consumed.at[slot])  # K8 and V
+        plgpu.barrier_wait(k8_t_bars.at[slot])
+        k8_t_tiles = tuple(k8_t_ring.at[slot, half] for half in range(halves))
+        (dq,) = registers.dots((dq, ds8s, k8_t_tiles, t_transforms), wait=False)
+        return (dq,) if last else (*issue_s_dp(j + 1), dq)
+
+      def pipelined_steps(full, end, zero):
+        """Steps [0, end) as `pipelined_step`s: whole ones, masked ones, then
+        the last (masked when causal: a whole block's mask keeps all)."""
+        last = end - 1
+        carry = (*issue_s_dp(jnp.int32(0)), zero)
+        carry = lax.fori_loop(0, jnp.minimum(full, last),
+                              functools.partial(pipelined_step, masked=False), carry)
+        carry = lax.fori_loop(jnp.minimum(full, last), last,
+                              functools.partial(pipelined_step, masked=True), carry)
+        carry = pipelined_step(last, carry, masked=causal, last=True)
+        (dq,) = registers.wait_for(*carry)
+        plgpu.barrier_arrive(consumed_t.at[ring.slot(last)])
+        return dq
+
       full, end = kv_range(i)
+      zero = bc.zeros((BLOCK, head_dim))
       schedule.lead_in(wg)
-      dq = lax.fori_loop(0, full, functools.partial(kv_step, masked=False),
-                         bc.zeros((BLOCK, head_dim)))
-      dq = lax.fori_loop(full, end, functools.partial(kv_step, masked=True), dq)
+      if fp8 and tuning.pipelined:
+        dq = pipelined_steps(full, end, zero)
+      else:
+        dq = lax.fori_loop(0, full, functools.partial(kv_step, masked=False), zero)
+        dq = lax.fori_loop(full, end, functools.partial(kv_step, masked=True), dq)
       schedule.lead_out(wg)
-      pipeline.release(ring, end, cta_end, bars=ring_bars, consumed=(consumed,),
+      pipeline.release(ring, end, cta_end, bars=ring_bars, consumed=releases,
                        schedule=schedule)
       # Q was quantized as Q * scale * log2(e); dS is in base-2 units: dQ takes
       # `scale` (FP8: in its row factor).
@@ -154,14 +212,20 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
       bc.write_tile(dq.astype(out_dtype), dq_smem2.at[wg], dq_ref.at[b, rows, h])
 
     def producer():
-      def load(j, slot):
+      def load_first(j, slot):  # what S and dP read
         kv = pl.ds(j * step_keys, step_keys)
         plgpu.copy_gmem_to_smem(k_ref.at[b, kvh, kv], k_ring.at[slot], k_bars.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[b, kv, kvh], v_ring.at[slot], v_bars.at[slot])
+
+      def load_last(j, slot):  # what dQ's product reads
         plgpu.copy_gmem_to_smem(k8_t_ref.at[b, kvh, pl.ds(j * halves, halves)],
                                 k8_t_ring.at[slot], k8_t_bars.at[slot])
 
-      pipeline.stream(ring, first=jnp.int32(0), end=cta_end, groups=((load, (consumed,)),))
+      if tuning.pipelined:
+        groups = ((load_first, (consumed,)), (load_last, (consumed_t,)))
+      else:
+        groups = ((lambda j, slot: (load_first(j, slot), load_last(j, slot)), (consumed,)),)
+      pipeline.stream(ring, first=jnp.int32(0), end=cta_end, groups=groups)
 
     pipeline.split(wg, tuning, pipeline.BACKWARD_REGISTERS, compute=compute, producer=producer)
 
@@ -179,7 +243,8 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
   )
   barriers = ((plgpu.Barrier(num_barriers=wgs),) * 2,
               (plgpu.Barrier(num_barriers=slots),) * 3,
-              plgpu.Barrier(num_arrivals=wgs, num_barriers=slots),
+              (plgpu.Barrier(num_arrivals=wgs, num_barriers=slots),) * (
+                  2 if tuning.pipelined else 1),
               plgpu.Barrier(num_arrivals=wgs))
   return pipeline.kernel(
       kernel, tuning=tuning, scratch=scratch, barriers=barriers,
