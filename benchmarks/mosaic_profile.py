@@ -34,13 +34,15 @@ from pallas_kernels.types import Config, Masks
 
 def region_cycles(trace: dict) -> dict[str, list[float]]:
   """{region: [cycles of each occurrence]} over the compute warpgroups'
-  traces (the producer's regions have other names), and the loop's span
-  per warpgroup as "loop"."""
+  traces, and each one's span as "loop". The producer's trace, which holds
+  only the region Mosaic GPU opens at a kernel's start, is left out."""
   by_thread = collections.defaultdict(list)
   for event in trace["traceEvents"]:
     by_thread[event["tid"]].append(event)
   cycles = collections.defaultdict(list)
   for events in by_thread.values():
+    if len({event["name"] for event in events}) < 2:
+      continue
     stack = []
     for event in events:  # ts: start time (ns) + clock cycles, / 1000
       if event["ph"] == "B":
@@ -61,7 +63,9 @@ def report(name: str, folder: str):
     with open(path) as f:
       cycles = region_cycles(json.load(f))
     spans = cycles.pop("loop")
-    print(f"{name}: {len(spans)} compute warpgroups, span {statistics.mean(spans):,.0f} cycles")
+    steps = max(len(c) for c in cycles.values()) / len(spans)
+    print(f"{name}: {len(spans)} compute warpgroups, {steps:.1f} steps each, "
+          f"{sum(spans) / len(spans) / steps:,.0f} cycles a step")
     for region in sorted(cycles, key=lambda r: sum(cycles[r]), reverse=True):
       c = cycles[region]
       print(f"  {region:12} {statistics.mean(c):8,.0f} cycles x {len(c) / len(spans):5.1f}"

@@ -136,17 +136,21 @@ def test_profile_reads_back_its_own_trace():
 
 
 def test_mosaic_profile_reads_regions_per_warpgroup():
-  """Two warpgroups' traces as Mosaic GPU's profiler writes them (ts: ns +
-  cycles, / 1000): each region's cycles per occurrence, and each
-  warpgroup's span from its first bound to its last."""
+  """Warpgroups' traces as Mosaic GPU's profiler writes them (ts: ns +
+  cycles, / 1000): each region's cycles per occurrence, and each compute
+  warpgroup's span from its first bound to its last; the producer's trace
+  (only the kernel's start region) left out."""
   from benchmarks import mosaic_profile
   events = [dict(name=name, ph=ph, ts=ts / 1e3, tid=tid) for tid, name, ph, ts in [
+      (1, "Init", "B", 0), (1, "Init", "E", 90),
       (1, "s_dp", "B", 100), (1, "s_dp", "E", 400), (1, "elementwise", "B", 400),
-      (1, "elementwise", "E", 1000), (2, "s_dp", "B", 50), (2, "s_dp", "E", 150)]]
+      (1, "elementwise", "E", 1000), (2, "Init", "B", 0), (2, "Init", "E", 40),
+      (2, "s_dp", "B", 50), (2, "s_dp", "E", 150), (3, "Init", "B", 0), (3, "Init", "E", 700)]]
   cycles = mosaic_profile.region_cycles({"traceEvents": events})
   np.testing.assert_allclose(cycles["s_dp"], [300, 100])
   np.testing.assert_allclose(cycles["elementwise"], [600])
-  np.testing.assert_allclose(sorted(cycles["loop"]), [100, 900])
+  np.testing.assert_allclose(cycles["Init"], [90, 40])
+  np.testing.assert_allclose(sorted(cycles["loop"]), [150, 1000])
 
 
 def test_compile_time_measures_a_train_step_in_a_fresh_process():
