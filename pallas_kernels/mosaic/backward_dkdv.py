@@ -120,19 +120,23 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
           return bc.exponent(f, q_scale * k_scale, lse, along=1)
         return bc.exponent(f, q_scale * k_scale, lse - shift, along=1, cap=shift)
 
-      def fp8_chain(i, s, dp, *, masked: bool):
+      def scalars(i):
+        """Step i's Q block scale and step scale, loaded from global memory:
+        a pipelined step asks before its wait, so the loads' latency hides
+        behind it."""
+        return qs_ref[b, h, i * BLOCK], step_ref[b, h, i * BLOCK]
+
+      def fp8_chain(i, s, dp, q_scale, step, *, masked: bool):
         """P'^T = P^T * p_factor (the exponent shifted by its log2, capped
         there) and dS'^T of step i, in E4M3."""
-        p = jnp.exp2(exponent(i, s, qs_ref[b, h, i * BLOCK], masked=masked,
-                              shift=step_ref[b, h, i * BLOCK]))
+        p = jnp.exp2(exponent(i, s, q_scale, masked=masked, shift=step))
         ds_t = p * (dp * lax.broadcast_in_dim(column(ring.slot(i), 2), bc.TILE, [1]))
         return registers.pack_e4m3(p), registers.pack_e4m3(ds_t)
 
       def q_step(i, carry, *, masked: bool):
         dk, dv = carry
         slot = ring.slot(i)
-        q_scale = qs_ref[b, h, i * BLOCK]
-        step = step_ref[b, h, i * BLOCK]
+        q_scale, step = scalars(i)
         with jax.named_scope("wait_q"):
           plgpu.barrier_wait(q_bars.at[slot])
         s_product = (k_smem, q_ring.at[slot]), bc.magic()
@@ -150,7 +154,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
             (s,) = bc.products(*zip(s_product), schedule)
         with jax.named_scope("elementwise"):
           if fp8:
-            p8, ds8 = fp8_chain(i, s, dp, masked=masked)
+            p8, ds8 = fp8_chain(i, s, dp, q_scale, step, masked=masked)
           else:
             pq, top = nm.unsigned_rows(exponent(i, s, q_scale, masked=masked))
             # dP^T only now: with S^T, P^T and the int32 products of dK and dV
@@ -193,6 +197,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         dV and dK of step i go out with S^T and dP^T of step i + 1, and one
         wait at the next step's start covers both, so the tensor cores hold
         this warpgroup's next products while it runs its chain."""
+        q_scale, step = scalars(i)
         s, dp, dk, dv = registers.wait_for(*carry)
         slot = ring.slot(i)
 
@@ -200,7 +205,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         def _release_previous():  # dV and dK of step i - 1 are done
           plgpu.barrier_arrive(consumed_t.at[ring.slot(i - 1)])
 
-        p8, ds8 = fp8_chain(i, s, dp, masked=masked)
+        p8, ds8 = fp8_chain(i, s, dp, q_scale, step, masked=masked)
         plgpu.barrier_arrive(consumed.at[slot])  # Q8, dO and the rows' vectors
         plgpu.barrier_wait(do8_t_bars.at[slot])
         plgpu.barrier_wait(q8_t_bars.at[slot])

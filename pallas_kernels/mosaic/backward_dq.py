@@ -104,7 +104,14 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
       tile = (BLOCK, step_keys)
       starts = lambda: (bc.magic(tile), -lax.broadcast_in_dim(delta, tile, [0]))
 
-      def chain(j, s, dp, *, masked: bool):
+      def scalars(j):
+        """Step j's K block scales and step scales, one pair per 64-key
+        block, loaded from global memory: a pipelined step asks before its
+        wait, so the loads' latency hides behind it."""
+        return [(ks_ref[b, kvh, blk * BLOCK], step_ref[b, kvh, blk * BLOCK])
+                for blk in (j * halves + half for half in range(halves))]
+
+      def chain(j, s, dp, scales, *, masked: bool):
         """dS of step j from S and dP - Delta: with FP8 its E4M3 tiles, else
         the int8 tile and its row scales, and K's block scale."""
         f = bc.as_float(s)
@@ -112,9 +119,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
           f = bc.causal_mask(f, row_start=i * BLOCK, col_start=j * step_keys,
                              rows_are_keys=False)
         ds8s = []
-        for half in range(halves):  # each 64-key block with its own scales
-          blk = j * halves + half
-          k_scale, step = ks_ref[b, kvh, blk * BLOCK], step_ref[b, kvh, blk * BLOCK]
+        for half, (k_scale, step) in enumerate(scales):  # each 64-key block's own
           cols = slice(half * BLOCK, (half + 1) * BLOCK)
           f_h, dp_h = (f, dp) if halves == 1 else (f[:, cols], dp[:, cols])
           if fp8:
@@ -128,6 +133,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
 
       def kv_step(j, dq, *, masked: bool):
         slot = ring.slot(j)
+        scales = scalars(j)
         with jax.named_scope("wait_kv"):
           plgpu.barrier_wait(k_bars.at[slot])
           plgpu.barrier_wait(v_bars.at[slot])
@@ -136,9 +142,9 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
                               starts(), schedule)
         with jax.named_scope("elementwise"):
           if fp8:
-            ds8s = chain(j, s, dp, masked=masked)
+            ds8s = chain(j, s, dp, scales, masked=masked)
           else:
-            (ds8, ds_scale), step = chain(j, s, dp, masked=masked)
+            (ds8, ds_scale), step = chain(j, s, dp, scales, masked=masked)
         with jax.named_scope("wait_turn"):
           schedule.arrive()  # elementwise work done: the other warpgroup may issue
           plgpu.barrier_wait(k8_t_bars.at[slot])
@@ -167,6 +173,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
       def pipelined_step(j, carry, *, masked: bool, last: bool = False):
         """Step j, its S and dP issued by step j - 1: dQ's product goes out
         with S and dP of step j + 1, one wait at the next step covering both."""
+        scales = scalars(j)
         s, dp, dq = registers.wait_for(*carry)
         slot = ring.slot(j)
 
@@ -174,7 +181,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         def _release_previous():  # dQ's product of step j - 1 is done
           plgpu.barrier_arrive(consumed_t.at[ring.slot(j - 1)])
 
-        ds8s = chain(j, s, dp, masked=masked)
+        ds8s = chain(j, s, dp, scales, masked=masked)
         plgpu.barrier_arrive(consumed.at[slot])  # K8 and V
         plgpu.barrier_wait(k8_t_bars.at[slot])
         k8_t_tiles = tuple(k8_t_ring.at[slot, half] for half in range(halves))
