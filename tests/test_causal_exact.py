@@ -111,6 +111,27 @@ def test_triton_kernels_match_the_reference(options):
     assert rel_l2(a, b) <= backend_tolerance(a), name
 
 
+@needs_triton
+def test_triton_saturated_rows_take_the_same_scores():
+  """The saturated-rows kernel recomputes Delta and lse from the forward's
+  scores with causal_exact (per-block means, 16-bit edge tiles): the
+  reference's rows to fp32 rounding, every row saturated (logits near
+  1e5)."""
+  triton = implementations.backend("triton", True)
+  q, k, v, do = gaussian_qkv(jax.random.key(14), 1, 128, 128, 2, 1, 64, sigma=300.0,
+                             dtype=jnp.float32)
+  config = Config(scale=1.0, causal=True, smooth_q=False, block_q=64, block_kv=64,
+                  causal_exact=True)
+  reference = ReferenceBackend(triton)
+  qkv = quantize(q, k, v, Masks(), config, reference, True)
+  _, lse, _ = reference.forward(qkv, Masks(), config, q.dtype)
+  assert bool(jnp.all(jnp.abs(lse) > 2**15))
+  delta = jnp.zeros_like(lse)
+  for ours, ref in zip(triton.saturated_rows(qkv, v, lse, do, delta, Masks(), config),
+                       reference.saturated_rows(qkv, v, lse, do, delta, Masks(), config)):
+    np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-6)
+
+
 def _errors(q, k, v, do, causal, **kwargs):
   exact = oracle64(q, k, v, do, is_causal=causal)
   ours = sage(q, k, v, do, is_causal=causal, implementation="reference", **kwargs)
