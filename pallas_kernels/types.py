@@ -44,8 +44,8 @@ class Config:
   score q_i . m_b restored per row and block; the tiles that the band's
   right edge crosses (`exact_edges`) in 16 bits; with "int8_fp8", V in E4M3
   per block (its scale folded into P) and the backward's statistics over
-  the keys each row sees. Only the reference implements it; the op sets it
-  only with causality or a window (`banded`).
+  the keys each row sees. The reference and the Triton kernels (INT8)
+  implement it; the op sets it only with causality or a window (`banded`).
   """
 
   scale: float

@@ -141,9 +141,9 @@ def dot_product_attention(
       edge crosses run in 16 bits; with quantization="int8_fp8", V's FP8
       scales are per block and the backward's bounds are taken over what
       each row sees (docs/algorithm.md). Without causality or a window it
-      changes nothing. Only "reference" implements it so far: the default
-      is then "reference" on every device, and the kernel backends raise
-      NotImplementedError.
+      changes nothing. "reference" and "triton" implement it (the Triton
+      kernels in the INT8 mode); the default is then "reference" on every
+      device, and "mosaic" raises NotImplementedError.
 
   Returns:
     The attention output, shaped and typed like `query` (and the residual
@@ -258,10 +258,10 @@ def _sage(name: str | Backend, query, key, value, case: _Case, return_residual: 
   kv_len = key.shape[1]
   config = case.config
   backend = implementations.backend(name, config.causal) if isinstance(name, str) else name
-  if config.causal_exact and implementations.runs_kernels(backend):
+  if config.causal_exact and not implementations.has_causal_exact(backend):
     raise NotImplementedError(
-        "causal_exact=True: no kernel computes its statistics yet (per-block K means, 16-bit "
-        "edge tiles); implementation='reference' does")
+        "causal_exact=True: the Hopper (Mosaic) kernels do not compute its statistics yet "
+        "(per-block K means, 16-bit edge tiles); implementation='triton' or 'reference' does")
   block_q, block_kv = config.block_q, config.block_kv
   if (implementations.runs_kernels(backend) and implementations.on_gpu()
       and min(block_q, block_kv) < arguments.MIN_DEFAULT_BLOCK):

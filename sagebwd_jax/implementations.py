@@ -30,7 +30,8 @@ def resolve(implementation, quantization: str = "int8",
 
   The default with quantization="int8_fp8": the Hopper backend (its FP8
   forward) on an H100/H200, the reference elsewhere: no Triton kernel has
-  FP8 products yet. With causal_exact: the reference, which alone has it."""
+  FP8 products yet. With causal_exact: the reference, until the Triton
+  kernels' causal_exact is timed on a GPU (the Hopper ones lack it)."""
   if implementation is None:
     if not on_gpu() or causal_exact:
       return ("reference",)
@@ -91,6 +92,19 @@ def is_backend(x) -> bool:
       callable(getattr(x, method, None))
       for method in ("layouts", "reference_numerics", "quantize", "forward", "prepass",
                      "backward"))
+
+
+def has_causal_exact(backend: Backend) -> bool:
+  """Whether a backend computes `Config.causal_exact`'s statistics (per-block
+  K means, 16-bit edge tiles): the reference and the Triton kernels; the
+  Hopper (Mosaic) kernels not yet."""
+  if isinstance(backend, ReferenceBackend):
+    return True
+  try:
+    from pallas_kernels.jax_triton.backend import TritonBackend
+  except ImportError:  # without triton no backend object is a TritonBackend
+    return False
+  return isinstance(backend, TritonBackend)
 
 
 def runs_kernels(name: str | Backend) -> bool:

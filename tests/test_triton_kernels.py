@@ -66,6 +66,12 @@ def test_quantization_pass_forms_the_reference_int8_tensors(head_dim, smooth_q, 
     np.testing.assert_array_equal(ours.v_start, tiles.shifted_accumulator_start(ref.v8_t, 64))
 
 
+def test_quantization_pass_with_block_means_forms_the_reference_int8_tensors():
+  """causal_exact: K less each key block's own mean, its int8 values and
+  scales as the reference's."""
+  check_quantization_pass(TRITON, REFERENCE, 64, False, True, causal_exact=True)
+
+
 @pytest.mark.parametrize("for_backward", [True, False])
 @pytest.mark.parametrize("layouts", [Layouts(), Layouts(REGISTER_B, REGISTER_B)],
                          ids=["tokens", "register_b"])
@@ -251,7 +257,12 @@ def test_missing_package_names_it(monkeypatch):
     dict(head_dim=128),
     dict(head_dim=64, is_causal=True, smooth_q=True,
          segment_ids=jnp.stack([jnp.arange(128) // 48, jnp.arange(128) // 80])),
-    dict(head_dim=128, is_causal=True, ds_precision="bf16")])
+    dict(head_dim=128, is_causal=True, ds_precision="bf16"),
+    dict(head_dim=64, is_causal=True, causal_exact=True),
+    dict(head_dim=64, is_causal=True, causal_exact=True, smooth_k=False),
+    dict(head_dim=128, is_causal=True, causal_exact=True, smooth_q=True, ds_precision="bf16",
+         local_window_size=(100, 0), block_q=32,
+         segment_ids=jnp.stack([jnp.arange(128) // 48, jnp.arange(128) // 80]))])
 def test_kernels_compile_for_hopper_and_ampere(op_kwargs):
   """Triton compiles every kernel launch of the op, as jax_triton would on a
   GPU, for sm_90 and sm_80: the compiled path's only check without a GPU."""

@@ -61,13 +61,14 @@ def _dk_half(dk, ds_t, ds8_t, scale, p_scale, q8_t_ptr, q_mean_ptr, q16_ptr, i, 
 
 
 @device_function
-def _q_step(dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, q8_t_ptr,
+def _q_step(dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, k16, kv_pos, kv_ids, q8_ptr, q8_t_ptr,
             q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr,
-            dv_start_ptr, q16_ptr, q_ids_ptr, i, TQ: tl.constexpr, H: tl.constexpr,
-            D: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_KV: tl.constexpr, LEFT: tl.constexpr,
-            RIGHT: tl.constexpr, IDS: tl.constexpr, SMOOTH_Q: tl.constexpr,
-            Q_PER_TOKEN: tl.constexpr,
-            DS16: tl.constexpr, CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            dv_start_ptr, q16_ptr, k_mean_ptr, q_ids_ptr, i, j, TQ: tl.constexpr,
+            H: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_KV: tl.constexpr,
+            NK: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, IDS: tl.constexpr,
+            SMOOTH_Q: tl.constexpr, Q_PER_TOKEN: tl.constexpr, MEANS: tl.constexpr,
+            EXACT_EDGES: tl.constexpr, MULTIPLIER: tl.constexpr, DS16: tl.constexpr,
+            CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
   rows = i * BLOCK_Q + tl.arange(0, BLOCK_Q)
   dims = tl.arange(0, D)
   lo = tl.arange(0, D // 2)
@@ -82,7 +83,22 @@ def _q_step(dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, 
   x, c = tiles.score_tile(k8, q8, k_scale[:, None], q_scale, bias, SMOOTH_Q, CONVERT)
   q_ids = tl.load(q_ids_ptr + rows)[None, :] if IDS else 0
   x = tiles.masked(x, rows[None, :], kv_pos, q_ids, kv_ids, LEFT, RIGHT, IDS)
-  a = tiles.log2_p(x, c, tl.load(lse_ptr + rows)[None, :], SMOOTH_Q)
+  lse = tl.load(lse_ptr + rows)[None, :]
+  if MEANS or EXACT_EDGES:
+    q16 = tl.load(q16_ptr + rows[:, None] * H * D + dims[None, :])
+  # `Config.causal_exact`: the forward's scores (forward.py), a key tile
+  # being one key block.
+  edge_start, edge_end = tiles.right_edge(i, BLOCK_Q, TILE_KV, NK, RIGHT)
+  if EXACT_EDGES and (j >= edge_start) & (j < edge_end):
+    s = tiles.masked(tiles.edge_scores(k16, q16, MULTIPLIER, DOT_PRECISION), rows[None, :],
+                     kv_pos, q_ids, kv_ids, LEFT, RIGHT, IDS)
+    a = tiles.at_most_zero(s - lse)
+  elif MEANS:
+    s = tiles.scores(x, c, SMOOTH_Q) + tiles.mean_scores(q16, k_mean_ptr, j, D,
+                                                         MULTIPLIER)[None, :]
+    a = tiles.at_most_zero(s - lse)
+  else:
+    a = tiles.log2_p(x, c, lse, SMOOTH_Q)
   # numerics.unsigned_rows: P^T = pq * exp2(top), pq in 0..255. (tl.max
   # skips a NaN column: sagebwd.py carries it to dV.)
   top = tl.max(a, axis=1)
@@ -114,12 +130,13 @@ def _q_step(dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, kv_pos, kv_ids, q8_ptr, 
 @triton.jit
 def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_scale_ptr,
                  q_mean_ptr, lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr, dv_start_ptr,
-                 q16_ptr, q_ids_ptr, dk_ptr, dv_ptr, H: tl.constexpr, HKV: tl.constexpr,
-                 TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
-                 TILE_KV: tl.constexpr, SCALE: tl.constexpr, LEFT: tl.constexpr,
-                 RIGHT: tl.constexpr, IDS: tl.constexpr, SMOOTH_Q: tl.constexpr,
-                 Q_PER_TOKEN: tl.constexpr,
-                 DS16: tl.constexpr, CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 q16_ptr, k16_ptr, k_mean_ptr, q_ids_ptr, dk_ptr, dv_ptr, H: tl.constexpr,
+                 HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr,
+                 BLOCK_Q: tl.constexpr, TILE_KV: tl.constexpr, SCALE: tl.constexpr,
+                 LEFT: tl.constexpr, RIGHT: tl.constexpr, IDS: tl.constexpr,
+                 SMOOTH_Q: tl.constexpr, Q_PER_TOKEN: tl.constexpr, MEANS: tl.constexpr,
+                 EXACT_EDGES: tl.constexpr, MULTIPLIER: tl.constexpr, DS16: tl.constexpr,
+                 CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
   j = tl.program_id(0)
   b = tl.program_id(1).to(tl.int64)
   kvh = tl.program_id(2)
@@ -130,6 +147,8 @@ def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_sca
   k8 = tl.load(k8_ptr + kv_head * TK * D + keys[:, None] * D + dims[None, :])
   k_scale = tl.load(k_scale_ptr + kv_head * TK + keys)
   v = tl.load(v_ptr + tokens)
+  k16 = tl.load(k16_ptr + tokens) if EXACT_EDGES else 0.0
+  k_mean_ptr += kv_head * (TK // TILE_KV) * D
   kv_ids = tl.load(kv_ids_ptr + b * TK + keys)[:, None] if IDS else 0
   q_ids_ptr += b * TQ
   nq = TQ // BLOCK_Q
@@ -158,10 +177,10 @@ def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_sca
     dv_start_h = dv_start_ptr + q_head * nq * D
     for i in range(full_start, full_end):
       dk_lo, dk_hi, dv_lo, dv_hi = _q_step(
-          dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h,
+          dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, k16, keys[:, None], kv_ids, q8_h, q8_t_h,
           q_scale_h, q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h, q16_h,
-          q_ids_ptr, i, TQ, H, D, BLOCK_Q, TILE_KV, None, None, IDS, SMOOTH_Q, Q_PER_TOKEN, DS16,
-          CONVERT, DOT_PRECISION)
+          k_mean_ptr, q_ids_ptr, i, j, TQ, H, D, BLOCK_Q, TILE_KV, TK // TILE_KV, None, None,
+          IDS, SMOOTH_Q, Q_PER_TOKEN, MEANS, False, MULTIPLIER, DS16, CONVERT, DOT_PRECISION)
     # The band's masked steps last, straight-line as the forward's
     # (forward.py says why): before the loop they cost it spills. Only the
     # fp32 sums' order differs from the reference's; every int8 tile is its.
@@ -171,10 +190,11 @@ def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_sca
         i, inside = tiles.edge_block(s, right, start, full_start, full_end, end)
         if inside:
           dk_lo, dk_hi, dv_lo, dv_hi = _q_step(
-              dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, keys[:, None], kv_ids, q8_h, q8_t_h,
-              q_scale_h, q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h,
-              q16_h, q_ids_ptr, i, TQ, H, D, BLOCK_Q, TILE_KV, LEFT, RIGHT, IDS, SMOOTH_Q,
-              Q_PER_TOKEN, DS16, CONVERT, DOT_PRECISION)
+              dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, k16, keys[:, None], kv_ids, q8_h,
+              q8_t_h, q_scale_h, q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h,
+              dv_start_h, q16_h, k_mean_ptr, q_ids_ptr, i, j, TQ, H, D, BLOCK_Q, TILE_KV,
+              TK // TILE_KV, LEFT, RIGHT, IDS, SMOOTH_Q, Q_PER_TOKEN, MEANS, EXACT_EDGES,
+              MULTIPLIER, DS16, CONVERT, DOT_PRECISION)
   # Q was quantized as Q * scale * log2(e): the int8 product carries log2(e);
   # the 16-bit one is of Q itself.
   dk_factor = SCALE if DS16 else LN_2
@@ -196,30 +216,35 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
   """
 
   def run(k8, k_scale, v, kv_ids, q8, q8_t, q_scale, q_mean, lse, delta, do, do8_t, do_scale,
-          do_start, q16, q_ids):
+          do_start, q16, k16, k_mean, q_ids):
     batch, heads, q_len, head_dim = q8.shape
     kv_heads, kv_len = k8.shape[1], k8.shape[2]
     args = [k8, k_scale, v, placeholder(kv_ids, jnp.int32), q8, placeholder(q8_t, jnp.int8),
             q_scale, placeholder(q_mean, jnp.float32), lse, delta, do, do8_t, do_scale,
             tiles.accumulator_start(do_start, do8_t, config.block_q), placeholder(q16, v.dtype),
+            placeholder(k16, v.dtype), placeholder(k_mean, jnp.float32),
             placeholder(q_ids, jnp.int32)]
     shape = jax.ShapeDtypeStruct(v.shape, v.dtype)
-    keys = launch.tile_rows_for(kv_len, config.block_kv)
+    # One key block per program with `Config.causal_exact`: which query
+    # blocks' tiles are edges, and the block mean, are a key block's.
+    keys = launch.tile_rows_for(kv_len, config.block_kv, free=not config.causal_exact)
     left, right = causal_blocks.band(config.causal, config.window)
-    # Kept: the key tile's K8 and V; per stage, a query step's Q8, Q8^T, dO8^T
-    # and dO (and Q with 16-bit dS).
-    size, ds16 = v.dtype.itemsize, q16 is not None
-    fitted = launch.fitted(fixed_bytes=keys * head_dim * (1 + size),
-                           stage_bytes=config.block_q * head_dim * (3 + size * (1 + ds16)))
+    # Kept: the key tile's K8 and V (and K for the edge tiles); per stage, a
+    # query step's Q8, Q8^T, dO8^T and dO (and Q with 16-bit dS or causal_exact).
+    size, ds16 = v.dtype.itemsize, config.ds_precision == "bf16"
+    fitted = launch.fitted(
+        fixed_bytes=keys * head_dim * (1 + size * (1 + config.exact_edges)),
+        stage_bytes=config.block_q * head_dim * (3 + size * (1 + (ds16 or config.causal_exact))))
     dk, dv = fitted.call(
         _dkdv_kernel, args, [shape, shape], grid=(kv_len // keys, batch, kv_heads),
         name="sagebwd_triton_backward_dkdv", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
         D=head_dim, BLOCK_Q=config.block_q, TILE_KV=keys, SCALE=config.scale, LEFT=left,
         RIGHT=right, IDS=q_ids is not None, SMOOTH_Q=q_mean is not None,
-        Q_PER_TOKEN=config.q_per_token, DS16=q16 is not None,
+        Q_PER_TOKEN=config.q_per_token, MEANS=k_mean is not None,
+        EXACT_EDGES=config.exact_edges, MULTIPLIER=config.scale * nm.LOG2_E, DS16=ds16,
         CONVERT=launch.convert, DOT_PRECISION=dot_precision(v.dtype))
     return dk, dv
 
   return batch_folded(run)(qkv.k8, qkv.k_scale, v, masks.kv_ids, qkv.q8, qkv.q8_t,
                            qkv.q_scale, qkv.q_mean, lse, delta, do, do8_t, do_scale,
-                           do_start, qkv.q16, masks.q_ids)
+                           do_start, qkv.q16, qkv.k16, qkv.k_mean, masks.q_ids)

@@ -3,7 +3,8 @@ blocks its queries see, recomputing P and dS like the forward; dS is the
 first operand of INT8 dS.K and is quantized per query (a row here; with
 ds_precision="bf16" dS.K runs in the inputs' dtype instead). The
 query tile is the launch's `tile_rows_for` (Q's scales are read per
-token)."""
+token), one query block with `Config.causal_exact`, whose scores are the
+forward's (forward.py) and whose dQ is dS.(K - m') (`_kv_step`, `_edge_step`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import triton
 import triton.language as tl
 
 from pallas_kernels import causal_blocks
+from pallas_kernels import numerics as nm
 from pallas_kernels.jax_triton import tiles
 from pallas_kernels.jax_triton.interpreter import device_function
 from pallas_kernels.batching import batch_folded
@@ -21,24 +23,36 @@ from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 
 @device_function
-def _kv_step(dq, q8, q_scale, q_mean, q_pos, q_ids, lse, delta, do, k8_ptr, k8_t_ptr,
-             k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, j, TK: tl.constexpr, HKV: tl.constexpr,
-             D: tl.constexpr, TILE_Q: tl.constexpr, BLOCK_KV: tl.constexpr, LEFT: tl.constexpr,
-             RIGHT: tl.constexpr, IDS: tl.constexpr, SMOOTH_Q: tl.constexpr,
+def _kv_step(dq, q8, q_scale, q_mean, q16, q_pos, q_ids, lse, delta, do, dq_mean, k8_ptr,
+             k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, k_mean_ptr, kv_ids_ptr, j, TK: tl.constexpr,
+             HKV: tl.constexpr, D: tl.constexpr, TILE_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+             LEFT: tl.constexpr, RIGHT: tl.constexpr, IDS: tl.constexpr, SMOOTH_Q: tl.constexpr,
+             MEANS: tl.constexpr, MULTIPLIER: tl.constexpr, INPUTS: tl.constexpr,
              DS16: tl.constexpr, CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
   x, c, keys, k_scale = tiles.key_block_scores(q8, q_scale, q_mean, q_pos, q_ids, k8_ptr,
                                                k_scale_ptr, kv_ids_ptr, j, D, BLOCK_KV, LEFT,
                                                RIGHT, IDS, SMOOTH_Q, CONVERT)
   dims = tl.arange(0, D)
   # exp2(S - lse): rows that saw no key have lse = +inf, so P = 0 there.
-  p = tl.exp2(tiles.log2_p(x, c, lse[:, None], SMOOTH_Q))
+  if MEANS:  # S with q_i . m_j, which K8 lacks (`Config.causal_exact`)
+    s = tiles.scores(x, c, SMOOTH_Q) + tiles.mean_scores(q16, k_mean_ptr, j, D,
+                                                         MULTIPLIER)[:, None]
+    p = tl.exp2(tiles.at_most_zero(s - lse[:, None]))
+  else:
+    p = tl.exp2(tiles.log2_p(x, c, lse[:, None], SMOOTH_Q))
 
   tokens = keys[:, None] * HKV * D + dims[None, :]
   v = tl.load(v_ptr + tokens)
   dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
   ds = p * (dp - delta[:, None])
+  if MEANS:
+    # dQ = dS.(K - m'): K8 lacks m_j, so rowsum(dS) (m_j - m') joins the product.
+    mean = tl.load(k_mean_ptr + j * D + dims)
+    dq += tl.sum(ds, axis=1)[:, None] * (mean - dq_mean)[None, :]
   if DS16:  # dS and K in the inputs' dtype (ds_precision="bf16")
     k16 = tl.load(k16_ptr + tokens)
+    if MEANS:  # K as the op passed it: less its block's mean, as K8
+      k16 = tiles.sixteen_bit(k16.to(tl.float32) - mean[None, :], INPUTS).to(k16.dtype)
     dq += tl.dot(ds.to(k16.dtype), k16, input_precision=DOT_PRECISION)
   else:
     ds8, ds_scale = tiles.quantize_rows(ds, tl.max(tl.abs(ds), axis=1))
@@ -47,13 +61,38 @@ def _kv_step(dq, q8, q_scale, q_mean, q_pos, q_ids, lse, delta, do, k8_ptr, k8_t
   return dq
 
 
+@device_function
+def _edge_step(dq, q16, q_pos, q_ids, lse, delta, do, dq_mean, v_ptr, k16_ptr, kv_ids_ptr, j,
+               HKV: tl.constexpr, D: tl.constexpr, BLOCK_KV: tl.constexpr, LEFT: tl.constexpr,
+               RIGHT: tl.constexpr, IDS: tl.constexpr, MEANS: tl.constexpr,
+               MULTIPLIER: tl.constexpr, INPUTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+  """`_kv_step` of an edge tile: S from the 16-bit Q and K, and dQ = dS.(K -
+  m') with dS and K - m' rounded to the inputs' dtype."""
+  keys = j * BLOCK_KV + tl.arange(0, BLOCK_KV)
+  tokens = keys[:, None] * HKV * D + tl.arange(0, D)[None, :]
+  k16 = tl.load(k16_ptr + tokens)
+  kv_ids = tl.load(kv_ids_ptr + keys)[None, :] if IDS else 0
+  s = tiles.masked(tiles.edge_scores(q16, k16, MULTIPLIER, DOT_PRECISION), q_pos,
+                   keys[None, :], q_ids, kv_ids, LEFT, RIGHT, IDS)
+  p = tl.exp2(tiles.at_most_zero(s - lse[:, None]))
+  v = tl.load(v_ptr + tokens)
+  dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+  ds = p * (dp - delta[:, None])
+  if MEANS:
+    k16 = tiles.sixteen_bit(k16.to(tl.float32) - dq_mean[None, :], INPUTS).to(k16.dtype)
+  return dq + tl.dot(tiles.sixteen_bit(ds, INPUTS).to(k16.dtype), k16,
+                     input_precision=DOT_PRECISION)
+
+
 @triton.jit
 def _dq_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_ids_ptr, k8_ptr,
-               k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, dq_ptr, H: tl.constexpr,
-               HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr,
-               TILE_Q: tl.constexpr, BLOCK_KV: tl.constexpr, SCALE: tl.constexpr,
-               LEFT: tl.constexpr, RIGHT: tl.constexpr, IDS: tl.constexpr, SMOOTH_Q: tl.constexpr,
-               DS16: tl.constexpr, CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+               k8_t_ptr, k_scale_ptr, v_ptr, q16_ptr, k16_ptr, k_mean_ptr, k_mean_seen_ptr,
+               kv_ids_ptr, dq_ptr, H: tl.constexpr, HKV: tl.constexpr, TQ: tl.constexpr,
+               TK: tl.constexpr, D: tl.constexpr, TILE_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
+               SCALE: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, IDS: tl.constexpr,
+               SMOOTH_Q: tl.constexpr, MEANS: tl.constexpr, EXACT_EDGES: tl.constexpr,
+               MULTIPLIER: tl.constexpr, INPUTS: tl.constexpr, DS16: tl.constexpr,
+               CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
   i = tl.program_id(0)
   if RIGHT is not None:  # the longest rows first, so the last wave is of short ones
     i = TQ // TILE_Q - 1 - i
@@ -74,7 +113,14 @@ def _dq_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_id
   k_scale_ptr += kv_head * TK
   v_ptr += b * TK * HKV * D + kvh * D
   k16_ptr += b * TK * HKV * D + kvh * D
+  k_mean_ptr += kv_head * (TK // BLOCK_KV) * D
   kv_ids_ptr += b * TK
+  q16 = 0.0
+  if MEANS or EXACT_EDGES:
+    q16 = tl.load(q16_ptr + tokens)
+  # m', the one mean dQ's K is taken less in every tile (`QuantizedQKV.k_mean_seen`).
+  dq_mean = (tl.load(k_mean_seen_ptr + (kv_head * (TQ // TILE_Q) + i) * D + tl.arange(0, D))
+             if MEANS else 0.0)
 
   dq = tl.full((TILE_Q, D), 0.0, tl.float32)
   full_start = 0
@@ -83,19 +129,27 @@ def _dq_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_id
     start, full_start, full_end, end = tiles.kv_range(i, TILE_Q, BLOCK_KV, TK // BLOCK_KV,
                                                       LEFT, RIGHT)
   for j in range(full_start, full_end):
-    dq = _kv_step(dq, q8, q_scale, q_mean, rows[:, None], q_ids, lse, delta, do, k8_ptr,
-                  k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, j, TK, HKV, D, TILE_Q,
-                  BLOCK_KV, None, None, IDS, SMOOTH_Q, DS16, CONVERT, DOT_PRECISION)
+    dq = _kv_step(dq, q8, q_scale, q_mean, q16, rows[:, None], q_ids, lse, delta, do, dq_mean,
+                  k8_ptr, k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, k_mean_ptr, kv_ids_ptr, j, TK,
+                  HKV, D, TILE_Q, BLOCK_KV, None, None, IDS, SMOOTH_Q, MEANS, MULTIPLIER,
+                  INPUTS, DS16, CONVERT, DOT_PRECISION)
   if LEFT is not None or RIGHT is not None:
     # The band's masked blocks as straight-line steps (forward.py says why),
     # after the loop: the order dQ's launch was tuned with.
     right: tl.constexpr = tiles.edge_blocks(TILE_Q, BLOCK_KV, RIGHT)  # causal: the diagonal
+    edge_start, _ = tiles.right_edge(i, TILE_Q, BLOCK_KV, TK // BLOCK_KV, RIGHT)
     for s in tl.static_range(right + tiles.edge_blocks(TILE_Q, BLOCK_KV, LEFT)):
       j, inside = tiles.edge_block(s, right, full_end, end, start, full_start)
       if inside:
-        dq = _kv_step(dq, q8, q_scale, q_mean, rows[:, None], q_ids, lse, delta, do, k8_ptr,
-                      k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, j, TK, HKV, D, TILE_Q,
-                      BLOCK_KV, LEFT, RIGHT, IDS, SMOOTH_Q, DS16, CONVERT, DOT_PRECISION)
+        if EXACT_EDGES and (s < right or j >= edge_start):  # forward.py's test
+          dq = _edge_step(dq, q16, rows[:, None], q_ids, lse, delta, do, dq_mean, v_ptr,
+                          k16_ptr, kv_ids_ptr, j, HKV, D, BLOCK_KV, LEFT, RIGHT, IDS, MEANS,
+                          MULTIPLIER, INPUTS, DOT_PRECISION)
+        else:
+          dq = _kv_step(dq, q8, q_scale, q_mean, q16, rows[:, None], q_ids, lse, delta, do,
+                        dq_mean, k8_ptr, k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, k_mean_ptr,
+                        kv_ids_ptr, j, TK, HKV, D, TILE_Q, BLOCK_KV, LEFT, RIGHT, IDS,
+                        SMOOTH_Q, MEANS, MULTIPLIER, INPUTS, DS16, CONVERT, DOT_PRECISION)
   # S was formed from Q * scale * log2(e): dQ takes `scale` once (the 16-bit
   # product, of dS and K, too).
   tl.store(dq_ptr + tokens, (dq * SCALE).to(dq_ptr.dtype.element_ty))
@@ -111,27 +165,34 @@ def backward_dq(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, config: Conf
                 launch: LaunchConfig) -> jax.Array:
   """dQ (B, Tq, H, D) in dO's dtype."""
 
-  def run(q8, q_scale, q_mean, lse, delta, do, q_ids, k8, k8_t, k_scale, v, k16, kv_ids):
+  def run(q8, q_scale, q_mean, lse, delta, do, q_ids, k8, k8_t, k_scale, v, q16, k16, k_mean,
+          k_mean_seen, kv_ids):
     batch, heads, q_len, head_dim = q8.shape
     kv_heads, kv_len = k8.shape[1], k8.shape[2]
     args = [q8, q_scale, placeholder(q_mean, jnp.float32), lse, delta, do,
-            placeholder(q_ids, jnp.int32), k8, k8_t, k_scale, v, placeholder(k16, v.dtype),
-            placeholder(kv_ids, jnp.int32)]
-    rows = launch.tile_rows_for(q_len, config.block_q, free=q_mean is None)
+            placeholder(q_ids, jnp.int32), k8, k8_t, k_scale, v, placeholder(q16, v.dtype),
+            placeholder(k16, v.dtype), placeholder(k_mean, jnp.float32),
+            placeholder(k_mean_seen, jnp.float32), placeholder(kv_ids, jnp.int32)]
+    rows = launch.tile_rows_for(q_len, config.block_q,
+                                free=q_mean is None and not config.causal_exact)
     left, right = causal_blocks.band(config.causal, config.window)
-    # Kept: the query tile's Q8 and dO; per stage, a key block's K8, K8^T and V
-    # (and K with 16-bit dS).
-    size, ds16 = v.dtype.itemsize, k16 is not None
-    fitted = launch.fitted(fixed_bytes=rows * head_dim * (1 + size),
-                           stage_bytes=config.block_kv * head_dim * (2 + size * (1 + ds16)))
+    # Kept: the query tile's Q8 and dO (and Q); per stage, a key block's K8,
+    # K8^T and V (and K with 16-bit dS or edge tiles).
+    size, ds16 = v.dtype.itemsize, config.ds_precision == "bf16"
+    k16_kept = ds16 or config.exact_edges
+    fitted = launch.fitted(fixed_bytes=rows * head_dim * (1 + size * (1 + config.causal_exact)),
+                           stage_bytes=config.block_kv * head_dim * (2 + size * (1 + k16_kept)))
     (dq,) = fitted.call(
         _dq_kernel, args, [jax.ShapeDtypeStruct(do.shape, do.dtype)],
         grid=(q_len // rows, batch, heads), name="sagebwd_triton_backward_dq",
         H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len, D=head_dim, TILE_Q=rows,
         BLOCK_KV=config.block_kv, SCALE=config.scale, LEFT=left, RIGHT=right, IDS=q_ids is not None,
-        SMOOTH_Q=q_mean is not None, DS16=k16 is not None, CONVERT=launch.convert,
+        SMOOTH_Q=q_mean is not None, MEANS=k_mean_seen is not None,
+        EXACT_EDGES=config.exact_edges, MULTIPLIER=config.scale * nm.LOG2_E,
+        INPUTS=jnp.dtype(v.dtype).name, DS16=ds16, CONVERT=launch.convert,
         DOT_PRECISION=dot_precision(v.dtype))
     return (dq,)
 
   return batch_folded(run)(qkv.q8, qkv.q_scale, qkv.q_mean, lse, delta, do, masks.q_ids,
-                           qkv.k8, qkv.k8_t, qkv.k_scale, v, qkv.k16, masks.kv_ids)[0]
+                           qkv.k8, qkv.k8_t, qkv.k_scale, v, qkv.q16, qkv.k16, qkv.k_mean,
+                           qkv.k_mean_seen, masks.kv_ids)[0]

@@ -15,6 +15,12 @@ exp2 and one add to round.
 
 P in 0..255 enters the signed INT8 dot as P - 128, and 128 times the V
 block's column sums come back through the accumulator's start (tiles.py).
+
+With `Config.causal_exact` each block's top also takes q_i . m_b (K8 lacks
+its block's mean, `tiles.mean_scores`), and the blocks the band's right edge
+crosses (`tiles.right_edge`; they lie among the masked steps) run in 16 bits
+from Q, K and V as the op passed them (`_edge_step`), one query block per
+program: which blocks are edges is a query block's.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import triton.language as tl
 
 from pallas_kernels import causal_blocks, numerics as nm
 from pallas_kernels.jax_triton import tiles
+from pallas_kernels.jax_triton.backward_dq import dot_precision
 from pallas_kernels.jax_triton.interpreter import device_function
 from pallas_kernels.batching import batch_folded
 from pallas_kernels.jax_triton.launch import LaunchConfig, placeholder
@@ -37,10 +44,11 @@ NOTHING_SEEN = tl.constexpr(nm.NOTHING_SEEN)
 
 
 @device_function
-def _kv_step(acc, m, e, l, q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_ptr, v8_t_ptr,
-             v_scale_ptr, pv_init_ptr, kv_ids_ptr, j, TK: tl.constexpr, D: tl.constexpr,
-             TILE_Q: tl.constexpr, BLOCK_KV: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
-             IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, CONVERT: tl.constexpr):
+def _kv_step(acc, m, e, l, q8, q_scale, q_mean, q16, q_pos, q_ids, k8_ptr, k_scale_ptr,
+             v8_t_ptr, v_scale_ptr, pv_init_ptr, k_mean_ptr, kv_ids_ptr, j, TK: tl.constexpr,
+             D: tl.constexpr, TILE_Q: tl.constexpr, BLOCK_KV: tl.constexpr, LEFT: tl.constexpr,
+             RIGHT: tl.constexpr, IDS: tl.constexpr, SMOOTH_Q: tl.constexpr,
+             MEANS: tl.constexpr, MULTIPLIER: tl.constexpr, CONVERT: tl.constexpr):
   x, c, keys, _ = tiles.key_block_scores(q8, q_scale, q_mean, q_pos, q_ids, k8_ptr,
                                          k_scale_ptr, kv_ids_ptr, j, D, BLOCK_KV, LEFT, RIGHT, IDS,
                                          SMOOTH_Q, CONVERT)
@@ -52,6 +60,8 @@ def _kv_step(acc, m, e, l, q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_pt
   v_scale = tl.where(v_scale == 0, 1.0, v_scale)
   log2_v = tl.log2(v_scale)
   x_top, top = tiles.row_top(x, c, SMOOTH_Q)
+  if MEANS:  # the same for every key of the row: it moves the top only
+    top = top + tiles.mean_scores(q16, k_mean_ptr, j, D, MULTIPLIER)
   top = top + log2_v  # -inf where the row sees no key here
   m_new = tl.maximum(m, top)
   e_new = tl.maximum(top, m_new - E_FLOOR)
@@ -71,13 +81,39 @@ def _kv_step(acc, m, e, l, q8, q_scale, q_mean, q_pos, q_ids, k8_ptr, k_scale_pt
   return acc * alpha[:, None] + tiles.exact_float(pv), m_new, e_new, l
 
 
+@device_function
+def _edge_step(acc, m, e, l, q16, q_pos, q_ids, k16_ptr, v16_ptr, kv_ids_ptr, j,
+               HKV: tl.constexpr, D: tl.constexpr, BLOCK_KV: tl.constexpr, LEFT: tl.constexpr,
+               RIGHT: tl.constexpr, IDS: tl.constexpr, MULTIPLIER: tl.constexpr,
+               INPUTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+  """`_kv_step` of an edge tile: S from the 16-bit Q and K, P (V's scale 1,
+  255 at the row's top) rounded to the inputs' dtype times their V."""
+  keys = j * BLOCK_KV + tl.arange(0, BLOCK_KV)
+  tokens = keys[:, None] * HKV * D + tl.arange(0, D)[None, :]
+  k16 = tl.load(k16_ptr + tokens)
+  kv_ids = tl.load(kv_ids_ptr + keys)[None, :] if IDS else 0
+  s = tiles.masked(tiles.edge_scores(q16, k16, MULTIPLIER, DOT_PRECISION), q_pos,
+                   keys[None, :], q_ids, kv_ids, LEFT, RIGHT, IDS)
+  top = tl.max(s, axis=1)
+  m_new = tl.maximum(m, top)
+  e_new = tl.maximum(top, m_new - E_FLOOR)
+  alpha = tl.exp2(e - e_new)
+  p = tiles.UINT8_MAX * tl.exp2(tiles.from_top(s, top) + (top - e_new)[:, None])
+  l = l * alpha + tl.sum(p, axis=1)
+  v16 = tl.load(v16_ptr + tokens)
+  pv = tl.dot(tiles.sixteen_bit(p, INPUTS).to(v16.dtype), v16, input_precision=DOT_PRECISION)
+  return acc * alpha[:, None] + pv, m_new, e_new, l
+
+
 @triton.jit
 def _forward_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr,
-                    pv_init_ptr, q_ids_ptr, kv_ids_ptr, o_ptr, lse_ptr, H: tl.constexpr,
-                    HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr,
-                    TILE_Q: tl.constexpr, BLOCK_KV: tl.constexpr, LEFT: tl.constexpr,
-                    RIGHT: tl.constexpr, IDS: tl.constexpr, SMOOTH_Q: tl.constexpr,
-                    CONVERT: tl.constexpr):
+                    pv_init_ptr, q16_ptr, k16_ptr, v16_ptr, k_mean_ptr, q_ids_ptr, kv_ids_ptr,
+                    o_ptr, lse_ptr, H: tl.constexpr, HKV: tl.constexpr, TQ: tl.constexpr,
+                    TK: tl.constexpr, D: tl.constexpr, TILE_Q: tl.constexpr,
+                    BLOCK_KV: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+                    IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, MEANS: tl.constexpr,
+                    EXACT_EDGES: tl.constexpr, MULTIPLIER: tl.constexpr, INPUTS: tl.constexpr,
+                    CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
   i = tl.program_id(0)
   if RIGHT is not None:  # the longest rows first, so the last wave is of short ones
     i = TQ // TILE_Q - 1 - i
@@ -93,7 +129,13 @@ def _forward_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_p
   v8_t_ptr += kv_head * D * TK
   v_scale_ptr += kv_head * TK
   pv_init_ptr += kv_head * (TK // BLOCK_KV) * D
+  k_mean_ptr += kv_head * (TK // BLOCK_KV) * D
+  k16_ptr += b * TK * HKV * D + (h // (H // HKV)) * D
+  v16_ptr += b * TK * HKV * D + (h // (H // HKV)) * D
   kv_ids_ptr += b * TK
+  q16 = 0.0
+  if MEANS or EXACT_EDGES:
+    q16 = tl.load(q16_ptr + tiles.token_offsets(b, rows, h, TQ, H, D))
 
   acc = tl.zeros((TILE_Q, D), tl.float32)
   m = tl.full((TILE_Q,), NOTHING_SEEN, tl.float32)
@@ -111,17 +153,27 @@ def _forward_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_p
     # P tile of the reference's ascending one, but a block's whose top lies
     # E_FLOOR below the row's maximum so far (P < 2**-52 of the row's).
     right: tl.constexpr = tiles.edge_blocks(TILE_Q, BLOCK_KV, RIGHT)  # causal: the diagonal
+    # Every block of the right run is an edge; a window's left run may hold
+    # some too. (The right run's as a constant: Triton 3.6's TritonGPUCoalesce
+    # crashed on the causal forward's `if` whose test folds to true.)
+    edge_start, _ = tiles.right_edge(i, TILE_Q, BLOCK_KV, TK // BLOCK_KV, RIGHT)
     for s in tl.static_range(right + tiles.edge_blocks(TILE_Q, BLOCK_KV, LEFT)):
       j, inside = tiles.edge_block(s, right, full_end, end, start, full_start)
       if inside:
-        acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, rows[:, None], q_ids,
-                                k8_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr,
-                                kv_ids_ptr, j, TK, D, TILE_Q, BLOCK_KV, LEFT, RIGHT, IDS, SMOOTH_Q,
-                                CONVERT)
+        if EXACT_EDGES and (s < right or j >= edge_start):
+          acc, m, e, l = _edge_step(acc, m, e, l, q16, rows[:, None], q_ids, k16_ptr, v16_ptr,
+                                    kv_ids_ptr, j, HKV, D, BLOCK_KV, LEFT, RIGHT, IDS,
+                                    MULTIPLIER, INPUTS, DOT_PRECISION)
+        else:
+          acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, q16, rows[:, None], q_ids,
+                                  k8_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr,
+                                  k_mean_ptr, kv_ids_ptr, j, TK, D, TILE_Q, BLOCK_KV, LEFT, RIGHT,
+                                  IDS, SMOOTH_Q, MEANS, MULTIPLIER, CONVERT)
   for j in range(full_start, full_end):
-    acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, rows[:, None], q_ids, k8_ptr,
-                            k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr, kv_ids_ptr, j, TK,
-                            D, TILE_Q, BLOCK_KV, None, None, IDS, SMOOTH_Q, CONVERT)
+    acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, q16, rows[:, None], q_ids,
+                            k8_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr, k_mean_ptr,
+                            kv_ids_ptr, j, TK, D, TILE_Q, BLOCK_KV, None, None, IDS, SMOOTH_Q,
+                            MEANS, MULTIPLIER, CONVERT)
 
   # numerics.finalize_folded_rows: rows that saw no key give O = 0, lse = +inf.
   empty = l == 0
@@ -137,26 +189,37 @@ def forward(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
             launch: LaunchConfig) -> tuple[jax.Array, jax.Array]:
   """O (B, Tq, H, D) in `out_dtype` and the base-2 log-sum-exp (B, H, Tq)."""
 
-  def run(q8, q_scale, q_mean, k8, k_scale, v8_t, v_scale, v_start, q_ids, kv_ids):
+  def run(q8, q_scale, q_mean, k8, k_scale, v8_t, v_scale, v_start, q16, k16, v16, k_mean,
+          q_ids, kv_ids):
     batch, heads, q_len, head_dim = q8.shape
     kv_heads, kv_len = k8.shape[1], k8.shape[2]
+    inputs = jnp.dtype(out_dtype if q16 is None else q16.dtype)
     args = [q8, q_scale, placeholder(q_mean, jnp.float32), k8, k_scale, v8_t, v_scale,
             tiles.accumulator_start(v_start, v8_t, config.block_kv),
-            placeholder(q_ids, jnp.int32),
+            placeholder(q16, inputs), placeholder(k16, inputs), placeholder(v16, inputs),
+            placeholder(k_mean, jnp.float32), placeholder(q_ids, jnp.int32),
             placeholder(kv_ids, jnp.int32)]
     out_shape = [jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), out_dtype),
                  jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)]
-    rows = launch.tile_rows_for(q_len, config.block_q, free=q_mean is None)
+    rows = launch.tile_rows_for(q_len, config.block_q,
+                                free=q_mean is None and not config.causal_exact)
     left, right = causal_blocks.band(config.causal, config.window)
-    # Kept: the query tile's Q8; per stage, a key block's K8 and V8^T.
-    fitted = launch.fitted(fixed_bytes=rows * head_dim, stage_bytes=2 * config.block_kv * head_dim)
+    # Kept: the query tile's Q8 (and Q); per stage, a key block's K8 and V8^T
+    # (and K and V for the edge tiles).
+    size = inputs.itemsize
+    fitted = launch.fitted(
+        fixed_bytes=rows * head_dim * (1 + size * config.causal_exact),
+        stage_bytes=config.block_kv * head_dim * (2 + 2 * size * config.exact_edges))
     o, lse = fitted.call(
         _forward_kernel, args, out_shape, grid=(q_len // rows, batch, heads),
         name="sagebwd_triton_forward", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
         D=head_dim, TILE_Q=rows, BLOCK_KV=config.block_kv, LEFT=left, RIGHT=right,
-        IDS=q_ids is not None, SMOOTH_Q=q_mean is not None, CONVERT=launch.convert)
+        IDS=q_ids is not None, SMOOTH_Q=q_mean is not None, MEANS=k_mean is not None,
+        EXACT_EDGES=config.exact_edges, MULTIPLIER=config.scale * nm.LOG2_E,
+        INPUTS=inputs.name, CONVERT=launch.convert, DOT_PRECISION=dot_precision(inputs))
     return o, lse
 
   check_layout("v8_t", qkv.v8_t, TransposedLayout.TOKENS)
   return batch_folded(run)(qkv.q8, qkv.q_scale, qkv.q_mean, qkv.k8, qkv.k_scale, qkv.v8_t,
-                           qkv.v_scale, qkv.v_start, masks.q_ids, masks.kv_ids)
+                           qkv.v_scale, qkv.v_start, qkv.q16, qkv.k16, qkv.v16, qkv.k_mean,
+                           masks.q_ids, masks.kv_ids)

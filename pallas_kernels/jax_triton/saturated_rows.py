@@ -25,11 +25,13 @@ from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 @triton.jit
 def _saturated_rows_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr,
-                           q_ids_ptr, k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, delta_out_ptr,
-                           lse_out_ptr, H: tl.constexpr, HKV: tl.constexpr, TQ: tl.constexpr,
-                           TK: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
-                           BLOCK_KV: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
-                           IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, CONVERT: tl.constexpr,
+                           q_ids_ptr, k8_ptr, k_scale_ptr, v_ptr, q16_ptr, k16_ptr, k_mean_ptr,
+                           kv_ids_ptr, delta_out_ptr, lse_out_ptr, H: tl.constexpr,
+                           HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr,
+                           BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, LEFT: tl.constexpr,
+                           RIGHT: tl.constexpr, IDS: tl.constexpr, SMOOTH_Q: tl.constexpr,
+                           MEANS: tl.constexpr, EXACT_EDGES: tl.constexpr,
+                           MULTIPLIER: tl.constexpr, CONVERT: tl.constexpr,
                            DOT_PRECISION: tl.constexpr, SATURATED: tl.constexpr,
                            MARGIN: tl.constexpr, NOTHING_SEEN: tl.constexpr):
   i = tl.program_id(0)
@@ -48,6 +50,11 @@ def _saturated_rows_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, 
     do = tl.load(do_ptr + tiles.token_offsets(b, rows, h, TQ, H, D))
     kv_head = b * HKV + kvh
     v_ptr += b * TK * HKV * D + kvh * D
+    k16_ptr += b * TK * HKV * D + kvh * D
+    k_mean_ptr += kv_head * (TK // BLOCK_KV) * D
+    if MEANS or EXACT_EDGES:
+      q16 = tl.load(q16_ptr + tiles.token_offsets(b, rows, h, TQ, H, D))
+    edge_start, _ = tiles.right_edge(i, BLOCK_Q, BLOCK_KV, TK // BLOCK_KV, RIGHT)
     m = tl.full((BLOCK_Q,), NOTHING_SEEN, tl.float32)
     l = tl.zeros((BLOCK_Q,), tl.float32)
     d = tl.zeros((BLOCK_Q,), tl.float32)
@@ -58,7 +65,17 @@ def _saturated_rows_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, 
           q8, q_scale, q_mean, rows[:, None], q_ids, k8_ptr + kv_head * TK * D,
           k_scale_ptr + kv_head * TK, kv_ids_ptr + b * TK, j, D, BLOCK_KV, LEFT, RIGHT, IDS,
           SMOOTH_Q, CONVERT)
-      s = tiles.scores(x, c, SMOOTH_Q)
+      # `Config.causal_exact`: the forward's scores (forward.py).
+      if EXACT_EDGES and j >= edge_start:
+        k16 = tl.load(k16_ptr + keys[:, None] * HKV * D + dims[None, :])
+        kv_ids = tl.load(kv_ids_ptr + b * TK + keys)[None, :] if IDS else 0
+        s = tiles.masked(tiles.edge_scores(q16, k16, MULTIPLIER, DOT_PRECISION), rows[:, None],
+                         keys[None, :], q_ids, kv_ids, LEFT, RIGHT, IDS)
+      elif MEANS:
+        s = tiles.scores(x, c, SMOOTH_Q) + tiles.mean_scores(q16, k_mean_ptr, j, D,
+                                                             MULTIPLIER)[:, None]
+      else:
+        s = tiles.scores(x, c, SMOOTH_Q)
       v = tl.load(v_ptr + keys[:, None] * HKV * D + dims[None, :])
       dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
       m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -82,11 +99,14 @@ def saturated_rows(qkv: QuantizedQKV, v, lse, do, delta, masks: Masks, config: C
   """Delta and lse (B, H, Tq) fp32, the saturated rows' recomputed
   (`Backend.saturated_rows`)."""
 
-  def run(q8, q_scale, q_mean, lse, delta, do, q_ids, k8, k_scale, v, kv_ids):
+  def run(q8, q_scale, q_mean, lse, delta, do, q_ids, k8, k_scale, v, q16, k16, k_mean,
+          kv_ids):
     batch, heads, q_len, head_dim = q8.shape
     kv_heads, kv_len = k8.shape[1], k8.shape[2]
     args = [q8, q_scale, placeholder(q_mean, jnp.float32), lse, delta, do,
-            placeholder(q_ids, jnp.int32), k8, k_scale, v, placeholder(kv_ids, jnp.int32)]
+            placeholder(q_ids, jnp.int32), k8, k_scale, v, placeholder(q16, v.dtype),
+            placeholder(k16, v.dtype), placeholder(k_mean, jnp.float32),
+            placeholder(kv_ids, jnp.int32)]
     left, right = causal_blocks.band(config.causal, config.window)
     rows = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
     # Kept: the query block's Q8 and dO; per stage, a key block's K8 and V.
@@ -97,10 +117,12 @@ def saturated_rows(qkv: QuantizedQKV, v, lse, do, delta, masks: Masks, config: C
         _saturated_rows_kernel, args, [rows, rows], grid=(q_len // config.block_q, batch, heads),
         name="sagebwd_triton_saturated_rows", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
         D=head_dim, BLOCK_Q=config.block_q, BLOCK_KV=config.block_kv, LEFT=left, RIGHT=right,
-        IDS=q_ids is not None, SMOOTH_Q=q_mean is not None, CONVERT=launch.convert,
+        IDS=q_ids is not None, SMOOTH_Q=q_mean is not None, MEANS=k_mean is not None,
+        EXACT_EDGES=config.exact_edges, MULTIPLIER=config.scale * nm.LOG2_E,
+        CONVERT=launch.convert,
         DOT_PRECISION=dot_precision(v.dtype), SATURATED=nm.saturation_threshold(v.dtype),
         MARGIN=nm.SATURATED_MARGIN, NOTHING_SEEN=nm.NOTHING_SEEN)
     return new_delta, new_lse
 
   return batch_folded(run)(qkv.q8, qkv.q_scale, qkv.q_mean, lse, delta, do, masks.q_ids,
-                           qkv.k8, qkv.k_scale, v, masks.kv_ids)
+                           qkv.k8, qkv.k_scale, v, qkv.q16, qkv.k16, qkv.k_mean, masks.kv_ids)

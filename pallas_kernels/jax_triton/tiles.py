@@ -35,6 +35,7 @@ MAGIC_I32 = tl.constexpr(nm.ROUND_MAGIC_I32)
 INT8_MAX = tl.constexpr(nm.INT8_MAX)
 E4M3_MAX = tl.constexpr(nm.E4M3_MAX)
 LOG2_UINT8_MAX = tl.constexpr(nm.LOG2_UINT8_MAX)
+UINT8_MAX = tl.constexpr(nm.UINT8_MAX)
 P_SHIFT = tl.constexpr(128)
 SCALE_FLOOR = tl.constexpr(nm.SCALE_FLOOR)
 
@@ -262,6 +263,48 @@ def at_most_zero(s_minus_lse):
 def q_smoothing_bias(k8, k_scale, q_mean):
   """q_mean . K^T for the keys of a tile (numerics.q_smoothing_bias): (N,)."""
   return tl.sum(k8.to(tl.float32) * q_mean[None, :], axis=1) * k_scale
+
+
+@device_function
+def sixteen_bit(x, INPUTS: tl.constexpr):
+  """fp32 `x` rounded to the inputs' dtype (`INPUTS`, its name), still fp32:
+  the first operand of a 16-bit product, as score_tiles.sixteen_bit rounds
+  it. To bfloat16 by the bits, to nearest even: the interpreter's
+  conversion truncates (and its inputs arrive as fp32, launch.py)."""
+  if INPUTS == "bfloat16":
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & -65536
+    y = bits.to(tl.float32, bitcast=True)
+  elif INPUTS == "float16":
+    y = x.to(tl.float16).to(tl.float32)
+  else:
+    y = x
+  return y
+
+
+@device_function
+def mean_scores(q16, k_mean_ptr, j, D: tl.constexpr, MULTIPLIER: tl.constexpr):
+  """q_i . m_j, base 2, for each row of `q16` (fp32 values of the 16-bit Q)
+  and key block j's mean, which K8 lacks (`Config.causal_exact`): (rows,)."""
+  mean = tl.load(k_mean_ptr + j * D + tl.arange(0, D))
+  return tl.sum(q16 * mean[None, :], axis=1) * MULTIPLIER
+
+
+@device_function
+def edge_scores(a16, b16, MULTIPLIER: tl.constexpr, DOT_PRECISION: tl.constexpr):
+  """Base-2 scores of an edge tile (`Config.exact_edges`) from the 16-bit
+  rows of its two sides (Q and K, or K and Q), fp32 accumulation."""
+  return tl.dot(a16, tl.trans(b16), input_precision=DOT_PRECISION) * MULTIPLIER
+
+
+@device_function
+def right_edge(i, TILE_Q: tl.constexpr, BLOCK_KV: tl.constexpr, NK: tl.constexpr,
+               RIGHT: tl.constexpr):
+  """causal_blocks.right_edge: the key blocks [start, end) that the band's
+  right edge crosses for query tile i, 16-bit tiles with
+  `Config.exact_edges`."""
+  _, _, start, end = kv_range(i, TILE_Q, BLOCK_KV, NK, None, RIGHT)
+  return start, end
 
 
 @device_function
