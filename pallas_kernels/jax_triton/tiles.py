@@ -18,6 +18,10 @@ byte is P - 128), and the 128 * X that this drops comes back through the
 accumulator's start, 0x4B400000 plus 128 times the column sums of the other
 operand's block (`shifted_accumulator_start`), so the product still reads as
 fp32 1.5 * 2**23 + P.X exactly.
+
+Longer than 400 lines because it is the one module the Triton kernels share:
+with `Config.causal_exact` the score tile's per-block mean term and the
+16-bit edge tiles joined the rules every kernel applies the same way.
 """
 
 from __future__ import annotations
