@@ -68,12 +68,8 @@ def _edge_step(dq, q16, q_pos, q_ids, lse, delta, do, dq_mean, v_ptr, k16_ptr, k
                MULTIPLIER: tl.constexpr, INPUTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
   """`_kv_step` of an edge tile: S from the 16-bit Q and K, and dQ = dS.(K -
   m') with dS and K - m' rounded to the inputs' dtype."""
-  keys = j * BLOCK_KV + tl.arange(0, BLOCK_KV)
-  tokens = keys[:, None] * HKV * D + tl.arange(0, D)[None, :]
-  k16 = tl.load(k16_ptr + tokens)
-  kv_ids = tl.load(kv_ids_ptr + keys)[None, :] if IDS else 0
-  s = tiles.masked(tiles.edge_scores(q16, k16, MULTIPLIER, DOT_PRECISION), q_pos,
-                   keys[None, :], q_ids, kv_ids, LEFT, RIGHT, IDS)
+  s, k16, tokens = tiles.edge_key_block(q16, q_pos, q_ids, k16_ptr, kv_ids_ptr, j, HKV, D,
+                                        BLOCK_KV, LEFT, RIGHT, IDS, MULTIPLIER, DOT_PRECISION)
   p = tl.exp2(tiles.at_most_zero(s - lse[:, None]))
   v = tl.load(v_ptr + tokens)
   dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)

@@ -88,12 +88,8 @@ def _edge_step(acc, m, e, l, q16, q_pos, q_ids, k16_ptr, v16_ptr, kv_ids_ptr, j,
                INPUTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
   """`_kv_step` of an edge tile: S from the 16-bit Q and K, P (V's scale 1,
   255 at the row's top) rounded to the inputs' dtype times their V."""
-  keys = j * BLOCK_KV + tl.arange(0, BLOCK_KV)
-  tokens = keys[:, None] * HKV * D + tl.arange(0, D)[None, :]
-  k16 = tl.load(k16_ptr + tokens)
-  kv_ids = tl.load(kv_ids_ptr + keys)[None, :] if IDS else 0
-  s = tiles.masked(tiles.edge_scores(q16, k16, MULTIPLIER, DOT_PRECISION), q_pos,
-                   keys[None, :], q_ids, kv_ids, LEFT, RIGHT, IDS)
+  s, k16, tokens = tiles.edge_key_block(q16, q_pos, q_ids, k16_ptr, kv_ids_ptr, j, HKV, D,
+                                        BLOCK_KV, LEFT, RIGHT, IDS, MULTIPLIER, DOT_PRECISION)
   top = tl.max(s, axis=1)
   m_new = tl.maximum(m, top)
   e_new = tl.maximum(top, m_new - E_FLOOR)

@@ -302,6 +302,22 @@ def edge_scores(a16, b16, MULTIPLIER: tl.constexpr, DOT_PRECISION: tl.constexpr)
 
 
 @device_function
+def edge_key_block(q16, q_pos, q_ids, k16_ptr, kv_ids_ptr, j, HKV: tl.constexpr,
+                   D: tl.constexpr, BLOCK_KV: tl.constexpr, LEFT: tl.constexpr,
+                   RIGHT: tl.constexpr, IDS: tl.constexpr, MULTIPLIER: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+  """Key block j of an edge tile, rows of Q against it: the masked 16-bit
+  scores, its 16-bit K and the tokens' offsets (for V at the same places)."""
+  keys = j * BLOCK_KV + tl.arange(0, BLOCK_KV)
+  tokens = keys[:, None] * HKV * D + tl.arange(0, D)[None, :]
+  k16 = tl.load(k16_ptr + tokens)
+  kv_ids = tl.load(kv_ids_ptr + keys)[None, :] if IDS else 0
+  s = masked(edge_scores(q16, k16, MULTIPLIER, DOT_PRECISION), q_pos, keys[None, :], q_ids,
+             kv_ids, LEFT, RIGHT, IDS)
+  return s, k16, tokens
+
+
+@device_function
 def right_edge(i, TILE_Q: tl.constexpr, BLOCK_KV: tl.constexpr, NK: tl.constexpr,
                RIGHT: tl.constexpr):
   """causal_blocks.right_edge: the key blocks [start, end) that the band's
