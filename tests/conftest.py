@@ -252,8 +252,7 @@ def check_quantization_pass(backend, reference, head_dim: int, smooth_q: bool,
                             smooth_k: bool, *, sum_atol: float = 0.0,
                             ds_precision: str = "int8", layouts=None,
                             quantization: str = "int8", for_backward: bool = True,
-                            shape: tuple[int, ...] = (2, 128, 192, 4, 2),
-                            causal_exact: bool = False):
+                            shape: tuple[int, ...] = (2, 128, 192, 4, 2)):
   """`backend.quantize` forms `reference.quantize`'s tensors, each transposed
   one in its `layouts` (types.Layouts; default TOKENS): int8 (and E4M3)
   equal, scales and means to fp32 rounding (`sum_atol` times the largest:
@@ -261,16 +260,14 @@ def check_quantization_pass(backend, reference, head_dim: int, smooth_q: bool,
   `ds_precision="bf16"` quantizes Q per token. The reference runs on the
   CPU: XLA:GPU divides fp32 to within an ulp, not correctly rounded (127 /
   amax differs in many values on the H200: docs/performance-log.md), which
-  moves int8 values by one. `shape`: (B, Tq, Tk, H, Hkv). `causal_exact`:
-  causal, K-smoothing by each key block's mean. Returns (ours, ref)."""
-  from sagebwd_jax.sagebwd import key_block_means, key_mean
+  moves int8 values by one. `shape`: (B, Tq, Tk, H, Hkv). Returns (ours,
+  ref)."""
+  from sagebwd_jax.sagebwd import key_mean
   layouts = Layouts() if layouts is None else layouts
   q, k, v, _ = gaussian_qkv(jax.random.key(0), *shape, head_dim, sigma=2.0)
   config = kernel_config(smooth_q=smooth_q, scale=head_dim**-0.5, ds_precision=ds_precision,
-                         quantization=quantization, causal=causal_exact,
-                         causal_exact=causal_exact)
-  means = key_block_means(k, None, config.block_kv) if causal_exact else key_mean(k, None)
-  k_mean = means if smooth_k else None
+                         quantization=quantization)
+  k_mean = key_mean(k, None) if smooth_k else None
   ours = backend.quantize(q, k, v, k_mean, config, for_backward=for_backward, layouts=layouts)
   ref = reference.quantize(*jax.device_put((q, k, v, k_mean), CPU), config,
                            for_backward=for_backward, layouts=layouts)
