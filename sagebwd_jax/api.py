@@ -261,9 +261,9 @@ def _sage(name: str | Backend, query, key, value, case: _Case, return_residual: 
   backend = implementations.backend(name, config.causal) if isinstance(name, str) else name
   if config.causal_exact and not implementations.has_causal_exact(backend):
     raise NotImplementedError(
-        "causal_exact=True: the Hopper (Mosaic) kernels do not compute its statistics yet "
-        "(the first key block's K mean, 16-bit edge tiles); implementation='triton' or "
-        "'reference' does")
+        "causal_exact=True: the Hopper (Mosaic) backend does not take it yet (its backward "
+        "kernels lack the first key block's K mean and the 16-bit edge tiles that its "
+        "forward kernel computes); implementation='triton' or 'reference' does")
   block_q, block_kv = config.block_q, config.block_kv
   if (implementations.runs_kernels(backend) and implementations.on_gpu()
       and min(block_q, block_kv) < arguments.MIN_DEFAULT_BLOCK):
