@@ -51,11 +51,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from pallas_kernels.types import Config, Layouts, TransposedLayout  # noqa: E402
+from pallas_kernels.mosaic.backend import MOSAIC_NUMERICS, MosaicBackend  # noqa: E402
+from pallas_kernels.types import Config, Layouts, Masks, TransposedLayout  # noqa: E402
 from sagebwd_jax import (dot_product_attention, full_precision_attention,  # noqa: E402
                          implementations, metrics)
 from sagebwd_jax.reference import ReferenceBackend  # noqa: E402
-from sagebwd_jax.sagebwd import prepass  # noqa: E402
+from sagebwd_jax.sagebwd import prepass, quantize  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", os.environ["JAX_NUMPY_RANK_PROMOTION"])
 
@@ -124,6 +125,12 @@ def x64():
   """fp64 enabled for the duration of a test (restored afterwards)."""
   with jax.enable_x64(True):
     yield
+
+
+def resampled(x, t, seed):
+  """x (B, T, ...) with the tokens at positions >= t drawn again."""
+  fresh = jax.random.normal(jax.random.key(seed), x.shape, jnp.float32).astype(x.dtype)
+  return x.at[:, t:].set(fresh[:, t:])
 
 
 def gaussian_qkv(key, B, Tq, Tk, H, Hkv, D, sigma=1.0, dtype=jnp.bfloat16):
@@ -214,6 +221,18 @@ MOSAIC_FORWARD_CASES = [
     (2, 1024, 1024, 4, 1, 64, True),
     (2, 192, 512, 4, 2, 128, False),
     (1, 2048, 2048, 2, 2, 128, False),
+]
+
+
+# The Mosaic forward's causal_exact GPU cases, either quantization: (batch,
+# seq, heads, kv_heads, head_dim, causal): GQA, MHA, MQA, one step per ring
+# slot and more steps than slots, the mean term alone (not causal).
+MOSAIC_EXACT_CASES = [
+    (1, 256, 2, 1, 64, True),
+    (1, 256, 2, 2, 128, True),
+    (2, 1024, 4, 2, 128, True),
+    (2, 1024, 4, 1, 64, True),
+    (1, 512, 2, 2, 64, False),
 ]
 
 
@@ -330,6 +349,31 @@ def cosine(x, ref) -> float:
 
 
 CPU = jax.devices("cpu")[0]
+
+# The reference's passes in the layouts the Mosaic kernels read: what the op's
+# quantization stage hands the Mosaic forward, its `Config.causal_exact`
+# operands (the first key block's mean m, 16-bit Q, K, V) included.
+MOSAIC_PASSES = MosaicBackend(ReferenceBackend(), fp8_fallback=ReferenceBackend())
+
+
+def channel_biased_qkv(key, batch, seq, heads, kv_heads, head_dim):
+  """`gaussian_qkv`'s q, k, v (sigma 2) with K shifted by a channel bias of 3x
+  its spread per key/value head, so the mean term carries weight."""
+  q, k, v, _ = gaussian_qkv(key, batch, seq, seq, heads, kv_heads, head_dim, sigma=2.0)
+  bias = 6.0 * jax.random.normal(jax.random.fold_in(key, 1), (1, 1, kv_heads, head_dim))
+  return q, (k + bias).astype(k.dtype), v
+
+
+def mosaic_exact_case(q, k, v, config: Config):
+  """q, k, v quantized on the CPU as the op's quantization stage does with
+  `Config.causal_exact` (K-smoothing on) for the Mosaic forward, and the
+  reference's forward of them with the Mosaic numerics: (qkv, (O, lse, the
+  FP8 mode's row maxima or None))."""
+  with jax.default_device(CPU):
+    q, k, v = jax.device_put((q, k, v), CPU)
+    qkv = quantize(q, k, v, Masks(), config, MOSAIC_PASSES, True, False)
+    return qkv, ReferenceBackend(MOSAIC_NUMERICS).forward(qkv, Masks(), config, jnp.bfloat16)
+
 
 # Op-level cases every kernel backend is checked on against the CPU reference.
 KERNEL_CASES = {

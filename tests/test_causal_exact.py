@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import backend_tolerance, gaussian_qkv, oracle64, rel_l2, sage
+from conftest import backend_tolerance, gaussian_qkv, oracle64, rel_l2, resampled, sage
 from pallas_kernels import fp8_operands
 from pallas_kernels.layouts import TOKENS
 from pallas_kernels.mosaic.backend import MosaicBackend
@@ -32,16 +32,10 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="the Triton kernels need the package triton")
 
 
-def _resampled(x, t, seed):
-  """x with the tokens at positions >= t drawn again."""
-  fresh = jax.random.normal(jax.random.key(seed), x.shape, jnp.float32).astype(x.dtype)
-  return x.at[:, t:].set(fresh[:, t:])
-
-
 def _prefix_moves(q, k, v, do, t, *, implementation, **kwargs):
   """(O[:t], dQ[:t]) before and after resampling K and V at positions >= t."""
   runs = [sage(q, k_, v_, do, is_causal=True, implementation=implementation, **kwargs)
-          for k_, v_ in ((k, v), (_resampled(k, t, 1), _resampled(v, t, 2)))]
+          for k_, v_ in ((k, v), (resampled(k, t, 1), resampled(v, t, 2)))]
   return [(np.asarray(o, np.float32)[:, :t], np.asarray(dq, np.float32)[:, :t])
           for o, (dq, _, _) in runs]
 
