@@ -10,8 +10,12 @@ Mosaic variant's O and lse are checked against `ReferenceBackend(MOSAIC_NUMERICS
 run on the same device (relative L2). Then quantization="int8_fp8": its
 quantization (the reference's XLA pass: Q, K int8, V^T E4M3 per channel
 REGISTER_B; `quantize_fp8_xla`) and the Mosaic FP8 forward (`mosaic_fp8`),
-checked against the reference's FP8 forward in 128-key steps. Writes
-mosaic_forward.csv to --out (default $OUT, else nothing).
+checked against the reference's FP8 forward in 128-key steps. Causal, both
+modes again with `causal_exact=True` (`mosaic_causal_exact`,
+`mosaic_fp8_causal_exact`: the reference's passes, K's first-block mean and V's
+FP8 scales per block, the 16-bit operands), against `mosaic` and
+`mosaic_fp8`. Writes mosaic_forward.csv to --out (default $OUT, else
+nothing).
 """
 
 from __future__ import annotations
@@ -26,11 +30,11 @@ from benchmarks.attention import time_call, write_csv
 from benchmarks.variants import Rows, parse_args, random_inputs, rel_l2
 from pallas_kernels.jax_triton.backend import TritonBackend
 from pallas_kernels.jax_triton.forward import forward
-from pallas_kernels.mosaic.backend import MOSAIC_NUMERICS
+from pallas_kernels.mosaic.backend import MOSAIC_NUMERICS, MosaicBackend
 from pallas_kernels.mosaic.forward import KV_STEP, ForwardTuning, forward_mosaic
 from pallas_kernels.types import Config, Layouts, Masks, Numerics, TransposedLayout
 from sagebwd_jax.reference import ReferenceBackend
-from sagebwd_jax.sagebwd import key_mean
+from sagebwd_jax.sagebwd import key_mean, quantize
 
 
 VARIANTS = {
@@ -39,6 +43,25 @@ VARIANTS = {
     "mosaic_nosched": ForwardTuning(schedule_barrier=False),
     "mosaic_1wg": ForwardTuning(compute_wgs=1, schedule_barrier=False),
 }
+
+
+def time_causal_exact(config: Config, q, k, v, record, table: Rows):
+  """The forward with causal_exact in both modes, on the reference's passes
+  in the Mosaic layouts (the Triton pass writes FP8 V per channel), checked
+  against the reference's forward on the same device."""
+  passes = MosaicBackend(ReferenceBackend(), fp8_fallback=ReferenceBackend())
+  for name, mode in (("mosaic_causal_exact", "int8"), ("mosaic_fp8_causal_exact", "int8_fp8")):
+    exact = dataclasses.replace(config, quantization=mode, causal_exact=True)
+    qkv = jax.block_until_ready(jax.jit(lambda q, k, v: quantize(
+        q, k, v, Masks(), exact, passes, True, False))(q, k, v))
+    o_ref, lse_ref, _ = jax.block_until_ready(jax.jit(lambda qkv: ReferenceBackend(
+        MOSAIC_NUMERICS).forward(qkv, Masks(), exact, jnp.bfloat16))(qkv))
+    fn = jax.jit(lambda qkv: forward_mosaic(qkv, Masks(), exact, jnp.bfloat16))
+    try:
+      o, lse, _ = jax.block_until_ready(fn(qkv))
+      record(name, time_call(fn, qkv), o_rel_l2=rel_l2(o, o_ref), lse_rel_l2=rel_l2(lse, lse_ref))
+    except Exception as e:  # report and go on with the other variants
+      table.failed(name, True, e)
 
 
 def main():
@@ -92,6 +115,8 @@ def main():
              lse_rel_l2=rel_l2(lse, lse_ref))
     except Exception as e:
       table.failed("mosaic_fp8", causal, e)
+    if causal:  # the op applies causal_exact with causality only
+      time_causal_exact(config, q, k, v, record, table)
     table.ratios(causal, ref_row)
 
   print("\n| impl | causal | ms | TOPS | x cuDNN | O rel L2 vs reference | lse rel L2 |")

@@ -131,8 +131,7 @@ def fp8_operands(qkv: QuantizedQKV, v: jax.Array, do: jax.Array, do_scale: jax.A
   q8, q_scale = _e4m3_blocks(q * ds_bound[..., None], config.block_q)
   k = jnp.swapaxes(qkv.k16, 1, 2).astype(_f32)
   if qkv.k_mean is not None:  # causal_exact: K16 is not smoothed, K' is
-    k = (k.reshape(*qkv.k_mean.shape[:3], config.block_kv, -1)
-         - qkv.k_mean[..., None, :]).reshape(k.shape)
+    k = k - qkv.k_mean[:, :, None, :]
   k8, k_scale = _e4m3_blocks(k, config.block_kv)
   transposed = lambda x8: to_layout(jnp.swapaxes(x8, -1, -2), layout)
   return assemble(transposed(q8), q_scale, transposed(k8), k_scale, do_scale, ds_bound, seen,

@@ -228,7 +228,7 @@ def block_scores(product: jax.Array, scale: jax.Array, *, mask: jax.Array | None
 
   `product` is the int32 Q8.K8^T tile, `scale` its dequantization factor
   (broadcastable to (..., rows, 1)), `bias` Q-smoothing's (..., 1, keys),
-  `row_bias` (..., rows) the score each row gives the block's K mean
+  `row_bias` (..., rows) the score each row gives K's mean
   (`Config.causal_exact`), which K8 lacks: the same for every key of the
   row, so it moves `top` only, one add per row, and `S - top` stays exact.
   Without a bias, S - top is the exact int32 difference times `scale`: one

@@ -40,12 +40,13 @@ class Config:
   P.V and P^T.dO in FP8.
   `causal_exact`: no output row, nor its dQ, depends on a key or value after
   the last one it sees (docs/algorithm.md, "Statistics over what each row
-  sees"): K-smoothing by each `block_kv` block's own mean, with the exact
-  score q_i . m_b restored per row and block; the tiles that the band's
-  right edge crosses (`exact_edges`) in 16 bits; with "int8_fp8", V in E4M3
-  per block (its scale folded into P) and the backward's statistics over
-  the keys each row sees. The reference and the Triton kernels (INT8)
-  implement it; the op sets it only with causality or a window (`banded`).
+  sees"): K-smoothing by the first `block_kv` keys' mean m, with the exact
+  score q_i . m restored per row in the 8-bit tiles; the tiles that the
+  band's right edge crosses (`exact_edges`) in 16 bits; with "int8_fp8", V
+  in E4M3 per block (its scale folded into P) and the backward's statistics
+  over the keys each row sees. The reference and the Triton kernels (INT8)
+  implement it, and the Hopper forward kernel (either mode); the op sets it
+  only with causality or a window (`banded`).
   """
 
   scale: float
@@ -68,8 +69,7 @@ class Config:
     """Whether the backward reads Q and the smoothed K in the inputs' dtype
     (`QuantizedQKV.q16`, `k16`): the 16-bit dS products take them as they
     are, the FP8 ones as the sources of their FP8 copies, and with
-    `causal_exact` the scores' per-block correction and the 16-bit edge
-    tiles."""
+    `causal_exact` the 8-bit tiles' q_i . m and the 16-bit edge tiles."""
     return self.ds_precision == "bf16" or self.fp8 or self.causal_exact
 
   @property
@@ -204,19 +204,22 @@ class QuantizedQKV(NamedTuple):
   # `Config.keeps_qk16` only: Q and the smoothed K in the inputs' dtype and
   # layout (B, T, H, D), the second operands of dS.K and dS^T.Q in 16 bits,
   # or the sources of their FP8 copies. With `Config.causal_exact` K is not
-  # smoothed (its per-block mean would round a row's 16-bit operands by
-  # later keys): the FP8 copy subtracts `k_mean` itself.
+  # smoothed (the edge tiles' scores take it as it is, and rows before the
+  # end of key block 0 must not meet its mean): the FP8 copy and the 16-bit
+  # dS.K subtract `k_mean` themselves.
   q16: jax.Array | None = None
   k16: jax.Array | None = None
-  # `Config.causal_exact` only: each key block's mean (B, Hkv, Tk // block_kv,
-  # D) fp32, which K8 lacks (and the score correction q_i . m_b restores);
+  # `Config.causal_exact` only: the first key block's mean m (B, Hkv, D) fp32
+  # (`sagebwd.first_block_mean`), which K8 lacks (and each row's q_i . m
+  # restores in its 8-bit tiles);
   # with `Config.exact_edges` V in the inputs' dtype and layout (B, T, Hkv, D),
   # the edge tiles' P.V operand.
   k_mean: jax.Array | None = None
   v16: jax.Array | None = None
-  # `Config.causal_exact` only, for the backward: per query block, the mean of
-  # the keys up to its first row's last visible one (B, Hkv, Tq // block_q,
-  # D) fp32 (`sagebwd.key_means_seen`), which dQ's K is taken less.
+  # `Config.causal_exact` only, for the backward: per query block, the mean
+  # dQ's K is taken less (B, Hkv, Tq // block_q, D) fp32
+  # (`sagebwd.key_means_seen`): m, or before the end of key block 0 the mean
+  # of its keys up to the block's first row's last visible one.
   k_mean_seen: jax.Array | None = None
   # The portable forward's P.V accumulator start per V block, (B, Hkv,
   # Tk // block_kv, D) int32 (`jax_triton.tiles.shifted_accumulator_start`):

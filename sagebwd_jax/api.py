@@ -136,11 +136,12 @@ def dot_product_attention(
     causal_exact: with `is_causal` (or a `local_window_size`), no output
       row, nor its dQ, then depends on a key or value after the last key
       the row sees (with `is_causal`: on no later token), as in exact
-      attention. K is smoothed by each key block's own mean, and each row's
-      score of that mean is added back exactly; the tiles that the causal
-      edge crosses run in 16 bits; with quantization="int8_fp8", V's FP8
-      scales are per block and the backward's bounds are taken over what
-      each row sees (docs/algorithm.md). Without causality or a window it
+      attention. K is smoothed by the mean of its first block_kv keys, and
+      each row's score of that mean is added back exactly; the tiles that
+      the causal edge crosses run in 16 bits; with
+      quantization="int8_fp8", V's FP8 scales are per block and the
+      backward's bounds are taken over what each row sees
+      (docs/algorithm.md). Without causality or a window it
       changes nothing. "reference" and "triton" implement it (the Triton
       kernels in the INT8 mode); the default is then "reference" on every
       device, and "mosaic" raises NotImplementedError.
@@ -260,8 +261,9 @@ def _sage(name: str | Backend, query, key, value, case: _Case, return_residual: 
   backend = implementations.backend(name, config.causal) if isinstance(name, str) else name
   if config.causal_exact and not implementations.has_causal_exact(backend):
     raise NotImplementedError(
-        "causal_exact=True: the Hopper (Mosaic) kernels do not compute its statistics yet "
-        "(per-block K means, 16-bit edge tiles); implementation='triton' or 'reference' does")
+        "causal_exact=True: the Hopper (Mosaic) backend does not take it yet (its backward "
+        "kernels lack the first key block's K mean and the 16-bit edge tiles that its "
+        "forward kernel computes); implementation='triton' or 'reference' does")
   block_q, block_kv = config.block_q, config.block_kv
   if (implementations.runs_kernels(backend) and implementations.on_gpu()
       and min(block_q, block_kv) < arguments.MIN_DEFAULT_BLOCK):

@@ -95,9 +95,10 @@ def is_backend(x) -> bool:
 
 
 def has_causal_exact(backend: Backend) -> bool:
-  """Whether a backend computes `Config.causal_exact`'s statistics (per-block
-  K means, 16-bit edge tiles): the reference and the Triton kernels; the
-  Hopper (Mosaic) kernels not yet."""
+  """Whether a backend computes `Config.causal_exact`'s statistics (the
+  first key block's K mean, 16-bit edge tiles): the reference and the
+  Triton kernels; the Hopper (Mosaic) backend not yet (its forward kernel
+  computes them, its backward kernels do not)."""
   if isinstance(backend, ReferenceBackend):
     return True
   try:

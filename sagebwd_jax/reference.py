@@ -107,9 +107,8 @@ class ReferenceBackend:
       q_scale = _per_token(q_scale * multiplier, config.block_q)
 
     k_blocks = blocks(_heads(k).astype(_f32), config.block_kv)
-    if k_mean is not None:  # (B, Hkv, D), or per block with causal_exact
-      k_blocks = k_blocks - (k_mean[..., None, :] if config.causal_exact
-                             else k_mean[:, :, None, None, :])
+    if k_mean is not None:  # (B, Hkv, D)
+      k_blocks = k_blocks - k_mean[:, :, None, None, :]
     k8, k_scale = _quantize_blocks(k_blocks)
     k8, k_scale = _unblock(k8), _per_token(k_scale, config.block_kv)
     v_heads = _heads(v).astype(_f32)
@@ -276,30 +275,28 @@ class ReferenceBackend:
       fp8 = _Fp8Tiles.of(prepass.fp8, rows)
 
     # causal_exact: dQ = dS.(K - m'), m' the query block's `dq_mean` (the
-    # rowsum(dS) m' it drops is 0 in exact arithmetic); K8 lacks its block's
-    # m_b, so each 8-bit tile adds rowsum_b(dS) (m_b - m'), and the edge tiles
-    # run in 16 bits with K - m' rounded to the inputs' dtype.
+    # rowsum(dS) m' it drops is 0 in exact arithmetic). A query block with
+    # 8-bit tiles has m' = m, which K8 lacks: those tiles are dQ's product as
+    # it is. The edge tiles run in 16 bits with K - m' rounded to the inputs'
+    # dtype.
     dq_mean = tiles.dq_mean()
 
-    def exact_dq(ds, j):
-      """dQ's terms outside its 8-bit product (`Config.causal_exact`)."""
-      edge, mean = tiles.edge(j), tiles.block_mean(j)
-      terms = 0.0 if mean is None else nm.ordered_sum(ds)[..., None] * (mean - dq_mean)
-      if edge is None:
-        return terms
+    def edge_dq(ds, j):
+      """dQ's edge tiles (`Config.exact_edges`), 0 elsewhere."""
       k16 = tiles.kv_block(k16_heads, j, axis=-2)[:, :, None]  # (B, Hkv, 1, bk, D)
       if dq_mean is not None:  # one operand per query block
         k16 = sixteen_bit(k16.astype(_f32) - dq_mean[:, :, 0], v.dtype)
       k16 = jnp.broadcast_to(k16, (*k16.shape[:2], ds.shape[3], *k16.shape[3:]))
       edge_dq = wide_einsum("bhgiqk,bhikd->bhgiqd", sixteen_bit(ds, v.dtype), k16)
-      return jnp.where(edge, edge_dq, terms)
+      return jnp.where(tiles.edge(j), edge_dq, 0.0)
 
     def k16_block(j):
-      """dS.K's second operand in 16 bits: K less its block's mean with
-      causal_exact, K as `QuantizedQKV.k16` holds it otherwise."""
+      """dS.K's second operand in 16 bits: K less m with causal_exact, K as
+      `QuantizedQKV.k16` holds it otherwise."""
       k16 = tiles.kv_block(k16_heads, j, axis=-2)
-      mean = tiles.block_mean(j)
-      return k16 if mean is None else sixteen_bit(k16 - mean[:, :, 0, 0], v.dtype)
+      if qkv.k_mean is None:
+        return k16
+      return sixteen_bit(k16 - qkv.k_mean[:, :, None, :], v.dtype)
 
     def without_edges(dq_tiles, j):
       edge = tiles.edge(j)
@@ -329,8 +326,8 @@ class ReferenceBackend:
         dv_tiles = int8_einsum("bhgikq,bhgiqd->bhgikd", p8_t, do8)
         dv = sum_tiles(nm.dequantize(dv_tiles, p_scale[..., None], do_scale[..., None, None]))
 
-      if config.causal_exact:
-        dq_exact = dq_exact + exact_dq(ds, j)
+      if config.exact_edges:
+        dq_exact = dq_exact + edge_dq(ds, j)
       if config.ds_precision == "bf16":  # dS in the inputs' dtype
         ds16 = sixteen_bit(ds, qkv.k16.dtype)
         dq = dq + without_edges(wide_einsum("bhgiqk,bhkd->bhgiqd", ds16, k16_block(j)), j)
@@ -372,7 +369,7 @@ class ReferenceBackend:
                                             jnp.arange(tiles.num_kv_blocks))
     if config.fp8 and config.ds_precision == "int8":
       dq = dq * fp8.dq_scale
-    if config.causal_exact:
+    if config.exact_edges:
       dq = dq + dq_exact
     # S was formed from Q * scale * log2(e): dQ takes `scale` once, dK ln 2.
     dq = jnp.swapaxes(dq.reshape(batch, num_heads, q_len, head_dim), 1, 2) * config.scale

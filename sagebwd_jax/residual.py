@@ -35,7 +35,7 @@ def _forward(query, key, value, masks, config, backend, smooth_k, for_backward=T
   # As the op's forward quantizes (sagebwd_attention), so that XLA can merge them.
   qkv = quantize(query, key, value, masks, config, backend, smooth_k, for_backward)
   lse = jnp.swapaxes(attend(qkv, masks, config, backend, query.dtype)[1], 1, 2) * nm.LN_2
-  if smooth_k and not config.causal_exact:  # causal_exact's scores restore it block by block
+  if smooth_k and not config.causal_exact:  # causal_exact's scores restore q . m themselves
     # The kernels' scores are of K - mean(K): each row is shifted by q . mean.
     group = query.shape[2] // key.shape[2]
     shift = jnp.einsum("bthd,bhd->bth", query.astype(jnp.float32),

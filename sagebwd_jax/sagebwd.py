@@ -41,61 +41,65 @@ def key_mean(k: jax.Array, kv_ids: jax.Array | None) -> jax.Array:
   return total / jnp.maximum(jnp.sum(valid, axis=1), 1.0)[:, None, None]
 
 
-def key_block_means(k: jax.Array, kv_ids: jax.Array | None, block: int) -> jax.Array:
-  """Mean of K over each `block` keys' valid tokens: (B, Hkv, T // block, D)
-  fp32, 0 for a block with none (`Config.causal_exact`).
+def _first_key_block(k: jax.Array, kv_ids: jax.Array | None,
+                     block: int) -> tuple[jax.Array, jax.Array]:
+  """Keys 0..block-1 fp32 (B, Hkv, block, D), padding zeroed, and whether
+  each is valid (B, 1, block, 1)."""
+  keys = jnp.swapaxes(k[:, :block].astype(jnp.float32), 1, 2)
+  valid = (jnp.ones((k.shape[0], block), jnp.float32) if kv_ids is None
+           else (kv_ids[:, :block] != nm.KV_INVALID_ID).astype(jnp.float32))
+  valid = valid[:, None, :, None]
+  return keys * valid, valid
 
-  A block's mean depends on its own keys only, so a row that sees the whole
-  block sees every key its mean depends on; the scores restore q_i . m_b
-  exactly (`score_tiles.ScoreTiles`), so the mean only decides what the
-  int8 grid spends its range on. Padding never enters it.
+
+def first_block_mean(k: jax.Array, kv_ids: jax.Array | None, block: int) -> jax.Array:
+  """Mean of the valid keys of the first `block` ones: (B, Hkv, D) fp32, 0
+  where none is valid (`Config.causal_exact`'s K-smoothing).
+
+  K8 lacks it and the 8-bit tiles add back q_i . m, so it only decides what
+  the int8 grid spends its range on. A row meets it only in an 8-bit tile,
+  a key block the row sees whole, so the row sees past every key of block 0;
+  rows that see no whole block (with causality, those before block - 1)
+  have edge tiles only (docs/algorithm.md, "Statistics over what each row
+  sees"). Padding never enters it.
   """
-  batch, length, heads, dim = k.shape
-  k = jnp.swapaxes(k.astype(jnp.float32), 1, 2).reshape(batch, heads, length // block, block,
-                                                         dim)
-  if kv_ids is None:
-    return nm.ordered_sum(k, axis=-2) / block
-  valid = (kv_ids != nm.KV_INVALID_ID).astype(jnp.float32).reshape(batch, 1, -1, block)
-  total = nm.ordered_sum(k * valid[..., None], axis=-2)
-  return total / jnp.maximum(nm.ordered_sum(valid), 1.0)[..., None]
+  keys, valid = _first_key_block(k, kv_ids, block)
+  return (nm.ordered_sum(keys, axis=-2)
+          / jnp.maximum(nm.ordered_sum(valid, axis=-2), 1.0))
 
 
 def key_means_seen(k: jax.Array, kv_ids: jax.Array | None, config: Config,
                    q_len: int) -> jax.Array:
-  """For each query block, the mean of the valid keys up to the last key its
-  first row sees (its position plus the band's right; every key without
-  one): (B, Hkv, Tq // block_q, D) fp32 (`Config.causal_exact`).
+  """For each query block, the mean m' that dQ's K is taken less
+  (`ScoreTiles.dq_mean`): (B, Hkv, Tq // block_q, D) fp32
+  (`Config.causal_exact`).
 
-  dQ takes K less this mean (`ScoreTiles.dq_mean`): the term it drops,
-  rowsum(dS) times the mean, is 0 in exact arithmetic (rows of dS sum to
-  zero) but not in the 8-bit backward's (Delta comes from the INT8 O), and
-  K's channel bias would multiply it. One mean per query block, of keys no
-  row of the block comes before, so no row's dQ depends on a later key.
+  The term dQ drops, rowsum(dS) m', is 0 in exact arithmetic (rows of dS
+  sum to zero) but not in the 8-bit backward's (Delta comes from the INT8
+  O), and K's channel bias would multiply it. m' is `first_block_mean` where
+  the block's first row sees all of key block 0: K8 lacks that mean, so the
+  8-bit tiles then need no term of their own (and only such query blocks
+  have any). A query block before that has edge tiles only, and takes the
+  mean of key block 0's valid keys up to its first row's last visible key
+  (its position plus the band's right): no row of the block comes before
+  them.
   """
-  batch, kv_len, heads, dim = k.shape
   block = config.block_kv
-  num_kv = kv_len // block
-  valid = (jnp.ones((batch, kv_len), jnp.float32) if kv_ids is None
-           else (kv_ids != nm.KV_INVALID_ID).astype(jnp.float32))
-  valid = valid.reshape(batch, 1, num_kv, block)
-  keys = jnp.swapaxes(k.astype(jnp.float32), 1, 2).reshape(batch, heads, num_kv, block, dim)
-  keys = keys * valid[..., None]
+  mean = first_block_mean(k, kv_ids, block)
+  num_q = q_len // config.block_q
   _, right = causal_blocks.band(config.causal, config.window)
-  first = jnp.arange(q_len // config.block_q) * config.block_q
-  last = (jnp.full_like(first, kv_len - 1) if right is None
-          else jnp.minimum(first + right, kv_len - 1))
-  last_block = last // block
-  # The blocks before the last key's whole, then that block up to it.
-  whole = (jnp.arange(num_kv)[None] < last_block[:, None])[None, None, :, :, None]
-  partial = (last_block[:, None] * block + jnp.arange(block)[None] <= last[:, None])
-  partial = partial[None, None, :, :, None]
-
-  def total(x):  # (B, h, nb, block, d) -> (B, h, nq, d)
-    before = nm.ordered_sum(jnp.where(whole, nm.ordered_sum(x, axis=-2)[:, :, None], 0.0),
-                            axis=-2)
-    return before + nm.ordered_sum(jnp.where(partial, x[:, :, last_block], 0.0), axis=-2)
-
-  return total(keys) / jnp.maximum(total(valid[..., None]), 1.0)
+  # The last visible key of each query block's first row, while inside key block 0.
+  early = ([] if right is None else
+           [i * config.block_q + right for i in range(num_q)
+            if i * config.block_q + right < block - 1])
+  rest = jnp.broadcast_to(mean[:, :, None], (*mean.shape[:2], num_q - len(early),
+                                             mean.shape[-1]))
+  if not early:
+    return rest
+  keys, valid = _first_key_block(k, kv_ids, block)
+  upto = (jnp.arange(block)[None, :] <= jnp.asarray(early)[:, None])[:, :, None]
+  total = lambda x: nm.ordered_sum(jnp.where(upto, x[:, :, None], 0.0), axis=-2)
+  return jnp.concatenate([total(keys) / jnp.maximum(total(valid), 1.0), rest], axis=2)
 
 
 def opaque(*arrays: jax.Array) -> tuple[jax.Array, ...]:
@@ -159,14 +163,14 @@ def quantize(q, k, v, masks: Masks, config: Config, backend: Backend,
   with the earlier queries. (K-smoothing's mean spreads a NaN key so anyway.)
   """
   q, k, v = opaque(q, k, v)
-  means = (functools.partial(key_block_means, block=config.block_kv) if config.causal_exact
+  means = (functools.partial(first_block_mean, block=config.block_kv) if config.causal_exact
            else key_mean)
   k_mean = means(k, masks.kv_ids) if smooth_k else None
   qkv = backend.quantize(q, k, v, k_mean, config, for_backward=for_backward,
                          layouts=backend.layouts(q, k, masks, config))
   if config.causal_exact:
-    # The forward reads them too: the scores' per-block correction takes Q,
-    # the edge tiles Q, K and V as they are.
+    # The forward reads them too: the 8-bit tiles' q_i . m takes Q, the edge
+    # tiles Q, K and V as they are.
     qkv = qkv._replace(
         q16=q, k16=k, k_mean=k_mean, v16=v if config.exact_edges else None,
         k_mean_seen=(key_means_seen(k, masks.kv_ids, config, q.shape[1])

@@ -74,10 +74,10 @@ class ScoreTiles:
   broadcasts across the query heads that share it (GQA without copies).
 
   With `Config.causal_exact` a tile's scores are exact up to quantization:
-  K8 lacks its block's mean m_b (`QuantizedQKV.k_mean`), and each row's
-  q_i . m_b, from the 16-bit Q, is added back (one term per row and block);
-  and the tiles that the band's right edge crosses (`edge`) are Q.K^T from
-  the 16-bit Q and K, which no key block's statistic enters.
+  K8 lacks the first key block's mean m (`QuantizedQKV.k_mean`), and each
+  row's q_i . m, from the 16-bit Q, is added back to its 8-bit tiles (one
+  number per row); and the tiles that the band's right edge crosses (`edge`)
+  are Q.K^T from the 16-bit Q and K, which no key block's statistic enters.
   """
 
   def __init__(self, qkv: QuantizedQKV, masks: Masks, config: Config):
@@ -90,10 +90,10 @@ class ScoreTiles:
     num_q_blocks = qkv.q8.shape[2] // config.block_q
     multiplier = config.scale * nm.LOG2_E  # Q8's scale carries it; the 16-bit Q does not
     q16 = None if qkv.q16 is None else self.rows(jnp.swapaxes(qkv.q16, 1, 2))
-    # (B, Hkv, G, nq, bq, nb): q_i . m_b for every row and key block, base 2.
+    # (B, Hkv, G, nq, bq): q_i . m for every row, base 2.
     self.mean_scores = None
     if qkv.k_mean is not None:
-      self.mean_scores = wide_einsum("bhgiqd,bhnd->bhgiqn", q16, qkv.k_mean) * multiplier
+      self.mean_scores = wide_einsum("bhgiqd,bhd->bhgiq", q16, qkv.k_mean) * multiplier
     self.q16 = None
     if config.exact_edges:
       self.q16 = q16
@@ -129,25 +129,12 @@ class ScoreTiles:
     edge = (j >= self.edge_start) & (j < self.edge_end)
     return edge[None, None, None, :, None, None]
 
-  def block_mean(self, j) -> jax.Array | None:
-    """Key block j's mean m_b (B, Hkv, 1, 1, 1, D), which K8 lacks; None
-    without per-block means."""
-    if self.qkv.k_mean is None:
-      return None
-    return jax.lax.dynamic_index_in_dim(self.qkv.k_mean, j, axis=2,
-                                        keepdims=False)[:, :, None, None, None, :]
-
   def dq_mean(self) -> jax.Array | None:
     """Each query block's `QuantizedQKV.k_mean_seen` (B, Hkv, 1, nq, 1, D),
     which dQ's K is taken less; None without it."""
     if self.qkv.k_mean_seen is None:
       return None
     return self.qkv.k_mean_seen[:, :, None, :, None, :]
-
-  def _mean_scores(self, j) -> jax.Array | None:
-    if self.mean_scores is None:
-      return None
-    return jax.lax.dynamic_index_in_dim(self.mean_scores, j, axis=-1, keepdims=False)
 
   def _edge_scores(self, j) -> jax.Array:
     """Tiles (i, j) from the 16-bit Q and K, fp32 accumulation, base 2."""
@@ -181,8 +168,7 @@ class ScoreTiles:
     product, scale, bias, mask = self._product(j)
     s = nm.dequantize(product, scale, 1.0)
     s = s if bias is None else s + bias
-    mean_scores = self._mean_scores(j)
-    s = s if mean_scores is None else s + mean_scores[..., None]
+    s = s if self.mean_scores is None else s + self.mean_scores[..., None]
     edge = self.edge(j)
     s = s if edge is None else jnp.where(edge, self._edge_scores(j), s)
     return s if mask is None else jnp.where(mask, s, -jnp.inf)
@@ -191,7 +177,7 @@ class ScoreTiles:
     """`numerics.block_scores` of tiles (i, j): the forward's form of them."""
     product, scale, bias, mask = self._product(j)
     top, from_top = nm.block_scores(product, scale, mask=mask, bias=bias,
-                                    row_bias=self._mean_scores(j))
+                                    row_bias=self.mean_scores)
     edge = self.edge(j)
     if edge is None:
       return top, from_top

@@ -51,11 +51,12 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from pallas_kernels.types import Config, Layouts, TransposedLayout  # noqa: E402
+from pallas_kernels.mosaic.backend import MOSAIC_NUMERICS, MosaicBackend  # noqa: E402
+from pallas_kernels.types import Config, Layouts, Masks, TransposedLayout  # noqa: E402
 from sagebwd_jax import (dot_product_attention, full_precision_attention,  # noqa: E402
                          implementations, metrics)
 from sagebwd_jax.reference import ReferenceBackend  # noqa: E402
-from sagebwd_jax.sagebwd import prepass  # noqa: E402
+from sagebwd_jax.sagebwd import prepass, quantize  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", os.environ["JAX_NUMPY_RANK_PROMOTION"])
 
@@ -124,6 +125,12 @@ def x64():
   """fp64 enabled for the duration of a test (restored afterwards)."""
   with jax.enable_x64(True):
     yield
+
+
+def resampled(x, t, seed):
+  """x (B, T, ...) with the tokens at positions >= t drawn again."""
+  fresh = jax.random.normal(jax.random.key(seed), x.shape, jnp.float32).astype(x.dtype)
+  return x.at[:, t:].set(fresh[:, t:])
 
 
 def gaussian_qkv(key, B, Tq, Tk, H, Hkv, D, sigma=1.0, dtype=jnp.bfloat16):
@@ -217,6 +224,18 @@ MOSAIC_FORWARD_CASES = [
 ]
 
 
+# The Mosaic forward's causal_exact GPU cases, either quantization: (batch,
+# seq, heads, kv_heads, head_dim, causal): GQA, MHA, MQA, one step per ring
+# slot and more steps than slots, the mean term alone (not causal).
+MOSAIC_EXACT_CASES = [
+    (1, 256, 2, 1, 64, True),
+    (1, 256, 2, 2, 128, True),
+    (2, 1024, 4, 2, 128, True),
+    (2, 1024, 4, 1, 64, True),
+    (1, 512, 2, 2, 64, False),
+]
+
+
 # The Mosaic backward's GPU cases, either quantization: (batch, seq, heads,
 # kv_heads, head_dim, causal): GQA, MQA and MHA, both head dims, causal CTAs
 # whose warpgroups skip blocks the other one needs.
@@ -252,8 +271,7 @@ def check_quantization_pass(backend, reference, head_dim: int, smooth_q: bool,
                             smooth_k: bool, *, sum_atol: float = 0.0,
                             ds_precision: str = "int8", layouts=None,
                             quantization: str = "int8", for_backward: bool = True,
-                            shape: tuple[int, ...] = (2, 128, 192, 4, 2),
-                            causal_exact: bool = False):
+                            shape: tuple[int, ...] = (2, 128, 192, 4, 2)):
   """`backend.quantize` forms `reference.quantize`'s tensors, each transposed
   one in its `layouts` (types.Layouts; default TOKENS): int8 (and E4M3)
   equal, scales and means to fp32 rounding (`sum_atol` times the largest:
@@ -261,16 +279,14 @@ def check_quantization_pass(backend, reference, head_dim: int, smooth_q: bool,
   `ds_precision="bf16"` quantizes Q per token. The reference runs on the
   CPU: XLA:GPU divides fp32 to within an ulp, not correctly rounded (127 /
   amax differs in many values on the H200: docs/performance-log.md), which
-  moves int8 values by one. `shape`: (B, Tq, Tk, H, Hkv). `causal_exact`:
-  causal, K-smoothing by each key block's mean. Returns (ours, ref)."""
-  from sagebwd_jax.sagebwd import key_block_means, key_mean
+  moves int8 values by one. `shape`: (B, Tq, Tk, H, Hkv). Returns (ours,
+  ref)."""
+  from sagebwd_jax.sagebwd import key_mean
   layouts = Layouts() if layouts is None else layouts
   q, k, v, _ = gaussian_qkv(jax.random.key(0), *shape, head_dim, sigma=2.0)
   config = kernel_config(smooth_q=smooth_q, scale=head_dim**-0.5, ds_precision=ds_precision,
-                         quantization=quantization, causal=causal_exact,
-                         causal_exact=causal_exact)
-  means = key_block_means(k, None, config.block_kv) if causal_exact else key_mean(k, None)
-  k_mean = means if smooth_k else None
+                         quantization=quantization)
+  k_mean = key_mean(k, None) if smooth_k else None
   ours = backend.quantize(q, k, v, k_mean, config, for_backward=for_backward, layouts=layouts)
   ref = reference.quantize(*jax.device_put((q, k, v, k_mean), CPU), config,
                            for_backward=for_backward, layouts=layouts)
@@ -333,6 +349,31 @@ def cosine(x, ref) -> float:
 
 
 CPU = jax.devices("cpu")[0]
+
+# The reference's passes in the layouts the Mosaic kernels read: what the op's
+# quantization stage hands the Mosaic forward, its `Config.causal_exact`
+# operands (the first key block's mean m, 16-bit Q, K, V) included.
+MOSAIC_PASSES = MosaicBackend(ReferenceBackend(), fp8_fallback=ReferenceBackend())
+
+
+def channel_biased_qkv(key, batch, seq, heads, kv_heads, head_dim):
+  """`gaussian_qkv`'s q, k, v (sigma 2) with K shifted by a channel bias of 3x
+  its spread per key/value head, so the mean term carries weight."""
+  q, k, v, _ = gaussian_qkv(key, batch, seq, seq, heads, kv_heads, head_dim, sigma=2.0)
+  bias = 6.0 * jax.random.normal(jax.random.fold_in(key, 1), (1, 1, kv_heads, head_dim))
+  return q, (k + bias).astype(k.dtype), v
+
+
+def mosaic_exact_case(q, k, v, config: Config):
+  """q, k, v quantized on the CPU as the op's quantization stage does with
+  `Config.causal_exact` (K-smoothing on) for the Mosaic forward, and the
+  reference's forward of them with the Mosaic numerics: (qkv, (O, lse, the
+  FP8 mode's row maxima or None))."""
+  with jax.default_device(CPU):
+    q, k, v = jax.device_put((q, k, v), CPU)
+    qkv = quantize(q, k, v, Masks(), config, MOSAIC_PASSES, True, False)
+    return qkv, ReferenceBackend(MOSAIC_NUMERICS).forward(qkv, Masks(), config, jnp.bfloat16)
+
 
 # Op-level cases every kernel backend is checked on against the CPU reference.
 KERNEL_CASES = {

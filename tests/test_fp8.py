@@ -27,9 +27,10 @@ GPU = pytest.mark.gpu
 
 from benchmarks.accuracy import (FP8_OVER_INT8, FP8_OVER_INT8_FROM_SIGMA_3, FP8_OVER_PER_TENSOR,
                                  per_tensor_fp8)
-from conftest import (CPU, MOSAIC_BACKWARD_CASES, MOSAIC_FORWARD_CASES, MOSAIC_LAYOUTS,
-                      assert_lowers_to_mosaic_gpu, gaussian_qkv, kernel_config, mosaic_config,
-                      oracle64, rel_l2, sage)
+from conftest import (CPU, MOSAIC_BACKWARD_CASES, MOSAIC_EXACT_CASES, MOSAIC_FORWARD_CASES,
+                      MOSAIC_LAYOUTS, assert_lowers_to_mosaic_gpu, channel_biased_qkv,
+                      gaussian_qkv, kernel_config, mosaic_config, mosaic_exact_case, oracle64,
+                      rel_l2, sage)
 from pallas_kernels import numerics as nm
 from pallas_kernels.fp8_operands import fp8_operands
 from pallas_kernels.layouts import REGISTER_B, TOKENS
@@ -237,6 +238,24 @@ def test_gpu_mosaic_forward_matches_reference(case):
     q, k, v = (jax.device_put(x, CPU) for x in (q, k, v))
     qkv = reference.quantize(q, k, v, key_mean(k, None), config, layouts=MOSAIC_LAYOUTS)
     o_ref, lse_ref, m_ref = reference.forward(qkv, Masks(), config, jnp.bfloat16)
+  run = jax.jit(lambda qkv: mosaic_forward.forward_mosaic(qkv, Masks(), config, jnp.bfloat16))
+  o, lse, m = run(jax.device_put(qkv, jax.devices("gpu")[0]))
+  assert rel_l2(o, o_ref) < 1e-2
+  assert rel_l2(lse, lse_ref) < 1e-4
+  np.testing.assert_allclose(np.asarray(m), np.asarray(m_ref), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", MOSAIC_EXACT_CASES, ids=str)
+def test_gpu_mosaic_forward_with_causal_exact_matches_reference(case):
+  """The Hopper FP8 forward with causal_exact (V in E4M3 per block, folded
+  into P; the mean term; the 16-bit edge step) against the reference in
+  its 128-key steps, at the tolerances of the mode's other forward cases
+  (`channel_biased_qkv`: the mean term carries weight)."""
+  *shape, head_dim, causal = case
+  config = mosaic_config(head_dim, causal, quantization="int8_fp8", causal_exact=True)
+  qkv, (o_ref, lse_ref, m_ref) = mosaic_exact_case(
+      *channel_biased_qkv(jax.random.key(12), *shape, head_dim), config)
   run = jax.jit(lambda qkv: mosaic_forward.forward_mosaic(qkv, Masks(), config, jnp.bfloat16))
   o, lse, m = run(jax.device_put(qkv, jax.devices("gpu")[0]))
   assert rel_l2(o, o_ref) < 1e-2

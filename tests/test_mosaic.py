@@ -16,14 +16,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import (CPU, MOSAIC_FORWARD_CASES, MOSAIC_LAYOUTS, assert_lowers_to_mosaic_gpu,
-                      backend_tolerance, gaussian_qkv, mosaic_config, rel_l2)
+from conftest import (CPU, MOSAIC_EXACT_CASES, MOSAIC_FORWARD_CASES, MOSAIC_LAYOUTS,
+                      MOSAIC_PASSES, assert_lowers_to_mosaic_gpu, backend_tolerance,
+                      channel_biased_qkv, gaussian_qkv, mosaic_config, mosaic_exact_case,
+                      rel_l2, resampled)
 from pallas_kernels import layouts, numerics as nm
 from pallas_kernels.mosaic.forward import ForwardTuning, forward_mosaic, takes
 from pallas_kernels.types import Layouts, Masks
 from pallas_kernels.mosaic.backend import MOSAIC_NUMERICS
 from sagebwd_jax.reference import ReferenceBackend
-from sagebwd_jax.sagebwd import key_mean
+from sagebwd_jax.sagebwd import key_mean, quantize
 
 # The reference with the Mosaic kernels' P and P^T quantization.
 HOPPER = ReferenceBackend(MOSAIC_NUMERICS)
@@ -63,6 +65,20 @@ def test_lowers_for_cuda(head_dim, causal, tuning, quantization):
   config = mosaic_config(head_dim, causal, quantization=quantization)
   fn = lambda qkv: forward_mosaic(qkv, Masks(), config, jnp.bfloat16, TUNINGS[tuning])
   assert_lowers_to_mosaic_gpu(fn, _abstract_qkv(512, 512, head_dim, config))
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int8_fp8"])
+@pytest.mark.parametrize("tuning", ["default", "one_warpgroup"])
+@pytest.mark.parametrize("causal,smooth_k", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_lowers_for_cuda_with_causal_exact(head_dim, causal, smooth_k, tuning, quantization):
+  """causal_exact: the mean term (K-smoothing on), the 16-bit edge step
+  (causal), both; the inputs as the op's quantization stage forms them."""
+  config = mosaic_config(head_dim, causal, quantization=quantization, causal_exact=True)
+  args = gaussian_qkv(jax.random.key(0), 2, 512, 512, 4, 2, head_dim)[:3]
+  qkv = jax.eval_shape(lambda: quantize(*args, Masks(), config, MOSAIC_PASSES, smooth_k, False))
+  fn = lambda qkv: forward_mosaic(qkv, Masks(), config, jnp.bfloat16, TUNINGS[tuning])
+  assert_lowers_to_mosaic_gpu(fn, qkv)
 
 
 def test_lowers_for_cuda_with_queries_not_in_whole_tiles():
@@ -155,16 +171,16 @@ def _check(o, lse, o_ref, lse_ref, tolerance=backend_tolerance(jnp.zeros((), jnp
 
 
 def _run(qkv, config, tuning=ForwardTuning()):
+  """O, lse and the FP8 mode's row maxima (else None) of the kernel on the GPU."""
   qkv = jax.device_put(qkv, jax.devices("gpu")[0])
-  return jax.jit(lambda qkv: forward_mosaic(qkv, Masks(), config, jnp.bfloat16,
-                                            tuning)[:2])(qkv)
+  return jax.jit(lambda qkv: forward_mosaic(qkv, Masks(), config, jnp.bfloat16, tuning))(qkv)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", MOSAIC_FORWARD_CASES, ids=str)
 def test_gpu_matches_reference(case):
   qkv, config, o_ref, lse_ref = _case(*case)
-  _check(*_run(qkv, config), o_ref, lse_ref)
+  _check(*_run(qkv, config)[:2], o_ref, lse_ref)
 
 
 @pytest.mark.gpu
@@ -173,7 +189,7 @@ def test_gpu_matches_reference(case):
                                   (2, 1024, 1024, 4, 1, 64, True)], ids=str)
 def test_gpu_tunings(case, tuning):
   qkv, config, o_ref, lse_ref = _case(*case)
-  _check(*_run(qkv, config, TUNINGS[tuning]), o_ref, lse_ref)
+  _check(*_run(qkv, config, TUNINGS[tuning])[:2], o_ref, lse_ref)
 
 
 @pytest.mark.gpu
@@ -182,13 +198,53 @@ def test_gpu_large_logits_keep_p_in_range(sigma):
   """Large Q.K scales make the fp32 rounding of the exp2 offset large; the
   clip keeps every P in 0..255 (a 256 would wrap to 0 in the packed byte)."""
   qkv, config, o_ref, lse_ref = _case(1, 256, 256, 2, 1, 128, False, sigma=sigma)
-  _check(*_run(qkv, config), o_ref, lse_ref, tolerance=1e-2)
+  _check(*_run(qkv, config)[:2], o_ref, lse_ref, tolerance=1e-2)
 
 
 @pytest.mark.gpu
 def test_gpu_all_zero_v_block():
   qkv, config, o_ref, lse_ref = _case(1, 256, 256, 2, 1, 64, True, zero_v_block=True)
-  _check(*_run(qkv, config), o_ref, lse_ref)
+  _check(*_run(qkv, config)[:2], o_ref, lse_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantization", ["int8", "int8_fp8"])
+@pytest.mark.parametrize("t", [768, 700, 1, 40, 63, 64, 100])
+def test_gpu_causal_exact_output_depends_on_no_later_key(quantization, t):
+  """The bar case (B1 T1024 H2 D64, causal, bf16): with causal_exact, K and
+  V at positions >= t resampled leave O[:t], lse[:t] and the FP8 mode's row
+  maxima bitwise unchanged, at a block boundary (768), inside the diagonal
+  block (700) and inside or at the end of key block 0, whose mean every
+  8-bit half adds back (1, 40, 63, 64, 100); without it O[:t] moves (checked
+  at 768 and 700)."""
+  q, k, v, _ = gaussian_qkv(jax.random.key(0), 1, 1024, 1024, 2, 2, 64)
+  later = (resampled(k, t, 1), resampled(v, t, 2))
+  for exact in (True, False) if t >= 700 else (True,):
+    config = mosaic_config(64, True, quantization=quantization, causal_exact=exact)
+    (o, *rows), (o_after, *rows_after) = (
+        _run(mosaic_exact_case(q, k_, v_, config)[0], config) for k_, v_ in ((k, v), later))
+    o, o_after = np.asarray(o, np.float32)[:, :t], np.asarray(o_after, np.float32)[:, :t]
+    if not exact:
+      assert rel_l2(o_after, o) > 1e-3
+      continue
+    np.testing.assert_array_equal(o_after, o)
+    for x, x_after in zip(rows, rows_after):
+      if x is not None:
+        np.testing.assert_array_equal(np.asarray(x_after)[..., :t], np.asarray(x)[..., :t])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tuning", ["default", "one_warpgroup"])
+@pytest.mark.parametrize("case", MOSAIC_EXACT_CASES, ids=str)
+def test_gpu_causal_exact_matches_reference(case, tuning):
+  """INT8 mode, causal_exact: the reference in the kernel's numerics, at the
+  other cases' tolerance (`channel_biased_qkv`: the mean term carries
+  weight)."""
+  *shape, head_dim, causal = case
+  config = mosaic_config(head_dim, causal, causal_exact=True)
+  qkv, (o_ref, lse_ref, _) = mosaic_exact_case(
+      *channel_biased_qkv(jax.random.key(12), *shape, head_dim), config)
+  _check(*_run(qkv, config, TUNINGS[tuning])[:2], np.asarray(o_ref), np.asarray(lse_ref))
 
 
 def test_positive_scale_floors_and_keeps_nan():

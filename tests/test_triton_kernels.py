@@ -66,12 +66,6 @@ def test_quantization_pass_forms_the_reference_int8_tensors(head_dim, smooth_q, 
     np.testing.assert_array_equal(ours.v_start, tiles.shifted_accumulator_start(ref.v8_t, 64))
 
 
-def test_quantization_pass_with_block_means_forms_the_reference_int8_tensors():
-  """causal_exact: K less each key block's own mean, its int8 values and
-  scales as the reference's."""
-  check_quantization_pass(TRITON, REFERENCE, 64, False, True, causal_exact=True)
-
-
 @pytest.mark.parametrize("for_backward", [True, False])
 @pytest.mark.parametrize("layouts", [Layouts(), Layouts(REGISTER_B, REGISTER_B)],
                          ids=["tokens", "register_b"])

@@ -63,7 +63,7 @@ def _dk_half(dk, ds_t, ds8_t, scale, p_scale, q8_t_ptr, q_mean_ptr, q16_ptr, i, 
 @device_function
 def _q_step(dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, k16, kv_pos, kv_ids, q8_ptr, q8_t_ptr,
             q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr,
-            dv_start_ptr, q16_ptr, k_mean_ptr, q_ids_ptr, i, j, TQ: tl.constexpr,
+            dv_start_ptr, q16_ptr, row_mean_ptr, q_ids_ptr, i, j, TQ: tl.constexpr,
             H: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_KV: tl.constexpr,
             NK: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, IDS: tl.constexpr,
             SMOOTH_Q: tl.constexpr, Q_PER_TOKEN: tl.constexpr, MEANS: tl.constexpr,
@@ -84,7 +84,7 @@ def _q_step(dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, k16, kv_pos, kv_ids, q8_
   q_ids = tl.load(q_ids_ptr + rows)[None, :] if IDS else 0
   x = tiles.masked(x, rows[None, :], kv_pos, q_ids, kv_ids, LEFT, RIGHT, IDS)
   lse = tl.load(lse_ptr + rows)[None, :]
-  if MEANS or EXACT_EDGES:
+  if EXACT_EDGES:
     q16 = tl.load(q16_ptr + rows[:, None] * H * D + dims[None, :])
   # `Config.causal_exact`: the forward's scores (forward.py), a key tile
   # being one key block.
@@ -94,8 +94,7 @@ def _q_step(dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, k16, kv_pos, kv_ids, q8_
                      kv_pos, q_ids, kv_ids, LEFT, RIGHT, IDS)
     a = tiles.at_most_zero(s - lse)
   elif MEANS:
-    s = tiles.scores(x, c, SMOOTH_Q) + tiles.mean_scores(q16, k_mean_ptr, j, D,
-                                                         MULTIPLIER)[None, :]
+    s = tiles.scores(x, c, SMOOTH_Q) + tl.load(row_mean_ptr + rows)[None, :]
     a = tiles.at_most_zero(s - lse)
   else:
     a = tiles.log2_p(x, c, lse, SMOOTH_Q)
@@ -130,7 +129,7 @@ def _q_step(dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, k16, kv_pos, kv_ids, q8_
 @triton.jit
 def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_scale_ptr,
                  q_mean_ptr, lse_ptr, delta_ptr, do_ptr, do8_t_ptr, do_scale_ptr, dv_start_ptr,
-                 q16_ptr, k16_ptr, k_mean_ptr, q_ids_ptr, dk_ptr, dv_ptr, H: tl.constexpr,
+                 q16_ptr, k16_ptr, row_mean_ptr, q_ids_ptr, dk_ptr, dv_ptr, H: tl.constexpr,
                  HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr,
                  BLOCK_Q: tl.constexpr, TILE_KV: tl.constexpr, SCALE: tl.constexpr,
                  LEFT: tl.constexpr, RIGHT: tl.constexpr, IDS: tl.constexpr,
@@ -148,7 +147,6 @@ def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_sca
   k_scale = tl.load(k_scale_ptr + kv_head * TK + keys)
   v = tl.load(v_ptr + tokens)
   k16 = tl.load(k16_ptr + tokens) if EXACT_EDGES else 0.0
-  k_mean_ptr += kv_head * (TK // TILE_KV) * D
   kv_ids = tl.load(kv_ids_ptr + b * TK + keys)[:, None] if IDS else 0
   q_ids_ptr += b * TQ
   nq = TQ // BLOCK_Q
@@ -172,6 +170,7 @@ def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_sca
     delta_h = delta_ptr + q_head * TQ
     do_h = do_ptr + b * TQ * H * D + h * D
     q16_h = q16_ptr + b * TQ * H * D + h * D
+    row_mean_h = row_mean_ptr + q_head * TQ
     do8_t_h = do8_t_ptr + q_head * D * TQ
     do_scale_h = do_scale_ptr + q_head * TQ
     dv_start_h = dv_start_ptr + q_head * nq * D
@@ -179,7 +178,7 @@ def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_sca
       dk_lo, dk_hi, dv_lo, dv_hi = _q_step(
           dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, k16, keys[:, None], kv_ids, q8_h, q8_t_h,
           q_scale_h, q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h, dv_start_h, q16_h,
-          k_mean_ptr, q_ids_ptr, i, j, TQ, H, D, BLOCK_Q, TILE_KV, TK // TILE_KV, None, None,
+          row_mean_h, q_ids_ptr, i, j, TQ, H, D, BLOCK_Q, TILE_KV, TK // TILE_KV, None, None,
           IDS, SMOOTH_Q, Q_PER_TOKEN, MEANS, False, MULTIPLIER, DS16, CONVERT, DOT_PRECISION)
     # The band's masked steps last, straight-line as the forward's
     # (forward.py says why): before the loop they cost it spills. Only the
@@ -192,7 +191,7 @@ def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_sca
           dk_lo, dk_hi, dv_lo, dv_hi = _q_step(
               dk_lo, dk_hi, dv_lo, dv_hi, k8, k_scale, v, k16, keys[:, None], kv_ids, q8_h,
               q8_t_h, q_scale_h, q_mean_h, lse_h, delta_h, do_h, do8_t_h, do_scale_h,
-              dv_start_h, q16_h, k_mean_ptr, q_ids_ptr, i, j, TQ, H, D, BLOCK_Q, TILE_KV,
+              dv_start_h, q16_h, row_mean_h, q_ids_ptr, i, j, TQ, H, D, BLOCK_Q, TILE_KV,
               TK // TILE_KV, LEFT, RIGHT, IDS, SMOOTH_Q, Q_PER_TOKEN, MEANS, EXACT_EDGES,
               MULTIPLIER, DS16, CONVERT, DOT_PRECISION)
   # Q was quantized as Q * scale * log2(e): the int8 product carries log2(e);
@@ -204,6 +203,18 @@ def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_sca
   tl.store(dk_ptr + out + (D // 2 + lo)[None, :], (dk_hi * dk_factor).to(dk_ptr.dtype.element_ty))
   tl.store(dv_ptr + out + lo[None, :], dv_lo.to(dv_ptr.dtype.element_ty))
   tl.store(dv_ptr + out + (D // 2 + lo)[None, :], dv_hi.to(dv_ptr.dtype.element_ty))
+
+
+def _row_means(q16, k_mean, multiplier: float) -> jax.Array:
+  """Each row's q_i . m (B, H, Tq) fp32, base 2 (`Config.causal_exact`;
+  `tiles.mean_scores`). A program here meets every query block of the band
+  once per key tile, so the rows' numbers come in formed once, one load per
+  row and step in place of Q and a product per step."""
+  batch, q_len, heads, head_dim = q16.shape
+  kv_heads = k_mean.shape[1]
+  q = q16.reshape(batch, q_len, kv_heads, heads // kv_heads, head_dim).astype(jnp.float32)
+  means = jnp.einsum("btkgd,bkd->bkgt", q, k_mean, precision=jax.lax.Precision.HIGHEST)
+  return means.reshape(batch, heads, q_len) * multiplier
 
 
 def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: Masks,
@@ -219,29 +230,32 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
           do_start, q16, k16, k_mean, q_ids):
     batch, heads, q_len, head_dim = q8.shape
     kv_heads, kv_len = k8.shape[1], k8.shape[2]
+    multiplier = config.scale * nm.LOG2_E
     args = [k8, k_scale, v, placeholder(kv_ids, jnp.int32), q8, placeholder(q8_t, jnp.int8),
             q_scale, placeholder(q_mean, jnp.float32), lse, delta, do, do8_t, do_scale,
             tiles.accumulator_start(do_start, do8_t, config.block_q), placeholder(q16, v.dtype),
-            placeholder(k16, v.dtype), placeholder(k_mean, jnp.float32),
+            placeholder(k16, v.dtype),
+            placeholder(None if k_mean is None else _row_means(q16, k_mean, multiplier),
+                        jnp.float32),
             placeholder(q_ids, jnp.int32)]
     shape = jax.ShapeDtypeStruct(v.shape, v.dtype)
     # One key block per program with `Config.causal_exact`: which query
-    # blocks' tiles are edges, and the block mean, are a key block's.
+    # blocks' tiles are edges is a key block's.
     keys = launch.tile_rows_for(kv_len, config.block_kv, free=not config.causal_exact)
     left, right = causal_blocks.band(config.causal, config.window)
     # Kept: the key tile's K8 and V (and K for the edge tiles); per stage, a
-    # query step's Q8, Q8^T, dO8^T and dO (and Q with 16-bit dS or causal_exact).
+    # query step's Q8, Q8^T, dO8^T and dO (and Q with 16-bit dS).
     size, ds16 = v.dtype.itemsize, config.ds_precision == "bf16"
     fitted = launch.fitted(
         fixed_bytes=keys * head_dim * (1 + size * (1 + config.exact_edges)),
-        stage_bytes=config.block_q * head_dim * (3 + size * (1 + (ds16 or config.causal_exact))))
+        stage_bytes=config.block_q * head_dim * (3 + size * (1 + ds16)))
     dk, dv = fitted.call(
         _dkdv_kernel, args, [shape, shape], grid=(kv_len // keys, batch, kv_heads),
         name="sagebwd_triton_backward_dkdv", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
         D=head_dim, BLOCK_Q=config.block_q, TILE_KV=keys, SCALE=config.scale, LEFT=left,
         RIGHT=right, IDS=q_ids is not None, SMOOTH_Q=q_mean is not None,
         Q_PER_TOKEN=config.q_per_token, MEANS=k_mean is not None,
-        EXACT_EDGES=config.exact_edges, MULTIPLIER=config.scale * nm.LOG2_E, DS16=ds16,
+        EXACT_EDGES=config.exact_edges, MULTIPLIER=multiplier, DS16=ds16,
         CONVERT=launch.convert, DOT_PRECISION=dot_precision(v.dtype))
     return dk, dv
 

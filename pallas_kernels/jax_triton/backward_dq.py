@@ -4,7 +4,9 @@ first operand of INT8 dS.K and is quantized per query (a row here; with
 ds_precision="bf16" dS.K runs in the inputs' dtype instead). The
 query tile is the launch's `tile_rows_for` (Q's scales are read per
 token), one query block with `Config.causal_exact`, whose scores are the
-forward's (forward.py) and whose dQ is dS.(K - m') (`_kv_step`, `_edge_step`)."""
+forward's (forward.py) and whose dQ is dS.(K - m'): m' is K8's m where the
+query block has 8-bit tiles (`QuantizedQKV.k_mean_seen`), so only the edge
+tiles take it (`_edge_step`)."""
 
 from __future__ import annotations
 
@@ -23,20 +25,19 @@ from pallas_kernels.types import Config, Masks, QuantizedQKV
 
 
 @device_function
-def _kv_step(dq, q8, q_scale, q_mean, q16, q_pos, q_ids, lse, delta, do, dq_mean, k8_ptr,
-             k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, k_mean_ptr, kv_ids_ptr, j, TK: tl.constexpr,
+def _kv_step(dq, q8, q_scale, q_mean, row_mean, k_mean, q_pos, q_ids, lse, delta, do, k8_ptr,
+             k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, j, TK: tl.constexpr,
              HKV: tl.constexpr, D: tl.constexpr, TILE_Q: tl.constexpr, BLOCK_KV: tl.constexpr,
              LEFT: tl.constexpr, RIGHT: tl.constexpr, IDS: tl.constexpr, SMOOTH_Q: tl.constexpr,
-             MEANS: tl.constexpr, MULTIPLIER: tl.constexpr, INPUTS: tl.constexpr,
-             DS16: tl.constexpr, CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+             MEANS: tl.constexpr, INPUTS: tl.constexpr, DS16: tl.constexpr,
+             CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr):
   x, c, keys, k_scale = tiles.key_block_scores(q8, q_scale, q_mean, q_pos, q_ids, k8_ptr,
                                                k_scale_ptr, kv_ids_ptr, j, D, BLOCK_KV, LEFT,
                                                RIGHT, IDS, SMOOTH_Q, CONVERT)
   dims = tl.arange(0, D)
   # exp2(S - lse): rows that saw no key have lse = +inf, so P = 0 there.
-  if MEANS:  # S with q_i . m_j, which K8 lacks (`Config.causal_exact`)
-    s = tiles.scores(x, c, SMOOTH_Q) + tiles.mean_scores(q16, k_mean_ptr, j, D,
-                                                         MULTIPLIER)[:, None]
+  if MEANS:  # S with q_i . m, which K8 lacks (`Config.causal_exact`)
+    s = tiles.scores(x, c, SMOOTH_Q) + row_mean[:, None]
     p = tl.exp2(tiles.at_most_zero(s - lse[:, None]))
   else:
     p = tl.exp2(tiles.log2_p(x, c, lse[:, None], SMOOTH_Q))
@@ -45,14 +46,10 @@ def _kv_step(dq, q8, q_scale, q_mean, q16, q_pos, q_ids, lse, delta, do, dq_mean
   v = tl.load(v_ptr + tokens)
   dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
   ds = p * (dp - delta[:, None])
-  if MEANS:
-    # dQ = dS.(K - m'): K8 lacks m_j, so rowsum(dS) (m_j - m') joins the product.
-    mean = tl.load(k_mean_ptr + j * D + dims)
-    dq += tl.sum(ds, axis=1)[:, None] * (mean - dq_mean)[None, :]
   if DS16:  # dS and K in the inputs' dtype (ds_precision="bf16")
     k16 = tl.load(k16_ptr + tokens)
-    if MEANS:  # K as the op passed it: less its block's mean, as K8
-      k16 = tiles.sixteen_bit(k16.to(tl.float32) - mean[None, :], INPUTS).to(k16.dtype)
+    if MEANS:  # K as the op passed it: less m, as K8
+      k16 = tiles.sixteen_bit(k16.to(tl.float32) - k_mean[None, :], INPUTS).to(k16.dtype)
     dq += tl.dot(ds.to(k16.dtype), k16, input_precision=DOT_PRECISION)
   else:
     ds8, ds_scale = tiles.quantize_rows(ds, tl.max(tl.abs(ds), axis=1))
@@ -109,14 +106,18 @@ def _dq_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_id
   k_scale_ptr += kv_head * TK
   v_ptr += b * TK * HKV * D + kvh * D
   k16_ptr += b * TK * HKV * D + kvh * D
-  k_mean_ptr += kv_head * (TK // BLOCK_KV) * D
   kv_ids_ptr += b * TK
   q16 = 0.0
   if MEANS or EXACT_EDGES:
     q16 = tl.load(q16_ptr + tokens)
-  # m', the one mean dQ's K is taken less in every tile (`QuantizedQKV.k_mean_seen`).
-  dq_mean = (tl.load(k_mean_seen_ptr + (kv_head * (TQ // TILE_Q) + i) * D + tl.arange(0, D))
-             if MEANS else 0.0)
+  k_mean = 0.0
+  row_mean = 0.0
+  dq_mean = 0.0
+  if MEANS:
+    k_mean = tl.load(k_mean_ptr + kv_head * D + tl.arange(0, D))
+    row_mean = tiles.mean_scores(q16, k_mean, MULTIPLIER)
+    # m', the one mean dQ's K is taken less in every tile (`QuantizedQKV.k_mean_seen`).
+    dq_mean = tl.load(k_mean_seen_ptr + (kv_head * (TQ // TILE_Q) + i) * D + tl.arange(0, D))
 
   dq = tl.full((TILE_Q, D), 0.0, tl.float32)
   full_start = 0
@@ -125,10 +126,10 @@ def _dq_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_id
     start, full_start, full_end, end = tiles.kv_range(i, TILE_Q, BLOCK_KV, TK // BLOCK_KV,
                                                       LEFT, RIGHT)
   for j in range(full_start, full_end):
-    dq = _kv_step(dq, q8, q_scale, q_mean, q16, rows[:, None], q_ids, lse, delta, do, dq_mean,
-                  k8_ptr, k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, k_mean_ptr, kv_ids_ptr, j, TK,
-                  HKV, D, TILE_Q, BLOCK_KV, None, None, IDS, SMOOTH_Q, MEANS, MULTIPLIER,
-                  INPUTS, DS16, CONVERT, DOT_PRECISION)
+    dq = _kv_step(dq, q8, q_scale, q_mean, row_mean, k_mean, rows[:, None], q_ids, lse, delta,
+                  do, k8_ptr, k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, j, TK, HKV, D,
+                  TILE_Q, BLOCK_KV, None, None, IDS, SMOOTH_Q, MEANS, INPUTS, DS16, CONVERT,
+                  DOT_PRECISION)
   if LEFT is not None or RIGHT is not None:
     # The band's masked blocks as straight-line steps (forward.py says why),
     # after the loop: the order dQ's launch was tuned with.
@@ -142,10 +143,10 @@ def _dq_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_id
                           k16_ptr, kv_ids_ptr, j, HKV, D, BLOCK_KV, LEFT, RIGHT, IDS, MEANS,
                           MULTIPLIER, INPUTS, DOT_PRECISION)
         else:
-          dq = _kv_step(dq, q8, q_scale, q_mean, q16, rows[:, None], q_ids, lse, delta, do,
-                        dq_mean, k8_ptr, k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, k_mean_ptr,
-                        kv_ids_ptr, j, TK, HKV, D, TILE_Q, BLOCK_KV, LEFT, RIGHT, IDS,
-                        SMOOTH_Q, MEANS, MULTIPLIER, INPUTS, DS16, CONVERT, DOT_PRECISION)
+          dq = _kv_step(dq, q8, q_scale, q_mean, row_mean, k_mean, rows[:, None], q_ids, lse,
+                        delta, do, k8_ptr, k8_t_ptr, k_scale_ptr, v_ptr, k16_ptr, kv_ids_ptr, j,
+                        TK, HKV, D, TILE_Q, BLOCK_KV, LEFT, RIGHT, IDS, SMOOTH_Q, MEANS, INPUTS,
+                        DS16, CONVERT, DOT_PRECISION)
   # S was formed from Q * scale * log2(e): dQ takes `scale` once (the 16-bit
   # product, of dS and K, too).
   tl.store(dq_ptr + tokens, (dq * SCALE).to(dq_ptr.dtype.element_ty))

@@ -16,8 +16,9 @@ exp2 and one add to round.
 P in 0..255 enters the signed INT8 dot as P - 128, and 128 times the V
 block's column sums come back through the accumulator's start (tiles.py).
 
-With `Config.causal_exact` each block's top also takes q_i . m_b (K8 lacks
-its block's mean, `tiles.mean_scores`), and the blocks the band's right edge
+With `Config.causal_exact` each 8-bit block's top also takes q_i . m (K8
+lacks m, the first key block's mean; `tiles.mean_scores`, once per row
+before the loop), and the blocks the band's right edge
 crosses (`tiles.right_edge`; they lie among the masked steps) run in 16 bits
 from Q, K and V as the op passed them (`_edge_step`), one query block per
 program: which blocks are edges is a query block's.
@@ -44,11 +45,11 @@ NOTHING_SEEN = tl.constexpr(nm.NOTHING_SEEN)
 
 
 @device_function
-def _kv_step(acc, m, e, l, q8, q_scale, q_mean, q16, q_pos, q_ids, k8_ptr, k_scale_ptr,
-             v8_t_ptr, v_scale_ptr, pv_init_ptr, k_mean_ptr, kv_ids_ptr, j, TK: tl.constexpr,
+def _kv_step(acc, m, e, l, q8, q_scale, q_mean, row_mean, q_pos, q_ids, k8_ptr, k_scale_ptr,
+             v8_t_ptr, v_scale_ptr, pv_init_ptr, kv_ids_ptr, j, TK: tl.constexpr,
              D: tl.constexpr, TILE_Q: tl.constexpr, BLOCK_KV: tl.constexpr, LEFT: tl.constexpr,
              RIGHT: tl.constexpr, IDS: tl.constexpr, SMOOTH_Q: tl.constexpr,
-             MEANS: tl.constexpr, MULTIPLIER: tl.constexpr, CONVERT: tl.constexpr):
+             MEANS: tl.constexpr, CONVERT: tl.constexpr):
   x, c, keys, _ = tiles.key_block_scores(q8, q_scale, q_mean, q_pos, q_ids, k8_ptr,
                                          k_scale_ptr, kv_ids_ptr, j, D, BLOCK_KV, LEFT, RIGHT, IDS,
                                          SMOOTH_Q, CONVERT)
@@ -61,7 +62,7 @@ def _kv_step(acc, m, e, l, q8, q_scale, q_mean, q16, q_pos, q_ids, k8_ptr, k_sca
   log2_v = tl.log2(v_scale)
   x_top, top = tiles.row_top(x, c, SMOOTH_Q)
   if MEANS:  # the same for every key of the row: it moves the top only
-    top = top + tiles.mean_scores(q16, k_mean_ptr, j, D, MULTIPLIER)
+    top = top + row_mean
   top = top + log2_v  # -inf where the row sees no key here
   m_new = tl.maximum(m, top)
   e_new = tl.maximum(top, m_new - E_FLOOR)
@@ -125,13 +126,14 @@ def _forward_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_p
   v8_t_ptr += kv_head * D * TK
   v_scale_ptr += kv_head * TK
   pv_init_ptr += kv_head * (TK // BLOCK_KV) * D
-  k_mean_ptr += kv_head * (TK // BLOCK_KV) * D
   k16_ptr += b * TK * HKV * D + (h // (H // HKV)) * D
   v16_ptr += b * TK * HKV * D + (h // (H // HKV)) * D
   kv_ids_ptr += b * TK
   q16 = 0.0
   if MEANS or EXACT_EDGES:
     q16 = tl.load(q16_ptr + tiles.token_offsets(b, rows, h, TQ, H, D))
+  row_mean = (tiles.mean_scores(q16, tl.load(k_mean_ptr + kv_head * D + tl.arange(0, D)),
+                                MULTIPLIER) if MEANS else 0.0)
 
   acc = tl.zeros((TILE_Q, D), tl.float32)
   m = tl.full((TILE_Q,), NOTHING_SEEN, tl.float32)
@@ -161,15 +163,15 @@ def _forward_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, k8_ptr, k_scale_ptr, v8_t_p
                                     kv_ids_ptr, j, HKV, D, BLOCK_KV, LEFT, RIGHT, IDS,
                                     MULTIPLIER, INPUTS, DOT_PRECISION)
         else:
-          acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, q16, rows[:, None], q_ids,
-                                  k8_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr,
-                                  k_mean_ptr, kv_ids_ptr, j, TK, D, TILE_Q, BLOCK_KV, LEFT, RIGHT,
-                                  IDS, SMOOTH_Q, MEANS, MULTIPLIER, CONVERT)
+          acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, row_mean, rows[:, None],
+                                  q_ids, k8_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr,
+                                  kv_ids_ptr, j, TK, D, TILE_Q, BLOCK_KV, LEFT, RIGHT, IDS,
+                                  SMOOTH_Q, MEANS, CONVERT)
   for j in range(full_start, full_end):
-    acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, q16, rows[:, None], q_ids,
-                            k8_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr, k_mean_ptr,
-                            kv_ids_ptr, j, TK, D, TILE_Q, BLOCK_KV, None, None, IDS, SMOOTH_Q,
-                            MEANS, MULTIPLIER, CONVERT)
+    acc, m, e, l = _kv_step(acc, m, e, l, q8, q_scale, q_mean, row_mean, rows[:, None], q_ids,
+                            k8_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr, pv_init_ptr, kv_ids_ptr,
+                            j, TK, D, TILE_Q, BLOCK_KV, None, None, IDS, SMOOTH_Q, MEANS,
+                            CONVERT)
 
   # numerics.finalize_folded_rows: rows that saw no key give O = 0, lse = +inf.
   empty = l == 0

@@ -6,8 +6,8 @@ transposed, TOKENS or REGISTER_B; per-token scales; Q-smoothing's block means;
 and, where V8^T is TOKENS, the portable forward's P.V accumulator start.
 
 K's mean (K-smoothing) needs every token of K before any is quantized, so it
-arrives computed (`sagebwd.key_mean`): K is read twice in all, V and Q once.
-With `Config.causal_exact` the mean is per key block (`sagebwd.key_block_means`).
+arrives computed (`sagebwd.key_mean`; with `Config.causal_exact`
+`sagebwd.first_block_mean`): K is read twice in all, V and Q once.
 
 With quantization="int8_fp8" (`Config.fp8`) V goes to E4M3 per channel
 (numerics.quantize_e4m3 over the head's tokens), which likewise needs every
@@ -73,15 +73,14 @@ def _quantize_q(q_ptr, q8_ptr, q8_t_ptr, q_scale_ptr, q_mean_ptr, i, T: tl.const
 def _quantize_kv(k_ptr, v_ptr, k_mean_ptr, v_inverse_ptr, k8_ptr, k8_t_ptr, k_scale_ptr,
                  v8_t_ptr, v_scale_ptr, v_start_ptr, i, T: tl.constexpr, H: tl.constexpr,
                  D: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr,
-                 BLOCK_MEANS: tl.constexpr, K_TRANSPOSED: tl.constexpr,
-                 K_REGISTER_B: tl.constexpr, V_REGISTER_B: tl.constexpr, FP8: tl.constexpr):
+                 K_TRANSPOSED: tl.constexpr, K_REGISTER_B: tl.constexpr,
+                 V_REGISTER_B: tl.constexpr, FP8: tl.constexpr):
   t, head, b, h = _block(i, T, H, BLOCK)
   dims = tl.arange(0, D)
   rows = tiles.block_tokens(t, BLOCK, K_REGISTER_B)
   x = tl.load(k_ptr + tiles.token_offsets(b, rows, h, T, H, D)).to(tl.float32)
   if HAS_MEAN:
-    mean_row = head * (T // BLOCK) + t if BLOCK_MEANS else head
-    x = x - tl.load(k_mean_ptr + mean_row * D + dims)[None, :]
+    x = x - tl.load(k_mean_ptr + head * D + dims)[None, :]
   x8, scale = tiles.quantize_tile(x)
   tl.store(k8_ptr + head * T * D + rows[:, None] * D + dims[None, :], x8)
   if K_TRANSPOSED:
@@ -108,9 +107,9 @@ def _quantize_kernel(q_ptr, k_ptr, v_ptr, k_mean_ptr, v_inverse_ptr, q8_ptr, q8_
                      HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr,
                      BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, MULTIPLIER: tl.constexpr,
                      SMOOTH_Q: tl.constexpr, PER_ROW: tl.constexpr, HAS_MEAN: tl.constexpr,
-                     BLOCK_MEANS: tl.constexpr, Q_TRANSPOSED: tl.constexpr,
-                     K_TRANSPOSED: tl.constexpr, BACKWARD_REGISTER_B: tl.constexpr,
-                     FORWARD_REGISTER_B: tl.constexpr, FP8: tl.constexpr):
+                     Q_TRANSPOSED: tl.constexpr, K_TRANSPOSED: tl.constexpr,
+                     BACKWARD_REGISTER_B: tl.constexpr, FORWARD_REGISTER_B: tl.constexpr,
+                     FP8: tl.constexpr):
   # One program per block: Q's blocks first, then K's and V's, a block of each.
   i = tl.program_id(0)
   q_blocks: tl.constexpr = B * H * (TQ // BLOCK_Q)
@@ -120,7 +119,7 @@ def _quantize_kernel(q_ptr, k_ptr, v_ptr, k_mean_ptr, v_inverse_ptr, q8_ptr, q8_
   else:
     _quantize_kv(k_ptr, v_ptr, k_mean_ptr, v_inverse_ptr, k8_ptr, k8_t_ptr, k_scale_ptr,
                  v8_t_ptr, v_scale_ptr, v_start_ptr, i - q_blocks, TK, HKV, D, BLOCK_KV,
-                 HAS_MEAN, BLOCK_MEANS, K_TRANSPOSED, BACKWARD_REGISTER_B, FORWARD_REGISTER_B, FP8)
+                 HAS_MEAN, K_TRANSPOSED, BACKWARD_REGISTER_B, FORWARD_REGISTER_B, FP8)
 
 
 @triton.jit
@@ -228,8 +227,7 @@ def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig, for_back
         name="sagebwd_triton_quantize", B=batch, H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
         D=head_dim, BLOCK_Q=config.block_q, BLOCK_KV=config.block_kv,
         MULTIPLIER=config.scale * nm.LOG2_E, SMOOTH_Q=config.smooth_q,
-        PER_ROW=config.q_per_token, HAS_MEAN=k_mean is not None,
-        BLOCK_MEANS=config.causal_exact, Q_TRANSPOSED=q_transposed,
+        PER_ROW=config.q_per_token, HAS_MEAN=k_mean is not None, Q_TRANSPOSED=q_transposed,
         K_TRANSPOSED=for_backward, BACKWARD_REGISTER_B=backward_b,
         FORWARD_REGISTER_B=forward_b, FP8=config.fp8)
     outs = [y if wanted else None for (wanted, _, _), y in zip(outputs, outs)]

@@ -51,9 +51,10 @@ def _saturated_rows_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, 
     kv_head = b * HKV + kvh
     v_ptr += b * TK * HKV * D + kvh * D
     k16_ptr += b * TK * HKV * D + kvh * D
-    k_mean_ptr += kv_head * (TK // BLOCK_KV) * D
     if MEANS or EXACT_EDGES:
       q16 = tl.load(q16_ptr + tiles.token_offsets(b, rows, h, TQ, H, D))
+    if MEANS:
+      row_mean = tiles.mean_scores(q16, tl.load(k_mean_ptr + kv_head * D + dims), MULTIPLIER)
     edge_start, _ = tiles.right_edge(i, BLOCK_Q, BLOCK_KV, TK // BLOCK_KV, RIGHT)
     m = tl.full((BLOCK_Q,), NOTHING_SEEN, tl.float32)
     l = tl.zeros((BLOCK_Q,), tl.float32)
@@ -72,8 +73,7 @@ def _saturated_rows_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, 
         s = tiles.masked(tiles.edge_scores(q16, k16, MULTIPLIER, DOT_PRECISION), rows[:, None],
                          keys[None, :], q_ids, kv_ids, LEFT, RIGHT, IDS)
       elif MEANS:
-        s = tiles.scores(x, c, SMOOTH_Q) + tiles.mean_scores(q16, k_mean_ptr, j, D,
-                                                             MULTIPLIER)[:, None]
+        s = tiles.scores(x, c, SMOOTH_Q) + row_mean[:, None]
       else:
         s = tiles.scores(x, c, SMOOTH_Q)
       v = tl.load(v_ptr + keys[:, None] * HKV * D + dims[None, :])

@@ -20,8 +20,8 @@ operand's block (`shifted_accumulator_start`), so the product still reads as
 fp32 1.5 * 2**23 + P.X exactly.
 
 Longer than 400 lines because it is the one module the Triton kernels share:
-with `Config.causal_exact` the score tile's per-block mean term and the
-16-bit edge tiles joined the rules every kernel applies the same way.
+with `Config.causal_exact` the rows' mean term and the 16-bit edge tiles
+joined the rules every kernel applies the same way.
 """
 
 from __future__ import annotations
@@ -287,11 +287,11 @@ def sixteen_bit(x, INPUTS: tl.constexpr):
 
 
 @device_function
-def mean_scores(q16, k_mean_ptr, j, D: tl.constexpr, MULTIPLIER: tl.constexpr):
-  """q_i . m_j, base 2, for each row of `q16` (fp32 values of the 16-bit Q)
-  and key block j's mean, which K8 lacks (`Config.causal_exact`): (rows,)."""
-  mean = tl.load(k_mean_ptr + j * D + tl.arange(0, D))
-  return tl.sum(q16 * mean[None, :], axis=1) * MULTIPLIER
+def mean_scores(q16, k_mean, MULTIPLIER: tl.constexpr):
+  """q_i . m, base 2, for each row of `q16` (the 16-bit Q) and the mean m
+  (D,) fp32 that K8 lacks (`Config.causal_exact`): (rows,), each row's one
+  number for all its 8-bit tiles."""
+  return tl.sum(q16 * k_mean[None, :], axis=1) * MULTIPLIER
 
 
 @device_function

@@ -46,6 +46,26 @@ The two warpgroups take turns on the tensor cores (a schedule barrier): one
 runs its softmax while the other's products run. Causal: the query blocks of a
 CTA see the same key steps (128 query rows against 128-key steps), the last
 one masked; later steps are skipped and the longest CTAs launch first.
+
+With `Config.causal_exact` (docs/algorithm.md, "Statistics over what each row
+sees") K8 lacks m, the first key block's mean, and each 8-bit half's top takes
+back the row's q_i . m, one add per row: one number per row, which each
+warpgroup forms once before its loop from its 16-bit Q tile and m (a product
+and a row sum in registers; a per-step product would cost tensor core time and
+a ring slot's shared memory). The last causal step holds each query block's
+diagonal block, the block the causal edge crosses
+(`causal_blocks.right_edge`), and a half all before or all after the block's
+rows: the diagonal half runs from the unquantized Q, K and V (S = Q16.K16^T
+with fp32 accumulation and the multiplier as its scale; P, V's factor 1,
+rounded to the inputs' dtype times V16), so no block statistic reaches a row
+that does not see the whole block; the other half runs in 8 bits as every
+step. With FP8 products V's E4M3 scale is then per block, folded into P as the
+INT8 mode folds it, so O takes no per-channel scale, and the rows' unfolded
+maxima are tracked apart.
+
+Longer than 400 lines because the loop's one body serves both numerics
+modes and `Config.causal_exact`'s 16-bit edge step: split by mode, the
+kernels would repeat the pipeline's frame.
 """
 
 from __future__ import annotations
@@ -53,6 +73,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.experimental.pallas as pl
@@ -70,7 +91,6 @@ KV_STEP = 2 * BLOCK  # keys per step: two quantization blocks
 # The least f an S accumulator can read as (1.5 * 2**23 - 2**22).
 _LOWEST_F = float(2**23)
 _LOG2_E4M3_MAX = math.log2(nm.E4M3_MAX)
-
 
 @dataclasses.dataclass(frozen=True)
 class ForwardTuning(pipeline.Tuning):
@@ -96,53 +116,98 @@ def _causal_mask(f, q_base, kv_base):
   return jnp.where(q_pos + q_base >= kv_pos + kv_base, f, -jnp.inf)
 
 
-def _softmax(f, scales, m, e, l):
-  """One step's online softmax (`numerics.folded_softmax_step` on the biased
-  scores f of each half): P as rounding-add bits per half, the factor alpha
-  for the old accumulator, and the new running (m, e, l). `scales`: per
-  half, (c_h, log2 v_scale_h, 1 / v_scale_h)."""
+class _Half(NamedTuple):
+  """A step's 64 keys of scores, as the softmaxes read them: S = (x -
+  offset) * c, plus `mean` (per row) where K8 lacks K's mean m;
+  `log2_v` and `inv_v` fold V's block scale into P (None: V's factor is 1).
+  x is an S accumulator read as fp32 (offset 1.5 * 2**23, c the block
+  scales), so x - x_top is exact; or an edge tile's Q16.K16^T (offset 0, c
+  the multiplier)."""
+
+  x: jax.Array
+  c: jax.Array | float
+  offset: float
+  mean: jax.Array | None = None
+  log2_v: jax.Array | None = None
+  inv_v: jax.Array | None = None
+
+  def top(self, x_top):
+    """The rows' largest scores, from x's row maxima: -inf where a row sees
+    no key."""
+    top = (x_top - self.offset) * self.c if self.offset else x_top * self.c
+    return top if self.mean is None else top + self.mean
+
+  def folded(self, top):
+    return top if self.log2_v is None else top + self.log2_v
+
+  def row_sum(self, p):
+    """P's row sums, in the units of unfolded P."""
+    total = jnp.sum(p, axis=1)
+    return total if self.inv_v is None else total * self.inv_v
+
+
+def _softmax(halves, m, e, l):
+  """One step's online softmax (`numerics.folded_softmax_step` on the step's
+  `_Half`s): P per half (rounding-add bits of an 8-bit half, fp32 of an edge
+  half), the factor alpha for the old accumulator, and the new running (m,
+  e, l)."""
   bcast = lambda x: lax.broadcast_in_dim(x, (BLOCK, BLOCK), [0])
-  f_tops = [jnp.max(x, axis=1) for x in f]  # -inf where the row sees no key
-  tops = [(f_top - nm.ROUND_MAGIC_F32) * c + log2_v
-          for f_top, (c, log2_v, _) in zip(f_tops, scales)]
+  x_tops = [jnp.max(h.x, axis=1) for h in halves]  # -inf where the row sees no key
+  tops = [h.folded(h.top(x_top)) for h, x_top in zip(halves, x_tops)]
   m_new = jnp.maximum(m, functools.reduce(jnp.maximum, tops))
   e_new = jnp.maximum(functools.reduce(jnp.maximum, tops), m_new - nm.E_FLOOR_BELOW_MAX)
   alpha = jnp.exp2(e - e_new)
-  bits, l_new = [], l * alpha
-  for x, f_top, top, (c, _, inv_v_scale) in zip(f, f_tops, tops, scales):
+  out, l_new = [], l * alpha
+  for h, x_top, top in zip(halves, x_tops, tops):
     # A row that sees no key: its -inf scores stay -inf (not -inf + inf).
-    from_top = x - bcast(jnp.maximum(f_top, _LOWEST_F))
+    # Each row of an edge tile sees its own key.
+    from_top = h.x - bcast(jnp.maximum(x_top, _LOWEST_F) if h.offset else x_top)
     # At most log2 255, exactly so at the row's largest (no clip).
-    p = jnp.exp2(from_top * c + bcast((top - e_new) + nm.LOG2_UINT8_MAX))
-    l_new = l_new + jnp.sum(p, axis=1) * inv_v_scale
-    bits.append(lax.bitcast_convert_type(p + nm.ROUND_MAGIC_F32, jnp.int32))
-  return bits, alpha, m_new, e_new, l_new
+    p = jnp.exp2(from_top * h.c + bcast((top - e_new) + nm.LOG2_UINT8_MAX))
+    l_new = l_new + h.row_sum(p)
+    out.append(lax.bitcast_convert_type(p + nm.ROUND_MAGIC_F32, jnp.int32) if h.offset
+               else p)
+  return out, alpha, m_new, e_new, l_new
 
 
-def _fp8_softmax(f, cs, m, l):
+def _fp8_softmax(halves, m, l, row_max=None):
   """One step's online softmax for FP8 P.V (`numerics.fp8_softmax_step` on
-  the biased scores f of each half, with c_h = `cs`): P = 448 * exp2(S - m)
-  per half, fp32, the factor alpha for the old accumulator, the new (m, l)."""
+  the step's `_Half`s): P = 448 * exp2(S - m) per half, fp32, the factor
+  alpha for the old accumulator, the new (m, l) and, given the rows' maxima
+  so far, theirs with the step's unfolded scores (m is the folded scores'
+  maximum where V's scales fold into P)."""
   bcast = lambda x: lax.broadcast_in_dim(x, (BLOCK, BLOCK), [0])
-  tops = [(jnp.max(x, axis=1) - nm.ROUND_MAGIC_F32) * c for x, c in zip(f, cs)]
-  m_new = jnp.maximum(m, functools.reduce(jnp.maximum, tops))
+  tops = [h.top(jnp.max(h.x, axis=1)) for h in halves]
+  m_new = jnp.maximum(m, functools.reduce(jnp.maximum, [h.folded(t)
+                                                        for h, t in zip(halves, tops)]))
   alpha = jnp.exp2(m - m_new)
   ps, l_new = [], l * alpha
-  for x, c in zip(f, cs):
-    p = jnp.exp2(x * c + bcast((_LOG2_E4M3_MAX - m_new) - nm.ROUND_MAGIC_F32 * c))
-    l_new = l_new + jnp.sum(p, axis=1)
+  for h in halves:
+    p = jnp.exp2(h.x * h.c + bcast(_fp8_exponent_row(h, m_new)))
+    l_new = l_new + h.row_sum(p)
     ps.append(p)
-  return ps, alpha, m_new, l_new
+  if row_max is not None:
+    row_max = jnp.maximum(row_max, functools.reduce(jnp.maximum, tops))
+  return ps, alpha, m_new, l_new, row_max
+
+
+def _fp8_exponent_row(h: _Half, m):
+  """The row's terms of the FP8 P's exponent, so that it is one FMA per score:
+  log2 448 - m, the half's mean and V factor, less offset * c."""
+  row = _LOG2_E4M3_MAX - m
+  row = h.folded(row if h.mean is None else row + h.mean)
+  return row - h.offset * h.c if h.offset else row
 
 
 def _finalize_fp8(acc, m, l, v_scale):
   """O and lse from the FP8 step's state (`numerics.finalize_fp8_rows`), V's
-  per-channel scale (D,) applied here, with a reciprocal per row."""
+  per-channel scale (D,) applied here (None: folded into P), with a
+  reciprocal per row."""
   empty = l == 0
   l_safe = jnp.where(empty, 1.0, l)
   lse = jnp.where(empty, jnp.inf, m + jnp.log2(l_safe) - _LOG2_E4M3_MAX)
   o = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
-  return o * lax.broadcast_in_dim(v_scale, acc.shape, [1]), lse
+  return (o if v_scale is None else o * lax.broadcast_in_dim(v_scale, acc.shape, [1])), lse
 
 
 def _finalize(acc, e, l):
@@ -154,12 +219,28 @@ def _finalize(acc, e, l):
   return acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0]), lse
 
 
-def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scales: tuple, *, fp8: bool, causal: bool,
-                  out_dtype, tuning: ForwardTuning):
+class _Exact(NamedTuple):
+  """What `Config.causal_exact` adds to the kernel's operands, each None
+  where the case needs none: Q in the inputs' dtype and layout (B, Tq, H, D),
+  the mean term's and the edge tiles'; m (B, Hkv, D) fp32, the mean K8
+  lacks; K and V in the inputs' dtype and layout (B, Tk, Hkv, D), the edge
+  tiles' (`Config.exact_edges`)."""
+
+  q16: jax.Array | None = None
+  k_mean: jax.Array | None = None
+  k16: jax.Array | None = None
+  v16: jax.Array | None = None
+
+
+def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scales: tuple, exact: _Exact, *,
+                  fp8: bool, causal: bool, multiplier: float, out_dtype,
+                  tuning: ForwardTuning):
   """q8 (B, H, Tq, D); k8 (B, Hkv, Tk / 64, 64, D); v8_t REGISTER_B (B, Hkv,
   Tk / 64, D, 64); Q's and K's scales per token; `v_scales`: V's folded
-  ones per block (log2, reciprocal), or with `fp8` its per-channel scale
-  (B, Hkv, D). Returns O, lse and, with `fp8`, the rows' maxima.
+  ones per block (log2, reciprocal), or with `fp8` and one element its
+  per-channel scale (B, Hkv, D); `exact`: `Config.causal_exact`'s operands,
+  with `multiplier` the edge tiles' score scale. Returns O, lse and, with
+  `fp8`, the rows' largest unfolded scores.
   Where Tq is not whole CTA tiles, the last CTA's last warpgroup computes the
   last query block again (the same values, stored twice) rather than pad Q."""
   batch, heads, q_len, head_dim = q8.shape
@@ -175,16 +256,26 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scales: tuple, *, fp8: bool,
   v_dtype = v8_t.dtype
   vt_transforms = smem_transforms(BLOCK, v_dtype)
   row_outputs = 2 if fp8 else 1  # lse, and with FP8 the row maxima
+  fold = len(v_scales) == 2  # V's block scales folded into P
+  means, edges = exact.k_mean is not None, exact.k16 is not None
+  exact_inputs = tuple(x for x in exact if x is not None)
+  present = [name for name, x in zip(_Exact._fields, exact) if x is not None]
+  staged = [name for name in present if name != "k_mean"]  # copied to shared memory
 
   def kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, *refs):
-    vs_refs, (o_ref, *row_refs), scoped = refs[:len(v_scales)], refs[len(v_scales):-1], refs[-1]
+    vs_refs, refs = refs[:len(v_scales)], refs[len(v_scales):]
+    x_refs, refs = _Exact(**dict(zip(present, refs))), refs[len(present):]
+    (o_ref, *row_refs), scoped = refs[:-1], refs[-1]
     b, h, t = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_seq")
     if causal:  # the longest query tiles launch first (shorter tail)
       t = num_q_tiles - 1 - t
     wg = lax.axis_index("wg")
-    (q_smem, k_smem, vt_smem, o_smem, row_smem), (k_bars, v_bars, q_bars), consumed, sched = (
-        scoped)
+    (q_smem, k_smem, vt_smem, o_smem, row_smem, *x_smem), (k_bars, v_bars, q_bars), consumed, \
+        sched, *x_bars = scoped
     k_consumed, v_consumed = consumed
+    if exact_inputs:
+      (q16_smem, _, k16_smem, v16_smem), (q16_bars, _, k16_bars, v16_bars) = (
+          _Exact(**dict(zip(staged, x_smem[0]))), _Exact(**dict(zip(staged, x_bars[0]))))
     kvh = lax.div(h, jnp.array(group, h.dtype))
     # Key steps the CTA's query blocks see (the same for each of its warpgroups).
     cta_steps = lax.div(t * wgs * BLOCK, jnp.array(KV_STEP, t.dtype)) + 1 if causal else num_steps
@@ -197,90 +288,155 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scales: tuple, *, fp8: bool,
       q_base = q_block * BLOCK
       plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(q_base, BLOCK)], q_smem.at[wg],
                               q_bars.at[wg])
+      if exact_inputs:
+        rows16 = pl.ds(q_base, BLOCK)
+        plgpu.copy_gmem_to_smem(x_refs.q16.at[b, rows16, h], q16_smem.at[wg], q16_bars.at[wg])
+      if edges:  # causal, 64-row query blocks: a query block's edge is its own keys
+        plgpu.copy_gmem_to_smem(x_refs.k16.at[b, rows16, kvh], k16_smem.at[wg],
+                                k16_bars.at[wg])
+        plgpu.copy_gmem_to_smem(x_refs.v16.at[b, rows16, kvh], v16_smem.at[wg],
+                                v16_bars.at[wg])
       q_scale = qs_ref[b, h, q_base]
       plgpu.barrier_wait(q_bars.at[wg])
+      mean = None
+      if exact_inputs:
+        plgpu.barrier_wait(q16_bars.at[wg])
+      if means:
+        # Each row's q_i . m, the same in all its 8-bit halves: formed once.
+        q16 = q16_smem.at[wg][...].astype(jnp.float32)
+        k_mean = plgpu.load(x_refs.k_mean.at[b, kvh], layout=plgpu.Layout.WGMMA.reduce(0),
+                            optimized=False)
+        mean = jnp.sum(q16 * lax.broadcast_in_dim(k_mean, q16.shape, [1]), axis=1) * multiplier
 
       def step_scales(j):
-        """Per half: (c_h, log2 v_scale_h, 1 / v_scale_h), or c_h with FP8."""
+        """Per half: (c_h, log2 v_scale_h, 1 / v_scale_h), or c_h with FP8
+        products and V per channel."""
         out = []
         for half in range(halves):
           blk = j * halves + half
           c = positive_scale(q_scale * ks_ref[b, kvh, blk * BLOCK])
-          out.append(c if fp8 else (c, vs_refs[0][b, kvh, blk], vs_refs[1][b, kvh, blk]))
+          out.append((c, vs_refs[0][b, kvh, blk], vs_refs[1][b, kvh, blk]) if fold else c)
         return tuple(out)
 
       magic = plgpu.layout_cast(jnp.full((BLOCK, BLOCK), nm.ROUND_MAGIC_I32, jnp.int32),
                                 plgpu.Layout.WGMMA)
+      zeros = lambda: plgpu.layout_cast(jnp.zeros((BLOCK, BLOCK), jnp.float32),
+                                        plgpu.Layout.WGMMA)
 
       # `pl.run_state` bodies cannot close over constants: j is always traced
       # there (a loop index, or derived from the grid position).
-      def issue_scores(j, accs):
-        """Both halves' S of step j into accumulators that start at 0x4B400000."""
+      def issue_scores(j, keys, edge, accs):
+        """The S of step j's halves `keys` into accumulators that start at
+        0x4B400000; then, with `edge`, the edge tile's."""
         plgpu.barrier_wait(k_bars.at[ring.slot(j)])
-        for half, acc in enumerate(accs):
+        for half, acc in zip(keys, accs):
           plgpu.wgmma(acc, q_smem.at[wg], k_smem.at[ring.slot(j), half].T)
+        if edge:
+          plgpu.barrier_wait(k16_bars.at[wg])
+          plgpu.wgmma(accs[-1], q16_smem.at[wg], k16_smem.at[wg].T)
         schedule.turn()  # the other warpgroup's softmax runs meanwhile
 
-      def scores(j):
-        s = pl.run_state(functools.partial(issue_scores, j))(
-            tuple(plgpu.ACC.init(magic) for _ in range(halves)))
+      def scores(j, keys=range(halves), edge=False):
+        """S of the halves `keys`, then (with `edge`) the edge tile's
+        Q16.K16^T."""
+        starts = (magic,) * len(keys) + ((zeros(),) if edge else ())
+        s = pl.run_state(functools.partial(issue_scores, j, keys, edge))(
+            tuple(plgpu.ACC.init(x) for x in starts))
         plgpu.barrier_arrive(k_consumed.at[ring.slot(j)])
         return s
 
-      def finish_step(j, s, state, scales, *, masked: bool):
-        """Softmax and P.V of step j from its S; returns the new state."""
-        slot = ring.slot(j)
-        f = [lax.bitcast_convert_type(x, jnp.float32) for x in s]
-        if masked:
-          f = [_causal_mask(x, q_base, j * KV_STEP + half * BLOCK) for half, x in enumerate(f)]
+      def eight_bit(f, scales, mean):
+        """`_Half` of an S accumulator read as fp32."""
+        if not fold:
+          return _Half(f, scales, nm.ROUND_MAGIC_F32, mean)
+        c, log2_v, inv_v = scales
+        return _Half(f, c, nm.ROUND_MAGIC_F32, mean, log2_v, inv_v)
+
+      def finish_step(slot, step_halves, state, v_halves):
+        """Softmax and P.V of the step in ring `slot`: the 8-bit halves' P
+        times V8's tiles `v_halves` in order, an edge half's (the last) times
+        V16. Returns the new state."""
+        edge = len(step_halves) > len(v_halves)
         if fp8:
-          acc, m, l = state
-          p, alpha, m, l = _fp8_softmax(f, scales, m, l)
-          a_tiles = tuple(registers.pack_e4m3(x) for x in p)
+          acc, m, l, *row_max = state
+          p, alpha, m, l, row_max = _fp8_softmax(step_halves, m, l, *row_max)
+          a_tiles = tuple(registers.pack_e4m3(x) for x in p[:len(v_halves)])
         else:
           acc, m, e, l = state
-          bits, alpha, m, e, l = _softmax(f, scales, m, e, l)
-          a_tiles = tuple(registers.pack(x) for x in bits)
+          p, alpha, m, e, l = _softmax(step_halves, m, e, l)
+          a_tiles = tuple(registers.pack(x) for x in p[:len(v_halves)])
+        if edge:
+          p16 = p[-1].astype(x_refs.v16.dtype)
         schedule.arrive()  # softmax done: let the other warpgroup issue
         plgpu.barrier_wait(v_bars.at[slot])
         schedule.wait()
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        b_tiles = tuple(vt_smem.at[slot, i] for i in range(halves))
+        b_tiles = tuple(vt_smem.at[slot, i] for i in v_halves)
         if fp8:
           (acc,) = registers.dots((acc, a_tiles, b_tiles, vt_transforms))
         else:
           (pv,) = registers.dots((None, a_tiles, b_tiles, vt_transforms), unsigned_a=True)
           acc = acc + pv.astype(jnp.float32)
         plgpu.barrier_arrive(v_consumed.at[slot])
-        return (acc, m, l) if fp8 else (acc, m, e, l)
+        if edge:
+          plgpu.barrier_wait(v16_bars.at[wg])
+          acc = pl.run_state(lambda acc: plgpu.wgmma(acc, p16, v16_smem.at[wg]))(
+              plgpu.ACC.init(acc))
+        if fp8:
+          return (acc, m, l, row_max) if row_max is not None else (acc, m, l)
+        return acc, m, e, l
 
       def kv_step(j, carry, *, masked: bool):
         """S, softmax and P.V of step j, one after the other."""
         state, scales = carry
         next_scales = step_scales(jnp.minimum(j + 1, num_steps - 1))
-        return finish_step(j, scores(j), state, scales, masked=masked), next_scales
+        s = scores(j)
+        slot = ring.slot(j)
+        f = [lax.bitcast_convert_type(x, jnp.float32) for x in s]
+        if masked:
+          f = [_causal_mask(x, q_base, j * KV_STEP + half * BLOCK) for half, x in enumerate(f)]
+        step_halves = [eight_bit(x, scale, mean) for x, scale in zip(f, scales)]
+        return finish_step(slot, step_halves, state, range(halves)), next_scales
+
+      def edge_step(j, carry):
+        """The last causal step with `Config.exact_edges`: the query block's
+        own 64 keys (the diagonal, its edge) in 16 bits, the step's other half
+        (all before the block's rows, or all after them) in 8 bits."""
+        state, scales = carry
+        other = 1 - lax.rem(q_block, 2)
+        pick = lambda pair: jax.tree.map(
+            lambda a, b: jnp.where(jnp.broadcast_to(other == 0, jnp.shape(a)), a, b), *pair)
+        s, x = scores(j, keys=(other,), edge=True)
+        f = _causal_mask(lax.bitcast_convert_type(s, jnp.float32), q_base,
+                         j * KV_STEP + other * BLOCK)
+        step_halves = [eight_bit(f, pick(scales), mean),
+                       _Half(_causal_mask(x, q_base, q_base), multiplier, 0.0)]
+        return finish_step(ring.slot(j), step_halves, state, (other,))
 
       full_row = lambda value: plgpu.layout_cast(jnp.full((BLOCK,), value, jnp.float32), row)
       state = (plgpu.layout_cast(jnp.full((BLOCK, head_dim), 0.0, jnp.float32),
                                  plgpu.Layout.WGMMA),
                full_row(nm.NOTHING_SEEN), *(() if fp8 else (full_row(-jnp.inf),)),
-               full_row(0.0))
+               full_row(0.0), *((full_row(nm.NOTHING_SEEN),) if fp8 and fold else ()))
       carry = (state, step_scales(0))
       schedule.lead_in(wg)
       # With causality the last step holds the diagonal.
       steps = cta_steps if causal else num_steps
       if causal:
         carry = lax.fori_loop(0, steps - 1, functools.partial(kv_step, masked=False), carry)
-        state, _ = kv_step(steps - 1, carry, masked=True)
+        if edges:
+          state = edge_step(steps - 1, carry)
+        else:
+          state, _ = kv_step(steps - 1, carry, masked=True)
       else:
         state, _ = lax.fori_loop(0, steps, functools.partial(kv_step, masked=False), carry)
       schedule.lead_out(wg)
       if fp8:
-        acc, m, l = state
-        v_scale = plgpu.load(vs_refs[0].at[b, kvh], layout=plgpu.Layout.WGMMA.reduce(0),
-                             optimized=False)
+        acc, m, l, *row_max = state
+        v_scale = None if fold else plgpu.load(
+            vs_refs[0].at[b, kvh], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
         o, lse = _finalize_fp8(acc, m, l, v_scale)
-        rows = (lse, m)
+        rows = (lse, *row_max) if row_max else (lse, m)
       else:
         acc, _, e, l = state
         o, lse = _finalize(acc, e, l)
@@ -321,13 +477,36 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scales: tuple, *, fp8: bool,
       (plgpu.Barrier(num_arrivals=wgs, num_barriers=ring.slots),) * 2,
       plgpu.Barrier(num_arrivals=wgs),
   )
+  if exact_inputs:
+    # A warpgroup's 64 rows of Q16, K16 and V16, as `_Exact` names them.
+    dtype16 = exact.q16.dtype
+    tile = plgpu.SMEM((wgs, BLOCK, head_dim), dtype16,
+                      transforms=smem_transforms(head_dim, dtype16))
+    scratch += ((tile,) * len(staged),)
+    barriers += ((plgpu.Barrier(num_barriers=wgs),) * len(staged),)
   out_type = (jax.ShapeDtypeStruct((batch, q_len, heads, head_dim), out_dtype),
               *(jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32),) * row_outputs)
   return pipeline.kernel(
       kernel, tuning=tuning, scratch=scratch, barriers=barriers, out_type=out_type,
       grid=(heads, num_q_tiles, batch), grid_names=("heads", "q_seq", "batch"),
       name="sagebwd_forward_fp8_mosaic" if fp8 else "sagebwd_forward_mosaic",
-  )(q8, q_scale, k8, k_scale, v8_t, *v_scales)
+  )(q8, q_scale, k8, k_scale, v8_t, *v_scales, *exact_inputs)
+
+
+def _exact_operands(qkv: QuantizedQKV, config: Config) -> _Exact:
+  """`Config.causal_exact`'s operands of the kernel (`_Exact`): the mean term
+  where K8 lacks m, the edge tiles with `Config.exact_edges`."""
+  edges = config.exact_edges
+  means = config.causal_exact and qkv.k_mean is not None
+  if not (means or edges):
+    return _Exact()
+  needed = ("q16", "k16", "v16") if edges else ("q16",)
+  missing = [name for name in needed if getattr(qkv, name) is None]
+  if missing:
+    raise ValueError(f"causal_exact: forward_mosaic needs QuantizedQKV.{', '.join(missing)} "
+                     "(sagebwd.quantize sets them)")
+  return _Exact(qkv.q16, qkv.k_mean if means else None, qkv.k16 if edges else None,
+                qkv.v16 if edges else None)
 
 
 def forward_mosaic(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
@@ -337,7 +516,10 @@ def forward_mosaic(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
 
   For the cases `takes` accepts, V8^T REGISTER_B (`types.Layouts`); P is
   quantized as `backend.MOSAIC_NUMERICS` says, or with FP8 products to E4M3
-  against the running maximum.
+  against the running maximum. With `Config.causal_exact` the statistics
+  over what each row sees, from the operands `sagebwd.quantize` adds
+  (`QuantizedQKV.q16`, `k_mean`, `k16`, `v16`; with FP8 products V's scales
+  per block).
   """
   batch, heads, q_len, head_dim = qkv.q8.shape
   kv_heads, kv_len = qkv.k8.shape[1], qkv.k8.shape[2]
@@ -351,11 +533,12 @@ def forward_mosaic(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
   check_layout("v8_t", qkv.v8_t, TransposedLayout.REGISTER_B)
   # Splitting the token axis in blocks moves no byte (a bitcast).
   k8 = qkv.k8.reshape(batch, kv_heads, kv_len // BLOCK, BLOCK, head_dim)
-  if config.fp8:
+  if config.fp8 and not config.causal_exact:  # V per channel
     v_scales = (qkv.v_scale,)
   else:
     v_scales = nm.folded_v_scales(qkv.v_scale[..., ::BLOCK], KV_STEP // BLOCK)
   out = _forward_call(qkv.q8, qkv.q_scale, k8, qkv.k_scale, qkv.v8_t, v_scales,
-                      fp8=config.fp8, causal=config.causal, out_dtype=jnp.dtype(out_dtype),
+                      _exact_operands(qkv, config), fp8=config.fp8, causal=config.causal,
+                      multiplier=config.scale * nm.LOG2_E, out_dtype=jnp.dtype(out_dtype),
                       tuning=tuning)
   return out if config.fp8 else (*out, None)
