@@ -92,6 +92,7 @@ KV_STEP = 2 * BLOCK  # keys per step: two quantization blocks
 _LOWEST_F = float(2**23)
 _LOG2_E4M3_MAX = math.log2(nm.E4M3_MAX)
 
+
 @dataclasses.dataclass(frozen=True)
 class ForwardTuning(pipeline.Tuning):
   """Launch settings of the Mosaic forward: query blocks per CTA, the K/V
