@@ -8,12 +8,12 @@ the layouts of each: `quantize_pass` TOKENS, `quantize_pass_mosaic` with V^T
 REGISTER_B); cuDNN on the bf16 inputs. TOPS = 4*B*H*T*T*D / time (halved when causal). Each
 Mosaic variant's O and lse are checked against `ReferenceBackend(MOSAIC_NUMERICS)`
 run on the same device (relative L2). Then quantization="int8_fp8": its
-quantization (the reference's XLA pass: Q, K int8, V^T E4M3 per channel
-REGISTER_B; `quantize_fp8_xla`) and the Mosaic FP8 forward (`mosaic_fp8`),
+quantization (the reference's XLA pass: Q, K int8, V^T E4M3 per 64-key
+block REGISTER_B; `quantize_fp8_xla`) and the Mosaic FP8 forward (`mosaic_fp8`),
 checked against the reference's FP8 forward in 128-key steps. Causal, both
 modes again with `causal_exact=True` (`mosaic_causal_exact`,
-`mosaic_fp8_causal_exact`: the reference's passes, K's first-block mean and V's
-FP8 scales per block, the 16-bit operands), against `mosaic` and
+`mosaic_fp8_causal_exact`: the reference's passes, K's first-block mean, the
+16-bit operands), against `mosaic` and
 `mosaic_fp8`. Writes mosaic_forward.csv to --out (default $OUT, else
 nothing).
 """
@@ -47,8 +47,8 @@ VARIANTS = {
 
 def time_causal_exact(config: Config, q, k, v, record, table: Rows):
   """The forward with causal_exact in both modes, on the reference's passes
-  in the Mosaic layouts (the Triton pass writes FP8 V per channel), checked
-  against the reference's forward on the same device."""
+  in the Mosaic layouts, checked against the reference's forward on the
+  same device."""
   passes = MosaicBackend(ReferenceBackend(), fp8_fallback=ReferenceBackend())
   for name, mode in (("mosaic_causal_exact", "int8"), ("mosaic_fp8_causal_exact", "int8_fp8")):
     exact = dataclasses.replace(config, quantization=mode, causal_exact=True)

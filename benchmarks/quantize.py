@@ -17,9 +17,8 @@ over the pass's launches) and that rate as a share of the copy's:
   quantize_fwd_bwd  the same with Q8^T and K8^T REGISTER_B (a gradient follows)
   quantize_tokens   the same, every layout TOKENS (the portable kernels')
   quantize_fp8_fwd  quantization="int8_fp8"'s pass of a forward alone, V8^T
-                    E4M3 per channel REGISTER_B (the Mosaic FP8 forward's):
-                    the channel-maximum launch, XLA's scales, the pass (its
-                    bytes count V once; it reads V twice)
+                    E4M3 per 64-key block REGISTER_B (the Mosaic FP8
+                    forward's): one launch, as the INT8 pass
   quantize_fp8_fwd_bwd  the same with K8^T REGISTER_B (no Q8^T in FP8)
   quantize_fp8_xla  the same in XLA: the reference's pass, which the Hopper
                     backend ran for the mode before the Triton one

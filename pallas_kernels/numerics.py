@@ -122,8 +122,8 @@ def quantize_e4m3(x: jax.Array, axis: int | tuple[int, ...]) -> tuple[jax.Array,
 
   E4M3 keeps 3 mantissa bits at every magnitude within 2**-6..448 of its
   scale, so the scale's group sets only the range: FP8 copies of
-  probabilities, gradients and keys take one scale per block (or channel)
-  where INT8 needs one per row to keep its relative step."""
+  probabilities, gradients, keys and values take one scale per block where
+  INT8 needs one per row to keep its relative step."""
   amax = abs_max(x, axis=axis, keepdims=True)
   return to_e4m3(x * inverse_scale(amax, E4M3_MAX)), amax / E4M3_MAX
 
@@ -386,52 +386,44 @@ def folded_softmax_step(blocks: Sequence[tuple[jax.Array, jax.Array]],
   return p, alpha, m_new, e_new, l_new
 
 
-def fp8_softmax_step(blocks: Sequence[tuple[jax.Array, jax.Array]], m: jax.Array,
-                     l: jax.Array, log2_v_scales: Sequence[jax.Array] | None = None,
-                     inv_v_scales: Sequence[jax.Array] | None = None):
-  """One step of the online softmax for FP8 P.V: P = E4M3_MAX * exp2(S - m),
-  m the running row maximum, so the largest P of a row is exactly E4M3_MAX
-  and no P exceeds it; no per-step scale: P's FP8 conversion needs none, and
-  V's per-channel scale waits for the end, so the fp32 accumulator runs
-  across steps and is only rescaled by alpha.
+def fp8_softmax_step(blocks: Sequence[tuple[jax.Array, jax.Array]],
+                     log2_v_scales: Sequence[jax.Array], inv_v_scales: Sequence[jax.Array],
+                     m: jax.Array, l: jax.Array):
+  """One step of the online softmax for FP8 P.V: P = E4M3_MAX * exp2(S +
+  log2 sV - m), m the running row maximum of the folded scores, so the
+  largest P of a row is exactly E4M3_MAX and no P exceeds it; no per-step
+  scale: P's FP8 conversion needs none, so the fp32 accumulator runs across
+  steps and is only rescaled by alpha.
 
-  With V's scales per block (`Config.causal_exact`: no channel's scale over
-  the head's tokens) each block's is folded into P as the INT8 forward folds
-  it, `log2_v_scales` and `inv_v_scales` as `folded_softmax_step` takes them:
-  P = E4M3_MAX * exp2(S + log2 sV - m) with m the running maximum of the
-  folded scores, l the row sums of P / sV, and O = acc / l (per (row,
-  block) terms only: the exponent's constant and the row sum's factor).
+  V's E4M3 scale sV is per key block, folded into P as the INT8 forward
+  folds it: `log2_v_scales` and `inv_v_scales` as `folded_softmax_step`
+  takes them, l the row sums of P / sV, and O = acc / l (per (row, block)
+  terms only: the exponent's constant and the row sum's factor).
 
   `blocks`: each key block's `block_scores` (top, S - top). `m` starts at
   NOTHING_SEEN, `l` at 0. Returns (P, alpha, m, l): P fp32, the blocks'
   keys concatenated, before its FP8 conversion; l the row sums of that P
-  (unconverted), which `finalize_fp8_rows` divides by.
+  (unconverted) over sV, which `finalize_fp8_rows` divides by.
   """
-  tops = [t for t, _ in blocks]
-  if log2_v_scales is not None:
-    tops = [t + lsv for t, lsv in zip(tops, log2_v_scales)]
+  tops = [t + lsv for (t, _), lsv in zip(blocks, log2_v_scales)]
   m_new = jnp.maximum(m, functools.reduce(jnp.maximum, tops))
   alpha = jnp.exp2(m - m_new)
   # (t - m_new) is -inf for a block whose row sees no key, and m_new finite.
   ps = [E4M3_MAX * jnp.exp2(from_top + (t - m_new)[..., None])
         for t, (_, from_top) in zip(tops, blocks)]
-  sums = [ordered_sum(p) for p in ps]
-  if inv_v_scales is not None:
-    sums = [x * inv for x, inv in zip(sums, inv_v_scales)]
+  sums = [ordered_sum(p) * inv for p, inv in zip(ps, inv_v_scales)]
   l_new = alpha * l + functools.reduce(jnp.add, sums)
   p = ps[0] if len(ps) == 1 else jnp.concatenate(ps, axis=-1)
   return p, alpha, m_new, l_new
 
 
-def finalize_fp8_rows(acc: jax.Array, m: jax.Array, l: jax.Array, v_scale: jax.Array):
-  """O = acc * v_scale / l and the base-2 log-sum-exp from
-  `fp8_softmax_step`'s state; `v_scale` V's per-channel scale, broadcastable
-  to acc (1 where V's scales were folded into P). Rows that saw no key give
-  O = 0 and lse = +inf."""
+def finalize_fp8_rows(acc: jax.Array, m: jax.Array, l: jax.Array):
+  """O = acc / l and the base-2 log-sum-exp from `fp8_softmax_step`'s
+  state. Rows that saw no key give O = 0 and lse = +inf."""
   empty = l == 0
   l_safe = jnp.where(empty, 1.0, l)
   lse = jnp.where(empty, jnp.inf, m + jnp.log2(l_safe) - math.log2(E4M3_MAX))
-  return acc / l_safe[..., None] * v_scale, lse
+  return acc / l_safe[..., None], lse
 
 
 def finalize_folded_rows(acc: jax.Array, e: jax.Array, l: jax.Array, *, levels: float):

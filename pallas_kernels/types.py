@@ -42,11 +42,10 @@ class Config:
   the last one it sees (docs/algorithm.md, "Statistics over what each row
   sees"): K-smoothing by the first `block_kv` keys' mean m, with the exact
   score q_i . m restored per row in the 8-bit tiles; the tiles that the
-  band's right edge crosses (`exact_edges`) in 16 bits; with "int8_fp8", V
-  in E4M3 per block (its scale folded into P) and the backward's statistics
-  over the keys each row sees. The reference and the Triton kernels (INT8)
-  implement it, and the Hopper forward kernel (either mode); the op sets it
-  only with causality or a window (`banded`).
+  band's right edge crosses (`exact_edges`) in 16 bits; with "int8_fp8", the
+  backward's statistics over the keys each row sees. The reference and the
+  Triton kernels (INT8) implement it, and the Hopper forward kernel (either
+  mode); the op sets it only with causality or a window (`banded`).
   """
 
   scale: float
@@ -195,12 +194,9 @@ class QuantizedQKV(NamedTuple):
   k8: jax.Array  # (B, Hkv, Tk, D) int8
   k8_t: jax.Array | None  # Layouts.backward
   k_scale: jax.Array  # (B, Hkv, Tk) fp32
-  # 8-bit V^T: int8 per block_kv rows, or with `Config.fp8` float8_e4m3fn per
-  # channel (the P.V product's fp32 accumulator then runs across steps).
+  # 8-bit V^T per block_kv rows: int8, or with `Config.fp8` float8_e4m3fn.
   v8_t: jax.Array  # Layouts.forward
-  # (B, Hkv, Tk) fp32 per token; with `Config.fp8` (B, Hkv, D) per channel,
-  # but per token (one E4M3 scale per block) with `Config.causal_exact` too.
-  v_scale: jax.Array
+  v_scale: jax.Array  # (B, Hkv, Tk) fp32 per token, each block's own
   # `Config.keeps_qk16` only: Q and the smoothed K in the inputs' dtype and
   # layout (B, T, H, D), the second operands of dS.K and dS^T.Q in 16 bits,
   # or the sources of their FP8 copies. With `Config.causal_exact` K is not

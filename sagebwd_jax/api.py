@@ -124,10 +124,10 @@ def dot_product_attention(
     quantization: the numerics mode. "int8" (default): the paper's, six of
       the seven products in INT8. "int8_fp8": Q.K^T stays INT8 with
       K-smoothing; P.V, P^T.dO, dS.K and dS^T.Q take FP8 E4M3 operands with
-      fp32 accumulation and scales known before each loop (V per channel,
-      dS against a per-row bound; docs/algorithm.md), the FP8 tensor cores'
-      form; dO.V^T stays 16-bit. About 2x the INT8 mode's error at sigma 1
-      and 1.03-1.36x of it from sigma 3 (README, Accuracy). With
+      fp32 accumulation and scales known before each loop (V per block_kv
+      keys, dS against a per-row bound; docs/algorithm.md), the FP8 tensor
+      cores' form; dO.V^T stays 16-bit. About 2x the INT8 mode's error at
+      sigma 1 and 1.03-1.38x of it from sigma 3 (README, Accuracy). With
       ds_precision="bf16", dS.K and dS^T.Q run in 16 bits instead. Its
       kernels so far: the Hopper forward ("mosaic"); the rest runs in
       "reference" (pure JAX), and "triton" raises NotImplementedError. The
@@ -139,9 +139,8 @@ def dot_product_attention(
       attention. K is smoothed by the mean of its first block_kv keys, and
       each row's score of that mean is added back exactly; the tiles that
       the causal edge crosses run in 16 bits; with
-      quantization="int8_fp8", V's FP8 scales are per block and the
-      backward's bounds are taken over what each row sees
-      (docs/algorithm.md). Without causality or a window it
+      quantization="int8_fp8", the backward's bounds are taken over what
+      each row sees (docs/algorithm.md). Without causality or a window it
       changes nothing. "reference" and "triton" implement it (the Triton
       kernels in the INT8 mode); the default is then "reference" on every
       device, and "mosaic" raises NotImplementedError.

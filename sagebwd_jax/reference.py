@@ -111,16 +111,16 @@ class ReferenceBackend:
       k_blocks = k_blocks - k_mean[:, :, None, None, :]
     k8, k_scale = _quantize_blocks(k_blocks)
     k8, k_scale = _unblock(k8), _per_token(k_scale, config.block_kv)
-    v_heads = _heads(v).astype(_f32)
-    if config.fp8 and config.causal_exact:  # per block: a channel's scale would see every key
-      v8, v_scale = nm.quantize_e4m3(blocks(v_heads, config.block_kv), axis=(-2, -1))
-      v8, v_scale = _unblock(v8), _per_token(v_scale[..., 0, 0], config.block_kv)
-    elif config.fp8:  # per channel, over the head's tokens
-      v8, v_scale = nm.quantize_e4m3(v_heads, axis=-2)
-      v_scale = v_scale[..., 0, :]
+    v_blocks = blocks(_heads(v).astype(_f32), config.block_kv)
+    if config.fp8:
+      # Per block, as INT8's V: the quantization pass forms each scale from
+      # the block it holds (no reduction over the head's tokens), and no
+      # row's O depends through a scale on a key it does not see.
+      v8, v_scale = nm.quantize_e4m3(v_blocks, axis=(-2, -1))
+      v_scale = v_scale[..., 0, 0]
     else:
-      v8, v_scale = _quantize_blocks(blocks(v_heads, config.block_kv))
-      v8, v_scale = _unblock(v8), _per_token(v_scale, config.block_kv)
+      v8, v_scale = _quantize_blocks(v_blocks)
+    v8, v_scale = _unblock(v8), _per_token(v_scale, config.block_kv)
 
     q8 = _unblock(q8)
     # Per-token Q goes with 16-bit dS, where dK = dS^T.Q is a 16-bit product,
@@ -190,42 +190,35 @@ class ReferenceBackend:
     def step_blocks(j):
       return [j * blocks_per_step + i for i in range(blocks_per_step)]
 
-    if config.fp8:
-      # With causal_exact, V's scale is per block (per token) and folded into
-      # P; else per channel, applied to O at the end.
-      v_fold = None
-      if config.causal_exact:
-        v_fold = tuple(x[:, :, None, None, None, :] for x in nm.folded_v_scales(
-            qkv.v_scale[..., ::config.block_kv], blocks_per_step))
+    # (B, Hkv, 1, 1, 1, blocks): each block's factor broadcasts to its tiles' rows.
+    log2_v_scale, inv_v_scale = (x[:, :, None, None, None, :] for x in nm.folded_v_scales(
+        qkv.v_scale[..., ::config.block_kv], blocks_per_step))
 
+    def v_folds(blocks):
+      return folded(log2_v_scale, blocks, 0.0), folded(inv_v_scale, blocks, 1.0)
+
+    if config.fp8:
       def fp8_step(carry, j):
         acc, m, l, row_max = carry
         blocks = step_blocks(j)
         scores = [tiles.block_scores(i) for i in blocks]
-        folds = (None, None) if v_fold is None else (
-            folded(v_fold[0], blocks, 0.0), folded(v_fold[1], blocks, 1.0))
-        p, alpha, m, l = nm.fp8_softmax_step(scores, m, l, *folds)
+        p, alpha, m, l = nm.fp8_softmax_step(scores, *v_folds(blocks), m, l)
         # The rows' largest scores (the dS bound's), unfolded.
         row_max = functools.reduce(jnp.maximum, [t for t, _ in scores], row_max)
         return (acc * alpha[..., None] + p_times_v(p, blocks, nm.to_e4m3), m, l, row_max), None
 
       init = (*init, init[1])
       (acc, m, l, row_max), _ = jax.lax.scan(fp8_step, init, jnp.arange(kv_len // p_block))
-      v_scale = 1.0 if v_fold else qkv.v_scale[:, :, None, None, None, :]  # per channel
-      o, lse = nm.finalize_fp8_rows(acc, m, l, v_scale)
+      o, lse = nm.finalize_fp8_rows(acc, m, l)
       return out(o), heads(lse), heads(row_max)
 
     levels = nm.UINT8_MAX if numerics.unsigned_p else nm.INT8_MAX
-    # (B, Hkv, 1, 1, 1, blocks): each block's factor broadcasts to its tiles' rows.
-    log2_v_scale, inv_v_scale = (x[:, :, None, None, None, :] for x in nm.folded_v_scales(
-        qkv.v_scale[..., ::config.block_kv], blocks_per_step))
 
     def kv_step(carry, j):
       acc, m, e, l = carry
       blocks = step_blocks(j)
       p, alpha, m, e, l = nm.folded_softmax_step(
-          [tiles.block_scores(i) for i in blocks], folded(log2_v_scale, blocks, 0.0),
-          folded(inv_v_scale, blocks, 1.0), m, e, l, levels=levels)
+          [tiles.block_scores(i) for i in blocks], *v_folds(blocks), m, e, l, levels=levels)
       pv = p_times_v(p, blocks, lambda p: jnp.round(jnp.minimum(p, levels)))
       return (acc * alpha[..., None] + pv, m, e, l), None
 

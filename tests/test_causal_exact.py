@@ -51,8 +51,8 @@ def test_no_output_depends_on_a_later_key_or_value(quantization, implementation,
   resampled leave O[:t] and dQ[:t] bitwise unchanged, at a block boundary
   (768) and inside a block (700, where the diagonal block holds keys after
   some of its rows). Without the option they move (K-smoothing's mean over
-  every key; with FP8, V's per-channel scales): 1.4e-2 and 3.5e-2
-  relative in O (the Triton kernels: 1.2e-2)."""
+  every key): 1.4e-2 (INT8) and 2.5e-2 (FP8) relative in O (the Triton
+  kernels: 1.2e-2)."""
   q, k, v, do = gaussian_qkv(jax.random.key(0), 1, 1024, 1024, 2, 2, 64)
   case = dict(implementation=implementation, quantization=quantization)
   (o, dq), (o_after, dq_after) = _prefix_moves(q, k, v, do, t, causal_exact=True, **case)

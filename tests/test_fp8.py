@@ -71,8 +71,8 @@ def test_errors_within_the_modes_bars(sigma):
 
 
 def test_fp8_operands_are_the_designs():
-  """Q8 and K8 as in the INT8 mode; V^T in E4M3 per channel against the
-  channel's largest |V| over the head's tokens, rounded to nearest even."""
+  """Q8 and K8 as in the INT8 mode; V^T in E4M3 with one scale per 64-key
+  block against the block's largest |V|, rounded to nearest even."""
   q, k, v, _ = gaussian_qkv(jax.random.key(5), 2, 128, 128, 2, 1, 64, sigma=2.0)
   config = kernel_config()
   int8 = ReferenceBackend().quantize(q, k, v, None, config)
@@ -82,18 +82,22 @@ def test_fp8_operands_are_the_designs():
   np.testing.assert_array_equal(fp8.k8, int8.k8)
   assert fp8.q8_t is None and fp8.v8_t.dtype == jnp.float8_e4m3fn
   heads = np.swapaxes(np.asarray(v, np.float32), 1, 2)  # (B, Hkv, T, D)
-  amax = np.abs(heads).max(axis=2)  # (B, Hkv, D)
-  np.testing.assert_allclose(fp8.v_scale, amax / 448, rtol=1e-6)
-  expected = _e4m3(heads * (np.float32(448) / amax)[:, :, None])  # fp32 steps, as the op
+  batch, kv_heads, seq, dim = heads.shape
+  amax = np.abs(heads.reshape(batch, kv_heads, seq // 64, 64 * dim)).max(axis=-1)
+  per_token = lambda x: np.repeat(x, 64, axis=-1)  # (B, Hkv, T / 64) -> (B, Hkv, T)
+  np.testing.assert_allclose(fp8.v_scale, per_token(amax / 448), rtol=1e-6)
+  # fp32 steps, as the op
+  expected = _e4m3(heads * per_token(np.float32(448) / amax)[..., None])
   np.testing.assert_array_equal(np.swapaxes(np.asarray(fp8.v8_t, np.float64), -1, -2),
                                 expected)
 
 
 def test_forward_is_the_designs():
-  """O against numpy's float64 run of the design from the same int8 Q and K:
-  P = E4M3(448 exp2(S - m)) with m the running maximum over 64-key steps,
-  V in E4M3 per channel, and O = sum P.V * v_scale / sum P. What is left is
-  fp32 rounding (and the E4M3 roundings it flips); a wrong scale, step or
+  """O against numpy's float64 run of the design from the same 8-bit Q, K
+  and V: with sV_j the E4M3 scale of V's 64-key block j, P = E4M3(448
+  exp2(S + log2 sV_j - m)) with m the running maximum of S + log2 sV_j over
+  64-key steps, and O = sum P.V8 / sum P / sV_j. What is left is fp32
+  rounding (and the E4M3 roundings it flips); a wrong scale, step or
   maximum moves O by far more than the mode's error against exact (~0.04)."""
   q, k, v, _ = gaussian_qkv(jax.random.key(6), 1, 256, 256, 1, 1, 128, sigma=2.0)
   config = kernel_config(scale=128**-0.5, quantization="int8_fp8")
@@ -104,15 +108,17 @@ def test_forward_is_the_designs():
   s = (q8 @ k8.T) * np.asarray(qkv.q_scale, np.float64)[0, 0, :, None] * np.asarray(
       qkv.k_scale, np.float64)[0, 0, None, :]
   v8 = np.swapaxes(np.asarray(qkv.v8_t, np.float64)[0, 0], 0, 1)
+  sv = np.asarray(qkv.v_scale, np.float64)[0, 0]
   m, l, acc = np.full(256, -np.inf), np.zeros(256), np.zeros((256, 128))
   for j in range(0, 256, 64):
-    m_new = np.maximum(m, s[:, j:j + 64].max(axis=1))
-    p = 448 * np.exp2(s[:, j:j + 64] - m_new[:, None])
+    folded = s[:, j:j + 64] + np.log2(sv[j])
+    m_new = np.maximum(m, folded.max(axis=1))
+    p = 448 * np.exp2(folded - m_new[:, None])
     alpha = np.exp2(m - m_new)
-    l, acc, m = alpha * l + p.sum(axis=1), alpha[:, None] * acc + _e4m3(p) @ v8[j:j + 64], m_new
-  expected = acc / l[:, None] * np.asarray(qkv.v_scale, np.float64)[0, 0]
-  assert rel_l2(o[0, :, 0], expected) < 1e-3
-  np.testing.assert_allclose(row_max[0, 0], m, rtol=1e-6)
+    l = alpha * l + p.sum(axis=1) / sv[j]
+    acc, m = alpha[:, None] * acc + _e4m3(p) @ v8[j:j + 64], m_new
+  assert rel_l2(o[0, :, 0], acc / l[:, None]) < 1e-3
+  np.testing.assert_allclose(row_max[0, 0], s.max(axis=1), rtol=1e-6)
   np.testing.assert_allclose(lse[0, 0], m + np.log2(l / 448), rtol=1e-5)
 
 

@@ -69,9 +69,9 @@ class TritonBackend:
 
   def quantize(self, q, k, v, k_mean, config: Config, *, for_backward: bool = True,
                layouts: Layouts = Layouts()) -> QuantizedQKV:
-    """Either mode (for quantization='int8_fp8' the Hopper backend still
-    takes the reference's pass until this one is timed on a GPU); the
-    kernels after it refuse quantization='int8_fp8'."""
+    """Either mode (the Hopper backend runs it for quantization='int8_fp8'
+    where its forward runs); the kernels after it refuse
+    quantization='int8_fp8'."""
     _check_blocks(config)
     return quantize_qkv(q, k, v, k_mean, config, self.forward_launch, for_backward, layouts)
 

@@ -9,16 +9,12 @@ K's mean (K-smoothing) needs every token of K before any is quantized, so it
 arrives computed (`sagebwd.key_mean`; with `Config.causal_exact`
 `sagebwd.first_block_mean`): K is read twice in all, V and Q once.
 
-With quantization="int8_fp8" (`Config.fp8`) V goes to E4M3 per channel
-(numerics.quantize_e4m3 over the head's tokens), which likewise needs every
-token of V first: a second, small launch forms each channel's largest |V|
-per run of blocks, XLA takes the maximum over the runs and V's scales, and
-the pass reads the inverse scales. V is then read twice, Q and K as above.
+With quantization="int8_fp8" (`Config.fp8`) V goes to E4M3 with one scale
+per `block_kv` rows (numerics.quantize_e4m3 over the block), in the same
+launch and read.
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -70,11 +66,10 @@ def _quantize_q(q_ptr, q8_ptr, q8_t_ptr, q_scale_ptr, q_mean_ptr, i, T: tl.const
 
 
 @device_function
-def _quantize_kv(k_ptr, v_ptr, k_mean_ptr, v_inverse_ptr, k8_ptr, k8_t_ptr, k_scale_ptr,
-                 v8_t_ptr, v_scale_ptr, v_start_ptr, i, T: tl.constexpr, H: tl.constexpr,
-                 D: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr,
-                 K_TRANSPOSED: tl.constexpr, K_REGISTER_B: tl.constexpr,
-                 V_REGISTER_B: tl.constexpr, FP8: tl.constexpr):
+def _quantize_kv(k_ptr, v_ptr, k_mean_ptr, k8_ptr, k8_t_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr,
+                 v_start_ptr, i, T: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                 BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr, K_TRANSPOSED: tl.constexpr,
+                 K_REGISTER_B: tl.constexpr, V_REGISTER_B: tl.constexpr, FP8: tl.constexpr):
   t, head, b, h = _block(i, T, H, BLOCK)
   dims = tl.arange(0, D)
   rows = tiles.block_tokens(t, BLOCK, K_REGISTER_B)
@@ -90,20 +85,19 @@ def _quantize_kv(k_ptr, v_ptr, k_mean_ptr, v_inverse_ptr, k8_ptr, k8_t_ptr, k_sc
   rows = tiles.block_tokens(t, BLOCK, V_REGISTER_B)
   y = tl.load(v_ptr + tiles.token_offsets(b, rows, h, T, H, D)).to(tl.float32)
   if FP8:
-    # The reference's order: V times the inverse scale, rounded, then E4M3.
-    y8 = tiles.to_e4m3(y * tl.load(v_inverse_ptr + head * D + dims)[None, :])
+    y8, scale = tiles.quantize_e4m3(y)
   else:
     y8, scale = tiles.quantize_tile(y)
-    tl.store(v_scale_ptr + head * T + rows, tl.full((BLOCK,), scale, tl.float32))
+  tl.store(v_scale_ptr + head * T + rows, tl.full((BLOCK,), scale, tl.float32))
   tiles.store_transposed(v8_t_ptr, y8, rows, head, t, T, D, BLOCK, V_REGISTER_B)
   if not V_REGISTER_B and not FP8:
     tl.store(v_start_ptr + (head * (T // BLOCK) + t) * D + dims, tiles.block_start(y8))
 
 
 @triton.jit
-def _quantize_kernel(q_ptr, k_ptr, v_ptr, k_mean_ptr, v_inverse_ptr, q8_ptr, q8_t_ptr,
-                     q_scale_ptr, q_mean_ptr, k8_ptr, k8_t_ptr, k_scale_ptr, v8_t_ptr,
-                     v_scale_ptr, v_start_ptr, B: tl.constexpr, H: tl.constexpr,
+def _quantize_kernel(q_ptr, k_ptr, v_ptr, k_mean_ptr, q8_ptr, q8_t_ptr, q_scale_ptr, q_mean_ptr,
+                     k8_ptr, k8_t_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr, v_start_ptr,
+                     B: tl.constexpr, H: tl.constexpr,
                      HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr,
                      BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, MULTIPLIER: tl.constexpr,
                      SMOOTH_Q: tl.constexpr, PER_ROW: tl.constexpr, HAS_MEAN: tl.constexpr,
@@ -117,26 +111,9 @@ def _quantize_kernel(q_ptr, k_ptr, v_ptr, k_mean_ptr, v_inverse_ptr, q8_ptr, q8_
     _quantize_q(q_ptr, q8_ptr, q8_t_ptr, q_scale_ptr, q_mean_ptr, i, TQ, H, D, BLOCK_Q,
                 MULTIPLIER, SMOOTH_Q, PER_ROW, Q_TRANSPOSED, BACKWARD_REGISTER_B)
   else:
-    _quantize_kv(k_ptr, v_ptr, k_mean_ptr, v_inverse_ptr, k8_ptr, k8_t_ptr, k_scale_ptr,
-                 v8_t_ptr, v_scale_ptr, v_start_ptr, i - q_blocks, TK, HKV, D, BLOCK_KV,
-                 HAS_MEAN, K_TRANSPOSED, BACKWARD_REGISTER_B, FORWARD_REGISTER_B, FP8)
-
-
-@triton.jit
-def _channel_max_kernel(v_ptr, v_max_ptr, T: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                        BLOCK: tl.constexpr, STEPS: tl.constexpr):
-  # One program per run of STEPS blocks of one (batch, kv head): each
-  # channel's largest |V| over the run's tokens.
-  run = tl.program_id(0)
-  head = tl.program_id(1).to(tl.int64)
-  b, h = head // H, head % H
-  amax = tl.zeros((D,), tl.float32)
-  for s in range(STEPS):
-    rows = (run * STEPS + s) * BLOCK + tl.arange(0, BLOCK)
-    y = tl.load(v_ptr + tiles.token_offsets(b, rows, h, T, H, D)).to(tl.float32)
-    # abs_max's NaN (a NaN or infinite V) must survive the running maximum.
-    amax = tl.maximum(amax, tiles.abs_max(y, 0), propagate_nan=tl.PropagateNan.ALL)
-  tl.store(v_max_ptr + (head * tl.num_programs(0) + run) * D + tl.arange(0, D), amax)
+    _quantize_kv(k_ptr, v_ptr, k_mean_ptr, k8_ptr, k8_t_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr,
+                 v_start_ptr, i - q_blocks, TK, HKV, D, BLOCK_KV, HAS_MEAN, K_TRANSPOSED,
+                 BACKWARD_REGISTER_B, FORWARD_REGISTER_B, FP8)
 
 
 def transposed_shape(batch: int, heads: int, head_dim: int, length: int,
@@ -156,37 +133,13 @@ def check_register_blocks(layout: TransposedLayout, *blocks: int, smooth_q: bool
                      f"Q-smoothing; got blocks {blocks}, smooth_q={smooth_q}")
 
 
-# The most blocks of V one program of the channel-maximum launch reads: 512
-# tokens at 64-token blocks, so its maxima (written, then read by XLA) are
-# 0.4% of V's bytes (3% at one block a program) and B4 Hkv16 T4096 still
-# gives 512 programs.
-CHANNEL_MAX_STEPS = 8
-
-
-def v_channel_scales(v, block: int, launch: LaunchConfig) -> tuple[jax.Array, jax.Array]:
-  """V's E4M3 scales per channel (numerics.quantize_e4m3 over each head's
-  tokens) and their inverses, each (B, Hkv, D), from v (B, T, Hkv, D): one
-  launch for the maxima of runs of blocks, XLA for the rest, with the
-  reference's expressions (so its roundings, under jit or not)."""
-  batch, length, heads, head_dim = v.shape
-  steps = math.gcd(length // block, CHANNEL_MAX_STEPS)
-  runs = length // block // steps
-  run_max, = launch.call(
-      _channel_max_kernel, [v],
-      [jax.ShapeDtypeStruct((batch, heads, runs, head_dim), jnp.float32)],
-      grid=(runs, batch * heads), name="sagebwd_triton_quantize_v_max", T=length, H=heads,
-      D=head_dim, BLOCK=block, STEPS=steps)
-  amax = nm.abs_max(run_max, axis=2)
-  return amax / nm.E4M3_MAX, nm.inverse_scale(amax, nm.E4M3_MAX)
-
-
 def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig, for_backward: bool,
                  layouts: Layouts = Layouts()) -> QuantizedQKV:
   """The forward's quantization pass (docs/algorithm.md, forward steps 1-3):
   Q's and K's transposed layouts, which only the backward reads, if
   `for_backward`; each transposed tensor in its `layouts`. With `Config.fp8`,
-  V8^T is E4M3 per channel and v_scale (B, Hkv, D); no Q8^T (the FP8 dS^T.Q
-  takes an FP8 copy of Q) and no accumulator start."""
+  V8^T is E4M3; no Q8^T (the FP8 dS^T.Q takes an FP8 copy of Q) and no
+  accumulator start."""
   check_register_blocks(layouts.backward, config.block_q, config.block_kv,
                         smooth_q=config.smooth_q)
   check_register_blocks(layouts.forward, config.block_kv)
@@ -199,8 +152,6 @@ def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig, for_back
     batch, q_len, heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     i8, f32 = jnp.int8, jnp.float32
-    v_scale, v_inverse = (v_channel_scales(v, config.block_kv, launch) if config.fp8
-                          else (None, None))
     outputs = [  # (wanted, shape, dtype)
         (True, (batch, heads, q_len, head_dim), i8),
         (q_transposed, transposed_shape(batch, heads, head_dim, q_len, layouts.backward), i8),
@@ -212,7 +163,7 @@ def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig, for_back
         (True, (batch, kv_heads, kv_len), f32),
         (True, transposed_shape(batch, kv_heads, head_dim, kv_len, layouts.forward),
          jnp.float8_e4m3fn if config.fp8 else i8),
-        (not config.fp8, (batch, kv_heads, kv_len), f32),
+        (True, (batch, kv_heads, kv_len), f32),
         (not forward_b and not config.fp8,
          (batch, kv_heads, kv_len // config.block_kv, head_dim), jnp.int32),
     ]
@@ -222,7 +173,7 @@ def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig, for_back
     blocks = (batch * heads * q_len // config.block_q
               + batch * kv_heads * kv_len // config.block_kv)
     outs = launch.call(
-        _quantize_kernel, [q, k, v, placeholder(k_mean, f32), placeholder(v_inverse, f32)],
+        _quantize_kernel, [q, k, v, placeholder(k_mean, f32)],
         out_shape, grid=(blocks,),
         name="sagebwd_triton_quantize", B=batch, H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
         D=head_dim, BLOCK_Q=config.block_q, BLOCK_KV=config.block_kv,
@@ -230,10 +181,7 @@ def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig, for_back
         PER_ROW=config.q_per_token, HAS_MEAN=k_mean is not None, Q_TRANSPOSED=q_transposed,
         K_TRANSPOSED=for_backward, BACKWARD_REGISTER_B=backward_b,
         FORWARD_REGISTER_B=forward_b, FP8=config.fp8)
-    outs = [y if wanted else None for (wanted, _, _), y in zip(outputs, outs)]
-    if config.fp8:  # per channel, formed before the pass
-      outs[8] = v_scale
-    return tuple(outs)
+    return tuple(y if wanted else None for (wanted, _, _), y in zip(outputs, outs))
 
   q8, q8_t, q_scale, q_mean, k8, k8_t, k_scale, v8_t, v_scale, v_start = batch_folded(run)(
       q, k, v, k_mean)

@@ -34,13 +34,15 @@ docs/algorithm.md gives the algorithm and
 computes the same values in plain JAX.
 
 With FP8 products (`Config.fp8`, quantization="int8_fp8") the step differs
-after S: P = 448 * exp2(S - m), m the running row maximum, is one FMA per
-score, f * c_h + b_h (b_h = log2 448 - m - 1.5 * 2**23 * c_h: rounding b_h
-at that scale moves the exponent by under one int8 step of S, far below
-E4M3's), converted to E4M3 in pairs (`registers.pack_e4m3`) and added by
-FP8 wgmmas into the fp32 output accumulator, rescaled by exp2(m_prev - m)
-first; V^T arrives in E4M3 per channel, whose scales multiply O once at the
-end. The kernel also returns m, the backward's bound on dS needs it.
+after S: P = 448 * exp2(S + log2 v_scale_h - m), m the running maximum of
+the folded scores, is one FMA per score, f * c_h + b_h (b_h = log2 448 +
+log2 v_scale_h - m - 1.5 * 2**23 * c_h: rounding b_h at that scale moves
+the exponent by under one int8 step of S, far below E4M3's), converted to
+E4M3 in pairs (`registers.pack_e4m3`) and added by FP8 wgmmas into the fp32
+output accumulator, rescaled by exp2(m_prev - m) first. V^T arrives in E4M3
+with one scale per 64-key block, folded into P as the INT8 mode folds it,
+so O takes no scale at the end. The kernel also returns the rows' largest
+unfolded scores, tracked apart: the backward's bound on dS needs them.
 
 The two warpgroups take turns on the tensor cores (a schedule barrier): one
 runs its softmax while the other's products run. Causal: the query blocks of a
@@ -59,9 +61,7 @@ rows: the diagonal half runs from the unquantized Q, K and V (S = Q16.K16^T
 with fp32 accumulation and the multiplier as its scale; P, V's factor 1,
 rounded to the inputs' dtype times V16), so no block statistic reaches a row
 that does not see the whole block; the other half runs in 8 bits as every
-step. With FP8 products V's E4M3 scale is then per block, folded into P as the
-INT8 mode folds it, so O takes no per-channel scale, and the rows' unfolded
-maxima are tracked apart.
+step.
 
 Longer than 400 lines because the loop's one body serves both numerics
 modes and `Config.causal_exact`'s 16-bit edge step: split by mode, the
@@ -120,7 +120,8 @@ def _causal_mask(f, q_base, kv_base):
 class _Half(NamedTuple):
   """A step's 64 keys of scores, as the softmaxes read them: S = (x -
   offset) * c, plus `mean` (per row) where K8 lacks K's mean m;
-  `log2_v` and `inv_v` fold V's block scale into P (None: V's factor is 1).
+  `log2_v` and `inv_v` fold V's block scale into P (None: V's factor is 1,
+  an edge tile's).
   x is an S accumulator read as fp32 (offset 1.5 * 2**23, c the block
   scales), so x - x_top is exact; or an edge tile's Q16.K16^T (offset 0, c
   the multiplier)."""
@@ -171,12 +172,12 @@ def _softmax(halves, m, e, l):
   return out, alpha, m_new, e_new, l_new
 
 
-def _fp8_softmax(halves, m, l, row_max=None):
+def _fp8_softmax(halves, m, l, row_max):
   """One step's online softmax for FP8 P.V (`numerics.fp8_softmax_step` on
-  the step's `_Half`s): P = 448 * exp2(S - m) per half, fp32, the factor
-  alpha for the old accumulator, the new (m, l) and, given the rows' maxima
-  so far, theirs with the step's unfolded scores (m is the folded scores'
-  maximum where V's scales fold into P)."""
+  the step's `_Half`s): P = 448 * exp2(S + log2 v_scale - m) per half, fp32,
+  the factor alpha for the old accumulator, the new (m, l) and the rows'
+  largest unfolded scores `row_max` with the step's (m is the folded
+  scores' maximum)."""
   bcast = lambda x: lax.broadcast_in_dim(x, (BLOCK, BLOCK), [0])
   tops = [h.top(jnp.max(h.x, axis=1)) for h in halves]
   m_new = jnp.maximum(m, functools.reduce(jnp.maximum, [h.folded(t)
@@ -187,8 +188,7 @@ def _fp8_softmax(halves, m, l, row_max=None):
     p = jnp.exp2(h.x * h.c + bcast(_fp8_exponent_row(h, m_new)))
     l_new = l_new + h.row_sum(p)
     ps.append(p)
-  if row_max is not None:
-    row_max = jnp.maximum(row_max, functools.reduce(jnp.maximum, tops))
+  row_max = jnp.maximum(row_max, functools.reduce(jnp.maximum, tops))
   return ps, alpha, m_new, l_new, row_max
 
 
@@ -200,15 +200,13 @@ def _fp8_exponent_row(h: _Half, m):
   return row - h.offset * h.c if h.offset else row
 
 
-def _finalize_fp8(acc, m, l, v_scale):
-  """O and lse from the FP8 step's state (`numerics.finalize_fp8_rows`), V's
-  per-channel scale (D,) applied here (None: folded into P), with a
-  reciprocal per row."""
+def _finalize_fp8(acc, m, l):
+  """O and lse from the FP8 step's state (`numerics.finalize_fp8_rows`), with
+  a reciprocal per row."""
   empty = l == 0
   l_safe = jnp.where(empty, 1.0, l)
   lse = jnp.where(empty, jnp.inf, m + jnp.log2(l_safe) - _LOG2_E4M3_MAX)
-  o = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
-  return (o if v_scale is None else o * lax.broadcast_in_dim(v_scale, acc.shape, [1])), lse
+  return acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0]), lse
 
 
 def _finalize(acc, e, l):
@@ -233,13 +231,13 @@ class _Exact(NamedTuple):
   v16: jax.Array | None = None
 
 
-def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scales: tuple, exact: _Exact, *,
+def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, *,
                   fp8: bool, causal: bool, multiplier: float, out_dtype,
                   tuning: ForwardTuning):
   """q8 (B, H, Tq, D); k8 (B, Hkv, Tk / 64, 64, D); v8_t REGISTER_B (B, Hkv,
-  Tk / 64, D, 64); Q's and K's scales per token; `v_scales`: V's folded
-  ones per block (log2, reciprocal), or with `fp8` and one element its
-  per-channel scale (B, Hkv, D); `exact`: `Config.causal_exact`'s operands,
+  Tk / 64, D, 64); Q's and K's scales per token; `log2_v`, `inv_v`: V's
+  block scales as folded into P (`numerics.folded_v_scales`), (B, Hkv,
+  Tk / 64); `exact`: `Config.causal_exact`'s operands,
   with `multiplier` the edge tiles' score scale. Returns O, lse and, with
   `fp8`, the rows' largest unfolded scores.
   Where Tq is not whole CTA tiles, the last CTA's last warpgroup computes the
@@ -257,14 +255,12 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scales: tuple, exact: _Exact
   v_dtype = v8_t.dtype
   vt_transforms = smem_transforms(BLOCK, v_dtype)
   row_outputs = 2 if fp8 else 1  # lse, and with FP8 the row maxima
-  fold = len(v_scales) == 2  # V's block scales folded into P
   means, edges = exact.k_mean is not None, exact.k16 is not None
   exact_inputs = tuple(x for x in exact if x is not None)
   present = [name for name, x in zip(_Exact._fields, exact) if x is not None]
   staged = [name for name in present if name != "k_mean"]  # copied to shared memory
 
-  def kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, *refs):
-    vs_refs, refs = refs[:len(v_scales)], refs[len(v_scales):]
+  def kernel(q_ref, qs_ref, k_ref, ks_ref, vt_ref, log2_v_ref, inv_v_ref, *refs):
     x_refs, refs = _Exact(**dict(zip(present, refs))), refs[len(present):]
     (o_ref, *row_refs), scoped = refs[:-1], refs[-1]
     b, h, t = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_seq")
@@ -310,13 +306,12 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scales: tuple, exact: _Exact
         mean = jnp.sum(q16 * lax.broadcast_in_dim(k_mean, q16.shape, [1]), axis=1) * multiplier
 
       def step_scales(j):
-        """Per half: (c_h, log2 v_scale_h, 1 / v_scale_h), or c_h with FP8
-        products and V per channel."""
+        """Per half: (c_h, log2 v_scale_h, 1 / v_scale_h)."""
         out = []
         for half in range(halves):
           blk = j * halves + half
           c = positive_scale(q_scale * ks_ref[b, kvh, blk * BLOCK])
-          out.append((c, vs_refs[0][b, kvh, blk], vs_refs[1][b, kvh, blk]) if fold else c)
+          out.append((c, log2_v_ref[b, kvh, blk], inv_v_ref[b, kvh, blk]))
         return tuple(out)
 
       magic = plgpu.layout_cast(jnp.full((BLOCK, BLOCK), nm.ROUND_MAGIC_I32, jnp.int32),
@@ -348,8 +343,6 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scales: tuple, exact: _Exact
 
       def eight_bit(f, scales, mean):
         """`_Half` of an S accumulator read as fp32."""
-        if not fold:
-          return _Half(f, scales, nm.ROUND_MAGIC_F32, mean)
         c, log2_v, inv_v = scales
         return _Half(f, c, nm.ROUND_MAGIC_F32, mean, log2_v, inv_v)
 
@@ -359,8 +352,8 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scales: tuple, exact: _Exact
         V16. Returns the new state."""
         edge = len(step_halves) > len(v_halves)
         if fp8:
-          acc, m, l, *row_max = state
-          p, alpha, m, l, row_max = _fp8_softmax(step_halves, m, l, *row_max)
+          acc, m, l, row_max = state
+          p, alpha, m, l, row_max = _fp8_softmax(step_halves, m, l, row_max)
           a_tiles = tuple(registers.pack_e4m3(x) for x in p[:len(v_halves)])
         else:
           acc, m, e, l = state
@@ -383,9 +376,7 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scales: tuple, exact: _Exact
           plgpu.barrier_wait(v16_bars.at[wg])
           acc = pl.run_state(lambda acc: plgpu.wgmma(acc, p16, v16_smem.at[wg]))(
               plgpu.ACC.init(acc))
-        if fp8:
-          return (acc, m, l, row_max) if row_max is not None else (acc, m, l)
-        return acc, m, e, l
+        return (acc, m, l, row_max) if fp8 else (acc, m, e, l)
 
       def kv_step(j, carry, *, masked: bool):
         """S, softmax and P.V of step j, one after the other."""
@@ -418,7 +409,7 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scales: tuple, exact: _Exact
       state = (plgpu.layout_cast(jnp.full((BLOCK, head_dim), 0.0, jnp.float32),
                                  plgpu.Layout.WGMMA),
                full_row(nm.NOTHING_SEEN), *(() if fp8 else (full_row(-jnp.inf),)),
-               full_row(0.0), *((full_row(nm.NOTHING_SEEN),) if fp8 and fold else ()))
+               full_row(0.0), *((full_row(nm.NOTHING_SEEN),) if fp8 else ()))
       carry = (state, step_scales(0))
       schedule.lead_in(wg)
       # With causality the last step holds the diagonal.
@@ -433,11 +424,9 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scales: tuple, exact: _Exact
         state, _ = lax.fori_loop(0, steps, functools.partial(kv_step, masked=False), carry)
       schedule.lead_out(wg)
       if fp8:
-        acc, m, l, *row_max = state
-        v_scale = None if fold else plgpu.load(
-            vs_refs[0].at[b, kvh], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-        o, lse = _finalize_fp8(acc, m, l, v_scale)
-        rows = (lse, *row_max) if row_max else (lse, m)
+        acc, m, l, row_max = state
+        o, lse = _finalize_fp8(acc, m, l)
+        rows = (lse, row_max)
       else:
         acc, _, e, l = state
         o, lse = _finalize(acc, e, l)
@@ -491,7 +480,7 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, v_scales: tuple, exact: _Exact
       kernel, tuning=tuning, scratch=scratch, barriers=barriers, out_type=out_type,
       grid=(heads, num_q_tiles, batch), grid_names=("heads", "q_seq", "batch"),
       name="sagebwd_forward_fp8_mosaic" if fp8 else "sagebwd_forward_mosaic",
-  )(q8, q_scale, k8, k_scale, v8_t, *v_scales, *exact_inputs)
+  )(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, *exact_inputs)
 
 
 def _exact_operands(qkv: QuantizedQKV, config: Config) -> _Exact:
@@ -519,8 +508,7 @@ def forward_mosaic(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
   quantized as `backend.MOSAIC_NUMERICS` says, or with FP8 products to E4M3
   against the running maximum. With `Config.causal_exact` the statistics
   over what each row sees, from the operands `sagebwd.quantize` adds
-  (`QuantizedQKV.q16`, `k_mean`, `k16`, `v16`; with FP8 products V's scales
-  per block).
+  (`QuantizedQKV.q16`, `k_mean`, `k16`, `v16`).
   """
   batch, heads, q_len, head_dim = qkv.q8.shape
   kv_heads, kv_len = qkv.k8.shape[1], qkv.k8.shape[2]
@@ -534,11 +522,8 @@ def forward_mosaic(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
   check_layout("v8_t", qkv.v8_t, TransposedLayout.REGISTER_B)
   # Splitting the token axis in blocks moves no byte (a bitcast).
   k8 = qkv.k8.reshape(batch, kv_heads, kv_len // BLOCK, BLOCK, head_dim)
-  if config.fp8 and not config.causal_exact:  # V per channel
-    v_scales = (qkv.v_scale,)
-  else:
-    v_scales = nm.folded_v_scales(qkv.v_scale[..., ::BLOCK], KV_STEP // BLOCK)
-  out = _forward_call(qkv.q8, qkv.q_scale, k8, qkv.k_scale, qkv.v8_t, v_scales,
+  log2_v, inv_v = nm.folded_v_scales(qkv.v_scale[..., ::BLOCK], KV_STEP // BLOCK)
+  out = _forward_call(qkv.q8, qkv.q_scale, k8, qkv.k_scale, qkv.v8_t, log2_v, inv_v,
                       _exact_operands(qkv, config), fp8=config.fp8, causal=config.causal,
                       multiplier=config.scale * nm.LOG2_E, out_dtype=jnp.dtype(out_dtype),
                       tuning=tuning)
