@@ -50,6 +50,7 @@ VARIANTS = {
     "mosaic_fp8": BackwardTuning(),
     "mosaic_fp8_no_sched": BackwardTuning(schedule_barrier=False),
     "mosaic_fp8_pipelined": BackwardTuning(pipelined=True, schedule_barrier=False),
+    "mosaic_fp8_pingpong": BackwardTuning(pipelined=True),
     # dK/dV alone with these (dQ's three-slot ring overflows shared memory at D=128).
     "mosaic_fp8_3st": (BackwardTuning(max_concurrent_steps=3), BackwardTuning()),
     "mosaic_fp8_pipelined_3st": (BackwardTuning(pipelined=True, schedule_barrier=False,

@@ -341,7 +341,8 @@ def _fp8_kernels(config, tuning, qkv, v, lse, pre, do):
 
 FP8_TUNINGS = {"default": BackwardTuning(),
                "no_schedule_barrier": BackwardTuning(schedule_barrier=False),
-               "pipelined": BackwardTuning(pipelined=True, schedule_barrier=False)}
+               "pipelined": BackwardTuning(pipelined=True, schedule_barrier=False),
+               "pingpong": BackwardTuning(pipelined=True)}
 
 
 @pytest.mark.parametrize("tuning", sorted(FP8_TUNINGS))

@@ -84,8 +84,7 @@ def test_lowers_for_cuda_in_x64_mode(causal, x64):
 
 
 @pytest.mark.parametrize("kwargs", [dict(compute_wgs=3), dict(max_concurrent_steps=1),
-                                    dict(compute_wgs=1, schedule_barrier=True),
-                                    dict(pipelined=True, schedule_barrier=True)])
+                                    dict(compute_wgs=1, schedule_barrier=True)])
 def test_tuning_is_checked(kwargs):
   with pytest.raises(ValueError, match="compute_wgs|max_concurrent_steps|schedule_barrier"):
     BackwardTuning(**kwargs)

@@ -67,6 +67,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
   num_q_blocks = q_len // BLOCK
   wgs = tuning.compute_wgs
   fp8 = out_scales is not None
+  pipelined = fp8 and tuning.pipelined
   t_transforms = smem_transforms(BLOCK, q8_t.dtype)
   k_transforms = smem_transforms(head_dim, jnp.int8)
   v_transforms = smem_transforms(head_dim, v.dtype)
@@ -87,7 +88,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
     smem, (k_bars, v_bars), ring_bars, releases, sched = scoped
     # Pipelined, Q8^T's and dO8^T's slots (read by dV and dK, a step later)
     # are released on their own barriers, the rest's after the chain.
-    consumed, consumed_t = releases if tuning.pipelined else releases * 2
+    consumed, consumed_t = releases if pipelined else releases * 2
     k_smem2, v_smem2, q_ring, q8_t_ring, do_ring, do8_t_ring, col_rings, out_smem2 = smem
     q_bars, q8_t_bars, do_bars, do8_t_bars, *col_bars = ring_bars
     cta_start = q_range(t * wgs)[0]
@@ -195,30 +196,35 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
       def pipelined_step(i, carry, *, masked: bool, last: bool = False):
         """Step i with FP8 products, its S^T and dP^T issued by step i - 1:
         dV and dK of step i go out with S^T and dP^T of step i + 1, and one
-        wait at the next step's start covers both, so the tensor cores hold
-        this warpgroup's next products while it runs its chain."""
+        wait at the next step's start covers both; the warpgroup then takes
+        its turn, so the other one's chain runs under these products."""
         q_scale, step = scalars(i)
-        s, dp, dk, dv = registers.wait_for(*carry)
+        with jax.named_scope("wait"):
+          s, dp, dk, dv = registers.wait_for(*carry)
         slot = ring.slot(i)
 
         @pl.when(i > start)
         def _release_previous():  # dV and dK of step i - 1 are done
           plgpu.barrier_arrive(consumed_t.at[ring.slot(i - 1)])
 
-        p8, ds8 = fp8_chain(i, s, dp, q_scale, step, masked=masked)
+        with jax.named_scope("elementwise"):
+          p8, ds8 = fp8_chain(i, s, dp, q_scale, step, masked=masked)
         plgpu.barrier_arrive(consumed.at[slot])  # Q8, dO and the rows' vectors
-        plgpu.barrier_wait(do8_t_bars.at[slot])
-        plgpu.barrier_wait(q8_t_bars.at[slot])
-        dv, dk = registers.dots((dv, (p8,), (do8_t_ring.at[slot],), t_transforms),
-                                (dk, (ds8,), (q8_t_ring.at[slot],), t_transforms), wait=False)
-        if last:
-          return dk, dv
-        return (*issue_s_dp(i + 1), dk, dv)
+        with jax.named_scope("issue"):
+          plgpu.barrier_wait(do8_t_bars.at[slot])
+          plgpu.barrier_wait(q8_t_bars.at[slot])
+          dv, dk = registers.dots((dv, (p8,), (do8_t_ring.at[slot],), t_transforms),
+                                  (dk, (ds8,), (q8_t_ring.at[slot],), t_transforms), wait=False)
+          carry = (dk, dv) if last else (*issue_s_dp(i + 1), dk, dv)
+        with jax.named_scope("turn"):
+          schedule.turn()
+        return carry
 
       def pipelined_steps(start, full, zeros):
         """Steps [start, end) as `pipelined_step`s: masked ones, whole ones,
         then the last (masked when causal: a whole block's mask keeps all)."""
         carry = (*issue_s_dp(start), *zeros)
+        schedule.turn()
         last = end - 1
         carry = lax.fori_loop(start, jnp.minimum(full, last),
                               functools.partial(pipelined_step, masked=True), carry)
@@ -230,11 +236,13 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         return dk, dv
 
       start, full, _ = q_range(j)
+      if pipelined:  # every warpgroup takes a turn at each of the CTA's steps
+        start = cta_start
       pipeline.release(ring, cta_start, start, bars=ring_bars, consumed=releases,
                        schedule=schedule)
       schedule.lead_in(wg)
       zeros = (bc.zeros((BLOCK, head_dim)), bc.zeros((BLOCK, head_dim)))
-      if fp8 and tuning.pipelined:
+      if pipelined:
         dk, dv = pipelined_steps(start, full, zeros)
       else:
         carry = lax.fori_loop(start, full, functools.partial(q_step, masked=True), zeros)
@@ -263,7 +271,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         plgpu.copy_gmem_to_smem(do8_t_ref.at[b, h, i], do8_t_ring.at[slot], do8_t_bars.at[slot])
         plgpu.copy_gmem_to_smem(q8_t_ref.at[b, h, i], q8_t_ring.at[slot], q8_t_bars.at[slot])
 
-      if tuning.pipelined:
+      if pipelined:
         groups = ((load_first, (consumed,)), (load_last, (consumed_t,)))
       else:
         groups = ((lambda i, slot: (load_first(i, slot), load_last(i, slot)), (consumed,)),)
@@ -287,7 +295,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
   barriers = ((plgpu.Barrier(num_barriers=wgs),) * 2,
               (plgpu.Barrier(num_barriers=slots),) * (4 + len(columns)),
               (plgpu.Barrier(num_arrivals=wgs, num_barriers=slots),) * (
-                  2 if tuning.pipelined else 1),
+                  2 if pipelined else 1),
               plgpu.Barrier(num_arrivals=wgs))
   shape = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), out_dtype)
   return pipeline.kernel(

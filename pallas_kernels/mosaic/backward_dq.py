@@ -52,6 +52,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
   kv_heads, kv_len = k8.shape[1], k8.shape[2]
   group = heads // kv_heads
   fp8 = fp8_rows is not None
+  pipelined = fp8 and tuning.pipelined
   step_keys = dq_step_keys(fp8)
   halves = step_keys // BLOCK  # 64-key blocks (K's quantization blocks) per step
   num_steps = kv_len // step_keys
@@ -80,7 +81,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
     smem, (q_bars, do_bars), ring_bars, releases, sched = scoped
     # Pipelined, K8^T's slots (read by dQ's product, a step later) are
     # released on their own barriers, K8's and V's after the chain.
-    consumed, consumed_t = releases if tuning.pipelined else releases * 2
+    consumed, consumed_t = releases if pipelined else releases * 2
     q_smem2, do_smem2, k_ring, k8_t_ring, v_ring, dq_smem2 = smem
     k_bars, k8_t_bars, v_bars = ring_bars
     cta_end = kv_range(t * wgs + wgs - 1)[1]
@@ -172,27 +173,36 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
 
       def pipelined_step(j, carry, *, masked: bool, last: bool = False):
         """Step j, its S and dP issued by step j - 1: dQ's product goes out
-        with S and dP of step j + 1, one wait at the next step covering both."""
+        with S and dP of step j + 1, one wait at the next step covering both;
+        the warpgroup then takes its turn, so the other one's chain runs
+        under these products."""
         scales = scalars(j)
-        s, dp, dq = registers.wait_for(*carry)
+        with jax.named_scope("wait"):
+          s, dp, dq = registers.wait_for(*carry)
         slot = ring.slot(j)
 
         @pl.when(j > 0)
         def _release_previous():  # dQ's product of step j - 1 is done
           plgpu.barrier_arrive(consumed_t.at[ring.slot(j - 1)])
 
-        ds8s = chain(j, s, dp, scales, masked=masked)
+        with jax.named_scope("elementwise"):
+          ds8s = chain(j, s, dp, scales, masked=masked)
         plgpu.barrier_arrive(consumed.at[slot])  # K8 and V
-        plgpu.barrier_wait(k8_t_bars.at[slot])
-        k8_t_tiles = tuple(k8_t_ring.at[slot, half] for half in range(halves))
-        (dq,) = registers.dots((dq, ds8s, k8_t_tiles, t_transforms), wait=False)
-        return (dq,) if last else (*issue_s_dp(j + 1), dq)
+        with jax.named_scope("issue"):
+          plgpu.barrier_wait(k8_t_bars.at[slot])
+          k8_t_tiles = tuple(k8_t_ring.at[slot, half] for half in range(halves))
+          (dq,) = registers.dots((dq, ds8s, k8_t_tiles, t_transforms), wait=False)
+          carry = (dq,) if last else (*issue_s_dp(j + 1), dq)
+        with jax.named_scope("turn"):
+          schedule.turn()
+        return carry
 
       def pipelined_steps(full, end, zero):
         """Steps [0, end) as `pipelined_step`s: whole ones, masked ones, then
         the last (masked when causal: a whole block's mask keeps all)."""
         last = end - 1
         carry = (*issue_s_dp(jnp.int32(0)), zero)
+        schedule.turn()
         carry = lax.fori_loop(0, jnp.minimum(full, last),
                               functools.partial(pipelined_step, masked=False), carry)
         carry = lax.fori_loop(jnp.minimum(full, last), last,
@@ -203,9 +213,11 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         return dq
 
       full, end = kv_range(i)
+      if pipelined:  # every warpgroup takes a turn at each of the CTA's steps
+        end = cta_end
       zero = bc.zeros((BLOCK, head_dim))
       schedule.lead_in(wg)
-      if fp8 and tuning.pipelined:
+      if pipelined:
         dq = pipelined_steps(full, end, zero)
       else:
         dq = lax.fori_loop(0, full, functools.partial(kv_step, masked=False), zero)
@@ -228,7 +240,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         plgpu.copy_gmem_to_smem(k8_t_ref.at[b, kvh, pl.ds(j * halves, halves)],
                                 k8_t_ring.at[slot], k8_t_bars.at[slot])
 
-      if tuning.pipelined:
+      if pipelined:
         groups = ((load_first, (consumed,)), (load_last, (consumed_t,)))
       else:
         groups = ((lambda j, slot: (load_first(j, slot), load_last(j, slot)), (consumed,)),)
@@ -251,7 +263,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
   barriers = ((plgpu.Barrier(num_barriers=wgs),) * 2,
               (plgpu.Barrier(num_barriers=slots),) * 3,
               (plgpu.Barrier(num_arrivals=wgs, num_barriers=slots),) * (
-                  2 if tuning.pipelined else 1),
+                  2 if pipelined else 1),
               plgpu.Barrier(num_arrivals=wgs))
   return pipeline.kernel(
       kernel, tuning=tuning, scratch=scratch, barriers=barriers,
