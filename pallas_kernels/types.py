@@ -44,9 +44,9 @@ class Config:
   score q_i . m restored per row in the 8-bit tiles; the tiles that the
   band's right edge crosses (`exact_edges`) in 16 bits; with "int8_fp8", V
   in E4M3 per block (its scale folded into P) and the backward's statistics
-  over the keys each row sees. The reference and the Triton kernels (INT8)
-  implement it, and the Hopper forward kernel (either mode); the op sets it
-  only with causality or a window (`banded`).
+  over the keys each row sees. The reference, the Triton kernels (INT8) and
+  the Hopper kernels (either mode) implement it; the op sets it only with
+  causality or a window (`banded`).
   """
 
   scale: float

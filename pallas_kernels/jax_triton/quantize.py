@@ -186,7 +186,12 @@ def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig, for_back
   Q's and K's transposed layouts, which only the backward reads, if
   `for_backward`; each transposed tensor in its `layouts`. With `Config.fp8`,
   V8^T is E4M3 per channel and v_scale (B, Hkv, D); no Q8^T (the FP8 dS^T.Q
-  takes an FP8 copy of Q) and no accumulator start."""
+  takes an FP8 copy of Q) and no accumulator start. With both, refused:
+  `Config.causal_exact` takes V's E4M3 scales per block (the reference's
+  pass forms them)."""
+  if config.fp8 and config.causal_exact:
+    raise NotImplementedError("quantization='int8_fp8' with causal_exact: the Triton pass "
+                              "writes V's E4M3 scales per channel, not per block")
   check_register_blocks(layouts.backward, config.block_q, config.block_kv,
                         smooth_q=config.smooth_q)
   check_register_blocks(layouts.forward, config.block_kv)

@@ -19,7 +19,9 @@ the same rules accept the case; the quantization pass where the Mosaic
 forward runs, and the stages between the forward and the backward's kernels
 (the pre-pass, the saturated rows, the FP8 operands) where the Mosaic
 backward runs, are then `fallback`'s, whose Triton kernels take either mode,
-and everything else `fp8_fallback`'s. The Mosaic kernels
+and everything else `fp8_fallback`'s. `Config.causal_exact` runs in the
+Mosaic kernels of both modes; with FP8 products its quantization pass (V
+per block) is `fp8_fallback`'s, its FP8 operands XLA's. The Mosaic kernels
 compile for an sm_90 GPU only.
 """
 
@@ -131,10 +133,14 @@ class MosaicBackend:
   def quantize(self, q, k, v, k_mean, config: Config, *, for_backward: bool = True,
                layouts: Layouts = Layouts()) -> QuantizedQKV:
     """`fallback`'s pass where the Mosaic forward runs (in either mode: the
-    Triton pass writes the FP8 mode's E4M3 V too), else the mode's fallback's."""
+    Triton pass writes the FP8 mode's E4M3 V too), else the mode's
+    fallback's; and the FP8 mode's fallback's with `Config.causal_exact`,
+    whose E4M3 V is per block (the Triton pass's is per channel; the
+    reference's pass, XLA, forms it in the layouts asked for)."""
     # V8^T is REGISTER_B exactly where the Mosaic forward runs (`layouts`).
     runs_mosaic = layouts.forward is TransposedLayout.REGISTER_B
-    return (self.fallback if runs_mosaic else self._fallback(config)).quantize(
+    by_fallback = runs_mosaic and not (config.fp8 and config.causal_exact)
+    return (self.fallback if by_fallback else self._fallback(config)).quantize(
         q, k, v, k_mean, config, for_backward=for_backward, layouts=layouts)
 
   def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype):
