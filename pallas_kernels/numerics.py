@@ -222,8 +222,12 @@ def mean_scores(q16: jax.Array, k_mean: jax.Array, multiplier: float) -> jax.Arr
   XLA."""
   batch, q_len, heads, head_dim = q16.shape
   kv_heads = k_mean.shape[1]
-  q = q16.reshape(batch, q_len, kv_heads, heads // kv_heads, head_dim).astype(jnp.float32)
-  means = jnp.einsum("btkgd,bkd->bkgt", q, k_mean, precision=lax.Precision.HIGHEST)
+  group = heads // kv_heads
+  q = q16.reshape(batch, q_len, kv_heads, group, head_dim).astype(jnp.float32)
+  # m per group member: (b, k, g) batch dimensions put the product in (B, H,
+  # Tq) order, with no transpose after it.
+  k_mean = jnp.broadcast_to(k_mean[:, :, None], (batch, kv_heads, group, head_dim))
+  means = jnp.einsum("btkgd,bkgd->bkgt", q, k_mean, precision=lax.Precision.HIGHEST)
   return means.reshape(batch, heads, q_len) * multiplier
 
 
