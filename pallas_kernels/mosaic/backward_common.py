@@ -198,18 +198,21 @@ def causal_exact_operands(qkv: QuantizedQKV, lse, config: Config,
   (`Diagonal`, else None)."""
   if not config.causal_exact:
     return lse, None
-  if qkv.q16 is None or (config.exact_edges and qkv.k16 is None):
-    raise ValueError(f"causal_exact: {name} needs QuantizedQKV.q16 and k16 "
+  means, edges = qkv.k_mean is not None, config.exact_edges
+  needed = ("q16",) * (means or edges) + ("k16",) * edges
+  missing = [field for field in needed if getattr(qkv, field) is None]
+  if missing:
+    raise ValueError(f"causal_exact: {name} needs QuantizedQKV.{', '.join(missing)} "
                      "(sagebwd.quantize sets them)")
-  rows = lse
-  if qkv.k_mean is not None:
+  forward_lse = lse
+  if means:
     lse = lse - nm.mean_scores(qkv.q16, qkv.k_mean, config.scale * nm.LOG2_E)
-  if not config.exact_edges:
+  if not edges:
     return lse, None
-  return lse, Diagonal(qkv.q16, qkv.k16, rows, qkv.k_mean_seen)
+  return lse, Diagonal(qkv.q16, qkv.k16, forward_lse, qkv.k_mean_seen)
 
 
-def sharing(tile: plgpu.SMEM, dtype) -> plgpu.RefUnion:
+def sharing(tile, dtype) -> plgpu.RefUnion:
   """`tile` ((warpgroups, 64, D)) and a 16-bit tile of its shape in the same
   shared memory, for operands whose lifetimes do not overlap (the edge
   step's before the output's staging, or after the last product of Q8)."""

@@ -31,6 +31,20 @@ Causal: a
 warpgroup starts at the query block holding its diagonal (masked); the ring
 starts at the CTA's first warpgroup's, and later warpgroups release the
 blocks only earlier ones need.
+
+With `Config.causal_exact` (docs/algorithm.md, "Statistics over what each row
+sees") the 8-bit tiles read lse less each row's q_i . m, which K8 lacks
+(`backward_common.causal_exact_operands`), so their steps add nothing; and
+the diagonal, the one masked step, runs in the exact frame: S^T = K16.Q16^T
+with fp32 accumulation and the rows' own lse, P^T and dS^T quantized for dV
+and dK as every step's. K16 is its A operand from registers, Q16 waits in
+the output's staging tile (unused until the loop ends). The pipelined
+schedule runs it as a chain of one step: its fp32 S^T is not the 8-bit
+steps' accumulator type.
+
+Longer than 400 lines because the one loop body serves both numerics modes,
+their schedules and `Config.causal_exact`'s diagonal step: split by mode,
+the kernels would repeat the pipeline's frame.
 """
 
 from __future__ import annotations

@@ -19,6 +19,21 @@ from registers, dQ += dS''.K'8 into fp32 across the loop, times b_i k_top_i /
 Causal: the longest CTAs launch first; a warpgroup stops after the key block
 holding its diagonal (masked) and releases the ring's later blocks, which
 only the CTA's later warpgroups see.
+
+With `Config.causal_exact` the 8-bit tiles read lse less q_i . m as dK/dV's
+do, and the last step holds the diagonal tile, which runs in 16 bits: S =
+Q16.K16^T (fp32, the rows' own lse) and its dQ term dS.(K16 - m'), m' the
+block's `QuantizedQKV.k_mean_seen`, K16 - m' rounded to the inputs' dtype
+in K16's tile once S has read it; the term joins dQ after the loop. INT8's
+last step is the diagonal alone (`diagonal_step`); FP8's takes its other
+half, the keys before the block, in 8 bits as any step. K16 waits in dQ's
+staging tile; Q16 in a tile of its own (INT8), or with FP8, where at D=128
+the 128-key ring leaves none, in Q8's bytes, fetched once the last S has
+read Q8, behind the 8-bit half's chain.
+
+Longer than 400 lines because the one loop body serves both numerics modes,
+their schedules and `Config.causal_exact`'s diagonal step: split by mode,
+the kernels would repeat the pipeline's frame.
 """
 
 from __future__ import annotations
