@@ -44,7 +44,10 @@ IMPLEMENTATIONS = [(mode, "reference") for mode in MODES] + [
     pytest.param("int8", "triton", marks=needs_triton)]
 
 
-@pytest.mark.parametrize("quantization,implementation", IMPLEMENTATIONS)
+# The Hopper backend (its kernels in either mode, the Triton passes around
+# them; the reference's where they lack the case).
+@pytest.mark.parametrize("quantization,implementation", IMPLEMENTATIONS + [
+    pytest.param(mode, "mosaic", marks=pytest.mark.gpu) for mode in MODES])
 @pytest.mark.parametrize("t", [768, 700])
 def test_no_output_depends_on_a_later_key_or_value(quantization, implementation, t):
   """The bar case (B1 T1024 H2 D64, causal, bf16): K and V at positions >= t
