@@ -173,7 +173,7 @@ def col_vector(ref):
   return plgpu.load(ref, layout=COL, optimized=False)
 
 
-class Diagonal(NamedTuple):
+class EdgeOperands(NamedTuple):
   """What the edge tiles (`Config.exact_edges`) add to a backward kernel's
   operands. Causal with 64 x 64 blocks, a block's one edge tile is its
   diagonal: the warpgroup's own 64 positions on both sides. Q and K in the
@@ -190,12 +190,12 @@ class Diagonal(NamedTuple):
 
 
 def causal_exact_operands(qkv: QuantizedQKV, lse, config: Config,
-                          name: str) -> tuple[jax.Array, Diagonal | None]:
+                          name: str) -> tuple[jax.Array, EdgeOperands | None]:
   """`Config.causal_exact` in a backward kernel's operands: the lse its
   8-bit tiles read, less each row's q_i . m where K8 lacks K's mean m
   (`numerics.mean_scores`: S + q_i . m - lse = S - (lse - q_i . m), so the
   steps add no term), and with `Config.exact_edges` the diagonal's operands
-  (`Diagonal`, else None)."""
+  (`EdgeOperands`, else None)."""
   if not config.causal_exact:
     return lse, None
   means, edges = qkv.k_mean is not None, config.exact_edges
@@ -209,7 +209,7 @@ def causal_exact_operands(qkv: QuantizedQKV, lse, config: Config,
     lse = lse - nm.mean_scores(qkv.q16, qkv.k_mean, config.scale * nm.LOG2_E)
   if not edges:
     return lse, None
-  return lse, Diagonal(qkv.q16, qkv.k16, forward_lse, qkv.k_mean_seen)
+  return lse, EdgeOperands(qkv.q16, qkv.k16, forward_lse, qkv.k_mean_seen)
 
 
 def sharing(tile, dtype) -> plgpu.RefUnion:

@@ -68,7 +68,7 @@ from pallas_kernels.types import Config, Fp8Operands, Masks, QuantizedQKV, Trans
 
 
 def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns, out_scales,
-               diagonal: bc.Diagonal | None, *, causal: bool, multiplier: float, out_dtype,
+               edge_operands: bc.EdgeOperands | None, *, causal: bool, multiplier: float, out_dtype,
                tuning: BackwardTuning):
   """q8_t, do8_t: REGISTER_B (B, H, Tq / 64, D, 64), int8 or with FP8
   products (`out_scales` given) E4M3 (`types.TransposedLayout`); scales per
@@ -76,7 +76,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
   log2 of `Fp8Operands.p_factor`; `columns`: the query rows' vectors each
   step reads, (lse, Delta) or with FP8 (lse, Delta, dS^T's column factor);
   `out_scales`: dK's and dV's factors after the loop (B, Hkv), or None;
-  `diagonal`: the edge tiles' operands (`Config.exact_edges`), whose scores
+  `edge_operands`: the edge tiles' operands (`Config.exact_edges`), whose scores
   `multiplier` scales, or None."""
   batch, heads, q_len, head_dim = q8.shape
   kv_heads, kv_len = k8.shape[1], k8.shape[2]
@@ -87,8 +87,8 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
   t_transforms = smem_transforms(BLOCK, q8_t.dtype)
   k_transforms = smem_transforms(head_dim, jnp.int8)
   v_transforms = smem_transforms(head_dim, v.dtype)
-  edges = diagonal is not None
-  edge_inputs = (diagonal.q16, diagonal.k16, diagonal.lse) if edges else ()
+  edges = edge_operands is not None
+  edge_inputs = (edge_operands.q16, edge_operands.k16, edge_operands.lse) if edges else ()
 
   def q_range(j):
     """Query blocks key block j sees: [start, full) masked, [full, end) whole."""
@@ -117,7 +117,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
     ring = pipeline.Ring(tuning.max_concurrent_steps)
     schedule = pipeline.Schedule(sched, tuning)
 
-    def load_diagonal(rows):
+    def load_edge(rows):
       """The diagonal tile's operands: Q16 into shared memory, K16 (the A
       operand of its S^T) and the queries' lse into registers, their latency
       behind K8's and V's. K16 has no tile of its own: at D=128 with a ring
@@ -134,16 +134,16 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
       plgpu.copy_gmem_to_smem(k_ref.at[b, kvh, kv], k_smem, k_bars.at[wg])
       plgpu.copy_gmem_to_smem(v_ref.at[b, kv, kvh], v_smem, v_bars.at[wg])
       if edges:  # the diagonal's queries are the block's own 64 positions
-        diagonal_k16, diagonal_lse = load_diagonal(kv)
+        edge_k16, edge_lse = load_edge(kv)
       k_scale = ks_ref[b, kvh, j * BLOCK]
       plgpu.barrier_wait(k_bars.at[wg])
       plgpu.barrier_wait(v_bars.at[wg])
 
-      def diagonal_scores():
+      def edge_scores():
         """S^T of the diagonal tile from K16 and Q16 (fp32, from 0), in place
         of K8.Q8^T."""
         plgpu.barrier_wait(edge_bars[0].at[wg])
-        return (diagonal_k16, q16_smem2.at[wg]), bc.zeros(bc.TILE)
+        return (edge_k16, q16_smem2.at[wg]), bc.zeros(bc.TILE)
 
       def column(slot, c):
         plgpu.barrier_wait(col_bars[c].at[slot])
@@ -157,7 +157,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
           f = bc.causal_mask(f, row_start=j * BLOCK, col_start=i * BLOCK, rows_are_keys=True)
         lse = column(ring.slot(i), 0)
         if edge:  # the rows' own lse: the ring's lacks their q_i . m
-          lse = diagonal_lse if shift is None else diagonal_lse - shift
+          lse = edge_lse if shift is None else edge_lse - shift
           return bc.edge_exponent(f, multiplier, lse, along=1, cap=shift)
         if shift is None:
           return bc.exponent(f, q_scale * k_scale, lse, along=1)
@@ -182,7 +182,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         q_scale, step = scalars(i)
         with jax.named_scope("wait_q"):
           plgpu.barrier_wait(q_bars.at[slot])
-        s_product = diagonal_scores() if edge else ((k_smem, q_ring.at[slot]), bc.magic())
+        s_product = edge_scores() if edge else ((k_smem, q_ring.at[slot]), bc.magic())
 
         def dp_product():
           minus_delta = -lax.broadcast_in_dim(column(slot, 1), bc.TILE, [1])
@@ -232,7 +232,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         minus_delta = -lax.broadcast_in_dim(column(slot, 1), bc.TILE, [1])
         plgpu.barrier_wait(do_bars.at[slot])
         if edge:
-          return bc.products(*zip(diagonal_scores(), ((v_smem, do_ring.at[slot]), minus_delta)))
+          return bc.products(*zip(edge_scores(), ((v_smem, do_ring.at[slot]), minus_delta)))
         return registers.dots(
             (bc.magic(), ((k_smem, k_transforms),), (q_ring.at[slot],), k_transforms),
             (minus_delta, ((v_smem, v_transforms),), (do_ring.at[slot],), v_transforms),
@@ -343,7 +343,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
   )
   out_tile = plgpu.SMEM((wgs, BLOCK, head_dim), out_dtype,
                         transforms=smem_transforms(head_dim, out_dtype))  # dK, then dV
-  scratch += (bc.sharing(out_tile, diagonal.q16.dtype) if edges else out_tile,)
+  scratch += (bc.sharing(out_tile, edge_operands.q16.dtype) if edges else out_tile,)
   barriers = ((plgpu.Barrier(num_barriers=wgs),) * 2,
               (plgpu.Barrier(num_barriers=slots),) * (4 + len(columns)),
               (plgpu.Barrier(num_arrivals=wgs, num_barriers=slots),) * (
@@ -386,7 +386,7 @@ def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
   kv_heads, kv_len = qkv.k8.shape[1], qkv.k8.shape[2]
   group = heads // kv_heads
   out_dtype = v.dtype if group == 1 else jnp.dtype(jnp.float32)
-  lse, diagonal = bc.causal_exact_operands(qkv, lse, config, "backward_dkdv_mosaic")
+  lse, edge_operands = bc.causal_exact_operands(qkv, lse, config, "backward_dkdv_mosaic")
   if fp8 is None:
     step_scale, columns, out_scales = do_scale, (lse, delta), None
   else:
@@ -397,7 +397,7 @@ def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
     step_scale, columns = jnp.log2(fp8.p_factor), (lse, delta, ds_col)
     out_scales = (fp8.dk_scale * nm.LN_2, fp8.dv_scale)
   dk, dv = _dkdv_call(qkv.q8, q8_t, qkv.q_scale, qkv.k8, qkv.k_scale, v, do, do8_t,
-                      step_scale, columns, out_scales, diagonal, causal=config.causal,
+                      step_scale, columns, out_scales, edge_operands, causal=config.causal,
                       multiplier=config.scale * nm.LOG2_E, out_dtype=out_dtype, tuning=tuning)
   if group > 1:
     sum_group = lambda x: x.reshape(batch, kv_len, kv_heads, group, head_dim).sum(axis=3)

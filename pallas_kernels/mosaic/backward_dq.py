@@ -25,7 +25,7 @@ do, and the last step holds the diagonal tile, which runs in 16 bits: S =
 Q16.K16^T (fp32, the rows' own lse) and its dQ term dS.(K16 - m'), m' the
 block's `QuantizedQKV.k_mean_seen`, K16 - m' rounded to the inputs' dtype
 in K16's tile once S has read it; the term joins dQ after the loop. INT8's
-last step is the diagonal alone (`diagonal_step`); FP8's takes its other
+last step is the diagonal alone (`edge_step`); FP8's takes its other
 half, the keys before the block, in 8 bits as any step. K16 waits in dQ's
 staging tile; Q16 in a tile of its own (INT8), or with FP8, where at D=128
 the 128-key ring leaves none, in Q8's bytes, fetched once the last S has
@@ -57,13 +57,13 @@ from pallas_kernels.types import Config, Fp8Operands, Masks, QuantizedQKV, Trans
 
 
 def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_rows,
-             diagonal: bc.Diagonal | None, *, causal: bool, scale: float,
+             edge_operands: bc.EdgeOperands | None, *, causal: bool, scale: float,
              tuning: BackwardTuning):
   """k8_t: REGISTER_B (B, Hkv, Tk / 64, D, 64), int8, or with FP8 products
   (`fp8_rows` given) K' in E4M3 (`types.TransposedLayout`); scales per token
   (B, H, T). `step_scale` (B, Hkv, Tk): K's block scale, or with FP8 log2 of
   K''s; `fp8_rows` (B, H, Tq): log2 of dS's row factor and dQ's row factor
-  after the loop, or None; `diagonal`: the edge tiles' operands
+  after the loop, or None; `edge_operands`: the edge tiles' operands
   (`Config.exact_edges`), or None."""
   batch, heads, q_len, head_dim = q8.shape
   kv_heads, kv_len = k8.shape[1], k8.shape[2]
@@ -78,9 +78,9 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
   t_transforms = smem_transforms(BLOCK, k8_t.dtype)
   q_transforms = smem_transforms(head_dim, jnp.int8)
   do_transforms = smem_transforms(head_dim, do.dtype)
-  edges = diagonal is not None
-  means = edges and diagonal.k_mean_seen is not None
-  edge_inputs = tuple(x for x in (diagonal or ()) if x is not None)
+  edges = edge_operands is not None
+  means = edges and edge_operands.k_mean_seen is not None
+  edge_inputs = tuple(x for x in (edge_operands or ()) if x is not None)
   multiplier = scale * nm.LOG2_E
 
   def kv_range(i):
@@ -122,7 +122,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
       i = t * wgs + wg  # this warpgroup's query block
       rows = pl.ds(i * BLOCK, BLOCK)
 
-      def load_diagonal():
+      def load_edge():
         """The diagonal tile's operands but FP8's Q16 (`fetch_q16`): K16 and
         m' into shared memory, the rows' lse into registers."""
         _, k16_ref, lse_ref, *mean_ref = edge_refs
@@ -142,7 +142,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
       plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_smem, q_bars.at[wg])
       plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem, do_bars.at[wg])
       if edges:  # the diagonal's keys are the block's own 64 positions
-        diagonal_lse = load_diagonal()
+        edge_lse = load_edge()
       q_scale = qs_ref[b, h, i * BLOCK]
       lse = bc.row_vector(lse_ref.at[b, h, rows])
       delta = bc.row_vector(delta_ref.at[b, h, rows])
@@ -155,20 +155,20 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
       minus_delta = lambda: -lax.broadcast_in_dim(delta, tile, [0])
       starts = lambda: (bc.magic(tile), minus_delta())
 
-      def diagonal_scores():
+      def edge_scores():
         """The diagonal tile's S = Q16.K16^T pair, fp32 from 0."""
         plgpu.barrier_wait(edge_bars[0].at[wg])
         plgpu.barrier_wait(edge_bars[1].at[wg])
         return (q16_smem2.at[wg], k16_smem2.at[wg]), bc.zeros(bc.TILE)
 
-      def diagonal_ds(s, dp):
+      def edge_ds(s, dp):
         """The diagonal tile's dS, in the inputs' dtype, from its fp32 S and
         dP - Delta: P in the exact frame (the rows' own lse)."""
         f = bc.causal_mask(s, row_start=i * BLOCK, col_start=i * BLOCK, rows_are_keys=False)
-        p = jnp.exp2(bc.edge_exponent(f, multiplier, diagonal_lse, along=0))
+        p = jnp.exp2(bc.edge_exponent(f, multiplier, edge_lse, along=0))
         return (p * dp).astype(k16_smem2.dtype)
 
-      def diagonal_dq(ds):
+      def edge_dq(ds):
         """dS.(K16 - m') of the diagonal tile, fp32. S has read K16: its tile
         takes K16 - m' in place, rounded to the inputs' dtype."""
         k16 = k16_smem2.at[wg]
@@ -181,12 +181,12 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         return pl.run_state(lambda acc: plgpu.wgmma(acc, ds, k16))(
             plgpu.ACC.init(bc.zeros((BLOCK, head_dim))))
 
-      def diagonal_half(dp):
+      def edge_half(dp):
         """dQ's diagonal term in FP8's 128-key step: S of the diagonal's half
         from Q16 and K16, its dP - Delta picked from the step's."""
-        (s,) = bc.products(*zip(diagonal_scores()))
+        (s,) = bc.products(*zip(edge_scores()))
         dp = lax.cond(lax.rem(i, 2) == 0, lambda: dp[:, :BLOCK], lambda: dp[:, BLOCK:])
-        return diagonal_dq(diagonal_ds(s, dp))
+        return edge_dq(edge_ds(s, dp))
 
       def scalars(j):
         """Step j's K block scales and step scales, one pair per 64-key
@@ -246,23 +246,23 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
             (dsk,) = registers.dots((None, (ds8,), k8_t_tiles, t_transforms))
             dq = bc.merge(dq, dsk, ds_scale * step)
         plgpu.barrier_arrive(consumed.at[slot])
-        return (dq, diagonal_half(dp)) if edge else dq
+        return (dq, edge_half(dp)) if edge else dq
 
-      def diagonal_step(j, dq):
+      def edge_step(j, dq):
         """INT8's last causal step, whose 64 keys are the diagonal's: all in
         16 bits (S with dP under one wait), none in 8."""
         slot = ring.slot(j)
         plgpu.barrier_wait(k_bars.at[slot])
         plgpu.barrier_wait(v_bars.at[slot])
-        s, dp = bc.products(*zip(diagonal_scores(), ((do_smem, v_ring.at[slot]), minus_delta())),
+        s, dp = bc.products(*zip(edge_scores(), ((do_smem, v_ring.at[slot]), minus_delta())),
                             schedule)
-        ds16 = diagonal_ds(s, dp)
+        ds16 = edge_ds(s, dp)
         schedule.arrive()
         plgpu.barrier_wait(k8_t_bars.at[slot])
         schedule.wait()
-        edge = diagonal_dq(ds16)
+        dq_edge = edge_dq(ds16)
         plgpu.barrier_arrive(consumed.at[slot])
-        return dq, edge
+        return dq, dq_edge
 
       def issue_s_dp(j):
         """S and dP of step j, issued and left in flight."""
@@ -292,7 +292,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         k8_t_tiles = tuple(k8_t_ring.at[slot, half] for half in range(halves))
         (dq,) = registers.dots((dq, ds8s, k8_t_tiles, t_transforms), wait=False)
         if edge:  # the last step
-          return dq, diagonal_half(dp)
+          return dq, edge_half(dp)
         return (dq,) if last else (*issue_s_dp(j + 1), dq)
 
       def pipelined_steps(full, end, zero):
@@ -314,12 +314,12 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
       zero = bc.zeros((BLOCK, head_dim))
       schedule.lead_in(wg)
       if fp8 and tuning.pipelined:
-        dq, *edge = pipelined_steps(full, end, zero)
+        dq, *dq_edge = pipelined_steps(full, end, zero)
       else:
         dq = lax.fori_loop(0, full, functools.partial(kv_step, masked=False), zero)
         if edges:  # the one masked step holds the diagonal
-          dq, *edge = (kv_step(full, dq, masked=True, edge=True) if fp8
-                       else diagonal_step(full, dq))
+          dq, *dq_edge = (kv_step(full, dq, masked=True, edge=True) if fp8
+                          else edge_step(full, dq))
         else:
           dq = lax.fori_loop(full, end, functools.partial(kv_step, masked=True), dq)
       schedule.lead_out(wg)
@@ -329,7 +329,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
       # `scale` (FP8: in its row factor), the diagonal's 16-bit term too.
       dq = dq * lax.broadcast_in_dim(row_out, dq.shape, [0]) if fp8 else dq * scale
       if edges:
-        dq = dq + edge[0] * scale
+        dq = dq + dq_edge[0] * scale
       bc.write_tile(dq.astype(out_dtype), dq_smem2.at[wg], dq_ref.at[b, rows, h])
 
     def producer():
@@ -357,7 +357,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
                        transforms=smem_transforms(head_dim, out_dtype))  # dQ
   edge_scratch = ()
   if edges:
-    dtype16 = diagonal.q16.dtype
+    dtype16 = edge_operands.q16.dtype
     # FP8 at D=128 leaves no 16-bit tile free beside the 128-key ring: Q16
     # shares Q8's bytes, fetched after the last S (`chain`), whose 8-bit
     # half hides the load; INT8 prefetches it into its own tile.
@@ -422,7 +422,7 @@ def backward_dq_mosaic(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, confi
                      f"quantization='int8_fp8'; got quantization={config.quantization!r}")
   k8_t = qkv.k8_t if fp8 is None else fp8.k8_t
   check_layout("k8_t", k8_t, TransposedLayout.REGISTER_B)
-  lse, diagonal = bc.causal_exact_operands(qkv, lse, config, "backward_dq_mosaic")
+  lse, edge_operands = bc.causal_exact_operands(qkv, lse, config, "backward_dq_mosaic")
   if fp8 is None:
     step_scale, fp8_rows = qkv.k_scale, None
   else:
@@ -431,5 +431,5 @@ def backward_dq_mosaic(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, confi
                 bound / nm.E4M3_MAX * config.scale)
     step_scale = jnp.log2(fp8.k_scale)
   return _dq_call(qkv.q8, qkv.q_scale, lse, delta, do, qkv.k8, k8_t, qkv.k_scale, v,
-                  step_scale, fp8_rows, diagonal, causal=config.causal, scale=config.scale,
+                  step_scale, fp8_rows, edge_operands, causal=config.causal, scale=config.scale,
                   tuning=tuning)
