@@ -213,6 +213,24 @@ def q_smoothing_bias(k8: jax.Array, k_scale: jax.Array, q_mean: jax.Array) -> ja
   return jnp.sum(k8.astype(jnp.float32) * q_mean[..., None, :], axis=-1) * k_scale
 
 
+def mean_scores(q16: jax.Array, k_mean: jax.Array, multiplier: float) -> jax.Array:
+  """Each row's q_i . m (B, H, Tq) fp32, base 2 (`multiplier`: scale *
+  log2 e), from Q in the inputs' dtype (B, Tq, H, D) and the mean m (B, Hkv,
+  D) that K8 lacks (`Config.causal_exact`): the one number per row that its
+  8-bit tiles add back. For the kernels that meet a query block once per
+  key tile (the Triton and Hopper dK/dV) and the Hopper dQ, formed once by
+  XLA."""
+  batch, q_len, heads, head_dim = q16.shape
+  kv_heads = k_mean.shape[1]
+  group = heads // kv_heads
+  q = q16.reshape(batch, q_len, kv_heads, group, head_dim).astype(jnp.float32)
+  # m per group member: (b, k, g) batch dimensions put the product in (B, H,
+  # Tq) order, with no transpose after it.
+  k_mean = jnp.broadcast_to(k_mean[:, :, None], (batch, kv_heads, group, head_dim))
+  means = jnp.einsum("btkgd,bkgd->bkgt", q, k_mean, precision=lax.Precision.HIGHEST)
+  return means.reshape(batch, heads, q_len) * multiplier
+
+
 def safe_row_max(m: jax.Array) -> jax.Array:
   """A row maximum with -inf (nothing seen) replaced by 0, so that
   subtracting it from masked (-inf) scores gives -inf, not NaN."""

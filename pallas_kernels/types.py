@@ -43,9 +43,9 @@ class Config:
   sees"): K-smoothing by the first `block_kv` keys' mean m, with the exact
   score q_i . m restored per row in the 8-bit tiles; the tiles that the
   band's right edge crosses (`exact_edges`) in 16 bits; with "int8_fp8", the
-  backward's statistics over the keys each row sees. The reference and the
-  Triton kernels (INT8) implement it, and the Hopper forward kernel (either
-  mode); the op sets it only with causality or a window (`banded`).
+  backward's statistics over the keys each row sees. The reference, the Triton kernels (INT8) and
+  the Hopper kernels (either mode) implement it; the op sets it only with
+  causality or a window (`banded`).
   """
 
   scale: float

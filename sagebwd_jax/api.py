@@ -141,9 +141,9 @@ def dot_product_attention(
       the causal edge crosses run in 16 bits; with
       quantization="int8_fp8", the backward's bounds are taken over what
       each row sees (docs/algorithm.md). Without causality or a window it
-      changes nothing. "reference" and "triton" implement it (the Triton
-      kernels in the INT8 mode); the default is then "reference" on every
-      device, and "mosaic" raises NotImplementedError.
+      changes nothing. "reference", "triton" (the Triton kernels in the
+      INT8 mode) and "mosaic" (the Hopper kernels in both modes) implement
+      it; the default is then "reference" on every device.
 
   Returns:
     The attention output, shaped and typed like `query` (and the residual
@@ -260,9 +260,9 @@ def _sage(name: str | Backend, query, key, value, case: _Case, return_residual: 
   backend = implementations.backend(name, config.causal) if isinstance(name, str) else name
   if config.causal_exact and not implementations.has_causal_exact(backend):
     raise NotImplementedError(
-        "causal_exact=True: the Hopper (Mosaic) backend does not take it yet (its backward "
-        "kernels lack the first key block's K mean and the 16-bit edge tiles that its "
-        "forward kernel computes); implementation='triton' or 'reference' does")
+        f"causal_exact=True: {implementations.label(backend)} does not compute its "
+        "statistics (the first key block's K mean, the 16-bit edge tiles); "
+        "implementation='mosaic', 'triton' or 'reference' does")
   block_q, block_kv = config.block_q, config.block_kv
   if (implementations.runs_kernels(backend) and implementations.on_gpu()
       and min(block_q, block_kv) < arguments.MIN_DEFAULT_BLOCK):

@@ -30,8 +30,8 @@ def resolve(implementation, quantization: str = "int8",
 
   The default with quantization="int8_fp8": the Hopper backend (its FP8
   forward) on an H100/H200, the reference elsewhere: no Triton kernel has
-  FP8 products yet. With causal_exact: the reference, until the Triton
-  kernels' causal_exact is timed on a GPU (the Hopper ones lack it)."""
+  FP8 products yet. With causal_exact: the reference, until the kernels'
+  causal_exact (the Triton and the Hopper backends') is timed on a GPU."""
   if implementation is None:
     if not on_gpu() or causal_exact:
       return ("reference",)
@@ -96,11 +96,15 @@ def is_backend(x) -> bool:
 
 def has_causal_exact(backend: Backend) -> bool:
   """Whether a backend computes `Config.causal_exact`'s statistics (the
-  first key block's K mean, 16-bit edge tiles): the reference and the
-  Triton kernels; the Hopper (Mosaic) backend not yet (its forward kernel
-  computes them, its backward kernels do not)."""
+  first key block's K mean, 16-bit edge tiles): the reference, the Triton
+  kernels, and the Hopper (Mosaic) backend where its fallbacks do (they run
+  what its kernels do not)."""
   if isinstance(backend, ReferenceBackend):
     return True
+  if isinstance(backend, MosaicBackend):
+    return all(has_causal_exact(fallback) for fallback in (backend.fallback,
+                                                           backend.fp8_fallback)
+               if fallback is not None)
   try:
     from pallas_kernels.jax_triton.backend import TritonBackend
   except ImportError:  # without triton no backend object is a TritonBackend

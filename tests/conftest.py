@@ -52,6 +52,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from pallas_kernels.mosaic.backend import MOSAIC_NUMERICS, MosaicBackend  # noqa: E402
+from pallas_kernels.mosaic.backward_common import BackwardTuning  # noqa: E402
 from pallas_kernels.types import Config, Layouts, Masks, TransposedLayout  # noqa: E402
 from sagebwd_jax import (dot_product_attention, full_precision_attention,  # noqa: E402
                          implementations, metrics)
@@ -248,6 +249,14 @@ MOSAIC_BACKWARD_CASES = [
     (2, 1024, 4, 1, 64, True),
     (1, 2048, 2, 2, 128, True),
 ]
+
+
+# The Mosaic FP8 backward's schedules the tests run (tests/test_fp8.py,
+# tests/test_mosaic_backward.py).
+FP8_TUNINGS = {"default": BackwardTuning(),
+               "no_schedule_barrier": BackwardTuning(schedule_barrier=False),
+               "pipelined": BackwardTuning(pipelined=True, schedule_barrier=False),
+               "pingpong": BackwardTuning(pipelined=True)}
 
 
 def mosaic_config(head_dim: int, causal: bool, **overrides) -> Config:

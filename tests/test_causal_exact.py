@@ -44,7 +44,10 @@ IMPLEMENTATIONS = [(mode, "reference") for mode in MODES] + [
     pytest.param("int8", "triton", marks=needs_triton)]
 
 
-@pytest.mark.parametrize("quantization,implementation", IMPLEMENTATIONS)
+# The Hopper backend (its kernels in either mode, the Triton passes around
+# them; the reference's where they lack the case).
+@pytest.mark.parametrize("quantization,implementation", IMPLEMENTATIONS + [
+    pytest.param(mode, "mosaic", marks=pytest.mark.gpu) for mode in MODES])
 @pytest.mark.parametrize("t", [768, 700])
 def test_no_output_depends_on_a_later_key_or_value(quantization, implementation, t):
   """The bar case (B1 T1024 H2 D64, causal, bf16): K and V at positions >= t
@@ -262,16 +265,32 @@ def test_fp8_ds_bound_bounds_every_score_gradient_with_edges():
   assert bound[:, :100].max() < 0.1 * bound[:, 100:].max()
 
 
-def test_the_hopper_kernels_refuse_it_and_the_default_is_the_reference():
+class _Stages:
+  """A backend object of no class the op knows (`implementations.is_backend`),
+  the reference's stages behind it."""
+
+  def __init__(self, inner):
+    self._inner = inner
+
+  def __getattr__(self, name):
+    return getattr(self._inner, name)
+
+
+def test_backends_that_lack_it_are_refused_and_the_default_is_the_reference():
+  """The Hopper backend takes it where its fallbacks compute it (here, T=64,
+  they run every stage); a backend not known to compute it is refused, with
+  or inside the Hopper backend, and the next one in the chain runs."""
   q, k, v, _ = gaussian_qkv(jax.random.key(10), 1, 64, 64, 1, 1, 64)
-  hopper = MosaicBackend(ReferenceBackend())
-  with pytest.raises(NotImplementedError, match="causal_exact"):
-    dot_product_attention(q, k, v, is_causal=True, implementation=hopper, causal_exact=True)
-  chained = dot_product_attention(q, k, v, is_causal=True, implementation=(hopper, "reference"),
-                                  causal_exact=True)
-  alone = dot_product_attention(q, k, v, is_causal=True, implementation="reference",
-                                causal_exact=True)
-  np.testing.assert_array_equal(chained, alone)
+  attend = lambda implementation: dot_product_attention(
+      q, k, v, is_causal=True, implementation=implementation, causal_exact=True)
+  alone = attend("reference")
+  np.testing.assert_array_equal(attend(MosaicBackend(ReferenceBackend(),
+                                                    fp8_fallback=ReferenceBackend())),
+                                alone)
+  for lacking in (_Stages(ReferenceBackend()), MosaicBackend(_Stages(ReferenceBackend()))):
+    with pytest.raises(NotImplementedError, match="causal_exact"):
+      attend(lacking)
+    np.testing.assert_array_equal(attend((lacking, "reference")), alone)
   assert implementations.resolve(None, "int8", causal_exact=True) == ("reference",)
   for bad in ("yes", 1, None):
     with pytest.raises(TypeError, match="causal_exact"):

@@ -27,16 +27,15 @@ GPU = pytest.mark.gpu
 
 from benchmarks.accuracy import (FP8_OVER_INT8, FP8_OVER_INT8_FROM_SIGMA_3, FP8_OVER_PER_TENSOR,
                                  per_tensor_fp8)
-from conftest import (CPU, MOSAIC_BACKWARD_CASES, MOSAIC_EXACT_CASES, MOSAIC_FORWARD_CASES,
-                      MOSAIC_LAYOUTS, assert_lowers_to_mosaic_gpu, channel_biased_qkv,
-                      gaussian_qkv, kernel_config, mosaic_config, mosaic_exact_case, oracle64,
-                      rel_l2, sage)
+from conftest import (CPU, FP8_TUNINGS, MOSAIC_BACKWARD_CASES, MOSAIC_EXACT_CASES,
+                      MOSAIC_FORWARD_CASES, MOSAIC_LAYOUTS, assert_lowers_to_mosaic_gpu,
+                      channel_biased_qkv, gaussian_qkv, kernel_config, mosaic_config,
+                      mosaic_exact_case, oracle64, rel_l2, sage)
 from pallas_kernels import numerics as nm
 from pallas_kernels.fp8_operands import fp8_operands
 from pallas_kernels.layouts import REGISTER_B, TOKENS
 from pallas_kernels.mosaic import forward as mosaic_forward
 from pallas_kernels.mosaic.backend import MosaicBackend
-from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
 from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
 from pallas_kernels.types import QUANTIZATIONS, Masks, Numerics
@@ -337,12 +336,6 @@ def _fp8_kernels(config, tuning, qkv, v, lse, pre, do):
                                 config, tuning, fp8=pre.fp8)
   dq = backward_dq_mosaic(qkv, v, lse, pre.delta, do, Masks(), config, tuning, fp8=pre.fp8)
   return dq, dk, dv
-
-
-FP8_TUNINGS = {"default": BackwardTuning(),
-               "no_schedule_barrier": BackwardTuning(schedule_barrier=False),
-               "pipelined": BackwardTuning(pipelined=True, schedule_barrier=False),
-               "pingpong": BackwardTuning(pipelined=True)}
 
 
 @pytest.mark.parametrize("tuning", sorted(FP8_TUNINGS))

@@ -18,9 +18,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from conftest import KERNEL_CASES, check_against_reference, mosaic_config
+from conftest import (KERNEL_CASES, MOSAIC_LAYOUTS, check_against_reference, gaussian_qkv,
+                      mosaic_config)
 from pallas_kernels.jax_triton.backend import TritonBackend
 from pallas_kernels.jax_triton.backward_dkdv import backward_dkdv
 from pallas_kernels.jax_triton.backward_dq import backward_dq
@@ -34,6 +36,7 @@ from pallas_kernels.layouts import REGISTER_B, TOKENS, arrange, to_layout
 from pallas_kernels.types import Layouts, Masks, QuantizedQKV
 from sagebwd_jax import dot_product_attention, implementations
 from sagebwd_jax.reference import ReferenceBackend
+from sagebwd_jax.sagebwd import quantize
 
 INTERPRET = LaunchConfig(interpret=True)
 
@@ -117,6 +120,35 @@ def test_backward_takes():
   assert not takes(plain, 192)  # not whole 128-token CTA tiles
   assert takes(plain, 192, tuning=BackwardTuning(compute_wgs=1, schedule_barrier=False))
   assert not takes(mosaic_config(64, True, window=(16, 0)))  # windows: the Triton kernels
+
+
+def test_fp8_causal_exact_passes_run_where_they_are_formed():
+  """FP8 products with causal_exact: the Hopper backend quantizes in its
+  Triton fallback (V per 64-key block, in the Mosaic kernels' layouts), as
+  the reference does, and the Triton backend forms the FP8 operands in
+  XLA's pass (its Triton pass refuses the case: K' keeps K's mean and the
+  bounds span the edge blocks)."""
+  config = mosaic_config(64, True, quantization="int8_fp8", causal_exact=True)
+  q, k, v, do = gaussian_qkv(jax.random.key(1), 1, 256, 256, 2, 1, 64)
+  triton = TritonBackend.tuned(causal=True, interpret=True)
+  hopper = MosaicBackend(triton, fp8_fallback=ReferenceBackend())
+  layouts = hopper.layouts(q, k, Masks(), config)
+  assert layouts == MOSAIC_LAYOUTS
+  qkv = quantize(q, k, v, Masks(), config, hopper, True)
+  want = quantize(q, k, v, Masks(), config, ReferenceBackend(), True)
+  assert qkv.v_scale.shape == (1, 1, 256)  # per token: each 64-key block's
+  for name, x, y in zip(qkv._fields, qkv, arrange(want, layouts)):
+    assert (x is None) == (y is None), name
+    if x is not None:  # 8-bit tensors bit for bit, scales to an ulp (tiles.quantize_e4m3)
+      np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32),
+                                 rtol=0 if x.dtype.itemsize == 1 else 1e-6, err_msg=name)
+  reference = ReferenceBackend()
+  o, lse, row_max = reference.forward(qkv, Masks(), config, q.dtype)
+  pre = reference.prepass(o, do, config, REGISTER_B)
+  got = triton.fp8_operands(qkv, v, do, pre, row_max, lse, Masks(), config)
+  for name, x, y in zip(got._fields, got, reference.fp8_operands(qkv, v, do, pre, row_max, lse,
+                                                                 Masks(), config)):
+    np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32), name)
 
 
 @pytest.mark.parametrize("q_len,kv_len,causal,dtype,ids,mosaic_forward_on,expected", [

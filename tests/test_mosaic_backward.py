@@ -5,18 +5,22 @@ which Mosaic GPU's interpret mode cannot run: on the CPU every tuning is
 lowered for CUDA (`lowering_platforms=("cuda",)`); on a GPU
 (`@pytest.mark.gpu`) the compiled kernels are compared with
 `ReferenceBackend(MOSAIC_NUMERICS).backward`, the same algorithm in plain JAX,
-on the same quantized tensors, O and lse.
+on the same quantized tensors, O and lse. With `Config.causal_exact`, in
+both numerics modes, they are also held to dQ's prefix invariance.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import (CPU, MOSAIC_BACKWARD_CASES, MOSAIC_LAYOUTS, assert_lowers_to_mosaic_gpu,
-                      backward_stage, gaussian_qkv, mosaic_config, rel_l2)
+from conftest import (CPU, FP8_TUNINGS, MOSAIC_BACKWARD_CASES, MOSAIC_EXACT_CASES,
+                      MOSAIC_LAYOUTS, MOSAIC_PASSES, assert_lowers_to_mosaic_gpu, backward_stage,
+                      channel_biased_qkv, gaussian_qkv, mosaic_config, rel_l2, resampled)
 from pallas_kernels.jax_triton.backward_prepass import backward_prepass
 from pallas_kernels.jax_triton.launch import LaunchConfig
 from pallas_kernels.mosaic.backward_common import BackwardTuning
@@ -26,7 +30,7 @@ from pallas_kernels.layouts import REGISTER_B
 from pallas_kernels.types import Layouts, Masks
 from pallas_kernels.mosaic.backend import MOSAIC_NUMERICS
 from sagebwd_jax.reference import ReferenceBackend
-from sagebwd_jax.sagebwd import key_mean
+from sagebwd_jax.sagebwd import key_mean, quantize
 
 # The reference with the Mosaic kernels' P and P^T quantization.
 HOPPER = ReferenceBackend(MOSAIC_NUMERICS)
@@ -153,3 +157,144 @@ def test_gpu_large_logits(sigma):
     x, ref = np.asarray(x.astype(jnp.float32)), np.asarray(ref, np.float32)
     assert np.all(np.isfinite(x)), name
     assert rel_l2(x, ref) <= 2e-2, (name, rel_l2(x, ref))
+
+
+# Each mode's tunings, with the tolerance of its other GPU cases against the
+# reference (above; tests/test_fp8.py); the ping-pong refuses causal_exact
+# (test_pingpong_refuses_causal_exact).
+EXACT_TUNINGS = [("int8", name) for name in sorted(TUNINGS)] + [
+    ("int8_fp8", name) for name in sorted(FP8_TUNINGS) if name != "pingpong"]
+TOLERANCE = {"int8": 5e-3, "int8_fp8": 1e-2}
+
+
+def _exact_tuning(quantization: str, name: str) -> BackwardTuning:
+  return (TUNINGS if quantization == "int8" else FP8_TUNINGS)[name]
+
+
+def _exact_inputs(config, smooth_k: bool = True):
+  """(q, k, v, dO) -> the backward kernels' arguments (qkv, v, lse, the
+  pre-pass with the FP8 operands, dO), formed by the reference's passes as
+  the op's stages form them, `Config.causal_exact`'s operands included."""
+  def inputs(q, k, v, do):
+    qkv = quantize(q, k, v, Masks(), config, MOSAIC_PASSES, smooth_k, True)
+    o, lse, row_max = HOPPER.forward(qkv, Masks(), config, jnp.bfloat16)
+    pre = HOPPER.prepass(o, do, config, REGISTER_B)
+    if config.fp8:
+      pre = pre._replace(fp8=HOPPER.fp8_operands(qkv, v, do, pre, row_max, lse, Masks(), config))
+    return qkv, v, lse, pre, do
+  return inputs
+
+
+def _exact_kernels(config, tuning, qkv, v, lse, pre, do):
+  """dQ, dK, dV from the Hopper backward kernels."""
+  fp8 = pre.fp8 if config.fp8 else None
+  dk, dv = backward_dkdv_mosaic(qkv, v, lse, pre.delta, do, pre.do8_t, pre.do_scale, Masks(),
+                                config, tuning, fp8=fp8)
+  dq = backward_dq_mosaic(qkv, v, lse, pre.delta, do, Masks(), config, tuning, fp8=fp8)
+  return dq, dk, dv
+
+
+@pytest.mark.parametrize("quantization,tuning", EXACT_TUNINGS, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_lowers_for_cuda_with_causal_exact(head_dim, quantization, tuning):
+  """causal_exact, causal, K-smoothing on: the mean term and the diagonal's
+  16-bit step in every schedule; GQA but with a ring of 3 at D=128 (as
+  without the option: fp32 dK/dV partials leave no room for it)."""
+  kv_heads = 4 if head_dim == 128 and tuning == "three_steps" else 2
+  config = mosaic_config(head_dim, True, quantization=quantization, causal_exact=True)
+  args = jax.eval_shape(_exact_inputs(config),
+                        *gaussian_qkv(jax.random.key(0), 2, 512, 512, 4, kv_heads, head_dim))
+  assert_lowers_to_mosaic_gpu(
+      functools.partial(_exact_kernels, config, _exact_tuning(quantization, tuning)), *args)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int8_fp8"])
+@pytest.mark.parametrize("causal,smooth_k", [(True, False), (False, True)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_lowers_for_cuda_with_causal_exact_in_part(head_dim, causal, smooth_k, quantization):
+  """The diagonal's step without K-smoothing (no m, no m'), and the mean
+  term alone (not causal: no diagonal step)."""
+  config = mosaic_config(head_dim, causal, quantization=quantization, causal_exact=True)
+  args = jax.eval_shape(_exact_inputs(config, smooth_k),
+                        *gaussian_qkv(jax.random.key(0), 2, 512, 512, 4, 2, head_dim))
+  assert_lowers_to_mosaic_gpu(functools.partial(_exact_kernels, config, BackwardTuning()),
+                              *args)
+
+
+def test_pingpong_refuses_causal_exact():
+  config = mosaic_config(64, True, quantization="int8_fp8", causal_exact=True)
+  args = jax.eval_shape(_exact_inputs(config),
+                        *gaussian_qkv(jax.random.key(0), 1, 128, 128, 1, 1, 64))
+  with pytest.raises(ValueError, match="tuning=BackwardTuning.pipelined=True.*causal_exact"):
+    _exact_kernels(config, FP8_TUNINGS["pingpong"], *args)
+
+
+def test_causal_exact_refuses_missing_operands():
+  config = mosaic_config(64, True, causal_exact=True)
+  args = jax.eval_shape(_exact_inputs(config),
+                        *gaussian_qkv(jax.random.key(0), 1, 128, 128, 1, 1, 64))
+  qkv, *rest = args
+  with pytest.raises(ValueError, match="k16"):
+    _exact_kernels(config, BackwardTuning(), qkv._replace(k16=None), *rest)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantization,tuning", EXACT_TUNINGS, ids=str)
+@pytest.mark.parametrize("case", MOSAIC_EXACT_CASES, ids=str)
+def test_gpu_causal_exact_matches_reference(case, quantization, tuning):
+  """Both kernels with causal_exact against the reference in their numerics,
+  on the same tensors, at each mode's tolerance of its other cases
+  (`channel_biased_qkv`: the mean term, and m' in dQ's diagonal, carry
+  weight)."""
+  batch, seq, heads, kv_heads, head_dim, causal = case
+  if head_dim == 128 and kv_heads < heads and tuning == "three_steps":
+    pytest.skip("a ring of 3 does not fit shared memory with fp32 GQA partials at D=128")
+  config = mosaic_config(head_dim, causal, quantization=quantization, causal_exact=True)
+  key = jax.random.key(12)
+  q, k, v = channel_biased_qkv(key, batch, seq, heads, kv_heads, head_dim)
+  do = gaussian_qkv(key, batch, seq, seq, heads, kv_heads, head_dim)[3]
+  with jax.default_device(CPU):
+    args = jax.jit(_exact_inputs(config))(*jax.device_put((q, k, v, do), CPU))
+    want = jax.jit(lambda qkv, v, lse, pre, do: HOPPER.backward(qkv, v, lse, do, pre, Masks(),
+                                                                config))(*args)
+  tuning = _exact_tuning(quantization, tuning)
+  got = jax.jit(functools.partial(_exact_kernels, config, tuning))(
+      *jax.device_put(args, jax.devices("gpu")[0]))
+  for name, x, ref in zip(("dQ", "dK", "dV"), got, want):
+    x, ref = np.asarray(x.astype(jnp.float32)), np.asarray(ref, np.float32)
+    assert x.shape == ref.shape, name
+    assert np.all(np.isfinite(x)), name
+    assert rel_l2(x, ref) <= TOLERANCE[quantization], (name, rel_l2(x, ref))
+
+
+PREFIX_TUNINGS = [("int8", "default"), ("int8_fp8", "default"), ("int8_fp8", "pipelined")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantization,tuning", PREFIX_TUNINGS, ids=str)
+@pytest.mark.parametrize("t", [768, 700, 1, 40, 63, 64, 100])
+def test_gpu_causal_exact_dq_depends_on_no_later_token(quantization, tuning, t):
+  """The bar case (B1 T1024 H2 D64, causal, bf16): with causal_exact, K, V
+  and dO at positions >= t resampled leave the dQ kernel's dQ[:t] bitwise
+  unchanged, at a block boundary (768), inside the diagonal block (700) and
+  inside or at the end of key block 0, where m' and m part (1, 40, 63, 64,
+  100); without it dQ[:t] moves (checked at 768 and 700). The inputs are
+  the reference's passes on the CPU, themselves prefix invariant
+  (tests/test_causal_exact.py)."""
+  q, k, v, do = gaussian_qkv(jax.random.key(0), 1, 1024, 1024, 2, 2, 64)
+  later = (resampled(k, t, 1), resampled(v, t, 2), resampled(do, t, 3))
+  for exact in (True, False) if t >= 700 else (True,):
+    config = mosaic_config(64, True, quantization=quantization, causal_exact=exact)
+    dq = lambda qkv, v, lse, pre, do: backward_dq_mosaic(
+        qkv, v, lse, pre.delta, do, Masks(), config, _exact_tuning(quantization, tuning),
+        fp8=pre.fp8 if config.fp8 else None)
+    runs = []
+    for arrays in ((k, v, do), later):
+      with jax.default_device(CPU):
+        args = jax.jit(_exact_inputs(config))(*jax.device_put((q, *arrays), CPU))
+      runs.append(np.asarray(jax.jit(dq)(*jax.device_put(args, jax.devices("gpu")[0])),
+                             np.float32)[:, :t])
+    if exact:
+      np.testing.assert_array_equal(runs[1], runs[0])
+    else:
+      assert rel_l2(runs[1], runs[0]) > 1e-3

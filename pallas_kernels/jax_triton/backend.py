@@ -95,10 +95,11 @@ class TritonBackend:
   def fp8_operands(self, qkv: QuantizedQKV, v, do, prepass: Prepass, row_max, lse,
                    masks: Masks, config: Config) -> Fp8Operands:
     """Two kernels (`jax_triton.fp8_operands`) without masks, XLA's pass with
-    them; the Mosaic backend borrows it."""
+    them or with `Config.causal_exact` (K' less its first block's mean, the
+    bounds over what each row sees); the Mosaic backend borrows it."""
     args = (qkv, v, do, prepass.do_scale, row_max, lse, prepass.delta, masks, config,
             layout_of(qkv.k8_t))
-    if masks.q_ids is not None:
+    if masks.q_ids is not None or config.causal_exact:
       return xla_fp8_operands(*args)
     return triton_fp8_operands(*args, self.dq_launch)
 

@@ -205,18 +205,6 @@ def _dkdv_kernel(k8_ptr, k_scale_ptr, v_ptr, kv_ids_ptr, q8_ptr, q8_t_ptr, q_sca
   tl.store(dv_ptr + out + (D // 2 + lo)[None, :], dv_hi.to(dv_ptr.dtype.element_ty))
 
 
-def _row_means(q16, k_mean, multiplier: float) -> jax.Array:
-  """Each row's q_i . m (B, H, Tq) fp32, base 2 (`Config.causal_exact`;
-  `tiles.mean_scores`). A program here meets every query block of the band
-  once per key tile, so the rows' numbers come in formed once, one load per
-  row and step in place of Q and a product per step."""
-  batch, q_len, heads, head_dim = q16.shape
-  kv_heads = k_mean.shape[1]
-  q = q16.reshape(batch, q_len, kv_heads, heads // kv_heads, head_dim).astype(jnp.float32)
-  means = jnp.einsum("btkgd,bkd->bkgt", q, k_mean, precision=jax.lax.Precision.HIGHEST)
-  return means.reshape(batch, heads, q_len) * multiplier
-
-
 def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: Masks,
                   config: Config, launch: LaunchConfig, do_start: jax.Array | None = None
                   ) -> tuple[jax.Array, jax.Array]:
@@ -235,7 +223,7 @@ def backward_dkdv(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale, masks: 
             q_scale, placeholder(q_mean, jnp.float32), lse, delta, do, do8_t, do_scale,
             tiles.accumulator_start(do_start, do8_t, config.block_q), placeholder(q16, v.dtype),
             placeholder(k16, v.dtype),
-            placeholder(None if k_mean is None else _row_means(q16, k_mean, multiplier),
+            placeholder(None if k_mean is None else nm.mean_scores(q16, k_mean, multiplier),
                         jnp.float32),
             placeholder(q_ids, jnp.int32)]
     shape = jax.ShapeDtypeStruct(v.shape, v.dtype)

@@ -78,6 +78,11 @@ def fp8_operands(qkv: QuantizedQKV, v: jax.Array, do: jax.Array, do_scale: jax.A
     raise NotImplementedError(
         "masks: the Triton FP8 operand pass takes no sequence ids (masks.q_ids, "
         "masks.kv_ids); pallas_kernels.fp8_operands.fp8_operands forms them with masks")
+  if config.causal_exact:
+    raise NotImplementedError(
+        "causal_exact: the Triton FP8 operand pass neither takes K's first block mean off "
+        "K' nor leaves the edge blocks out of its bounds; "
+        "pallas_kernels.fp8_operands.fp8_operands forms them")
   if qkv.q16 is None or qkv.k16 is None:
     raise ValueError("qkv.q16 and qkv.k16 are None: the FP8 operands are formed from Q and "
                      "the smoothed K in the inputs' dtype (Config.keeps_qk16)")

@@ -19,7 +19,9 @@ the same rules accept the case; the quantization pass where the Mosaic
 forward runs, and the stages between the forward and the backward's kernels
 (the pre-pass, the saturated rows, the FP8 operands) where the Mosaic
 backward runs, are then `fallback`'s, whose Triton kernels take either mode,
-and everything else `fp8_fallback`'s. The Mosaic kernels
+and everything else `fp8_fallback`'s. `Config.causal_exact` runs in the
+Mosaic kernels of both modes; with FP8 products its FP8 operands are XLA's
+(`TritonBackend.fp8_operands`). The Mosaic kernels
 compile for an sm_90 GPU only.
 """
 

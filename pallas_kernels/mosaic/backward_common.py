@@ -19,7 +19,9 @@ merging one into fp32 is a conversion and an FMA (its per-row scale).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas as pl
@@ -27,7 +29,8 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 
 from pallas_kernels import numerics as nm
 from pallas_kernels.mosaic import pipeline, registers
-from pallas_kernels.mosaic.common import BLOCK, positive_scale
+from pallas_kernels.mosaic.common import BLOCK, positive_scale, smem_transforms
+from pallas_kernels.types import Config, QuantizedQKV
 
 TILE = (BLOCK, BLOCK)
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
@@ -93,9 +96,20 @@ def exponent(f, c, lse, *, along: int, cap=None):
   per column (`along`=1). The FP8 products take P times a factor: `lse`
   less its log2, and `cap` (a scalar, or a vector as `lse`) that log2."""
   x = (f - nm.ROUND_MAGIC_F32) * positive_scale(c) - lax.broadcast_in_dim(lse, f.shape, [along])
+  return _capped(x, cap, along)
+
+
+def edge_exponent(s, multiplier: float, lse, *, along: int, cap=None):
+  """`exponent` of an edge tile (`Config.exact_edges`) from its fp32
+  Q16.K16^T: s * multiplier (scale * log2 e, which Q8's scale carries) less
+  the rows' lse in the exact frame."""
+  return _capped(s * multiplier - lax.broadcast_in_dim(lse, s.shape, [along]), cap, along)
+
+
+def _capped(x, cap, along: int):
   if cap is None:
     return nm.log2_p(x)
-  return jnp.minimum(x, cap if jnp.ndim(cap) == 0 else lax.broadcast_in_dim(cap, f.shape,
+  return jnp.minimum(x, cap if jnp.ndim(cap) == 0 else lax.broadcast_in_dim(cap, x.shape,
                                                                             [along]))
 
 
@@ -105,6 +119,14 @@ def causal_mask(f, *, row_start, col_start, rows_are_keys: bool):
   cols = plgpu.broadcasted_iota(jnp.int32, f.shape, 1, layout=plgpu.Layout.WGMMA) + col_start
   q_pos, kv_pos = (cols, rows) if rows_are_keys else (rows, cols)
   return jnp.where(q_pos >= kv_pos, f, -jnp.inf)
+
+
+def keys_before(f, end, *, col_start):
+  """f where the key (column, `col_start` + column) comes before `end`,
+  -inf elsewhere: the 8-bit keys of the step that holds a query block's
+  diagonal (`Config.exact_edges`)."""
+  cols = plgpu.broadcasted_iota(jnp.int32, f.shape, 1, layout=plgpu.Layout.WGMMA) + col_start
+  return jnp.where(cols < end, f, -jnp.inf)
 
 
 def pack_signed_rows(y):
@@ -148,3 +170,50 @@ def row_vector(ref):
 
 def col_vector(ref):
   return plgpu.load(ref, layout=COL, optimized=False)
+
+
+class EdgeOperands(NamedTuple):
+  """What the edge tiles (`Config.exact_edges`) add to a backward kernel's
+  operands. Causal with 64 x 64 blocks, a block's one edge tile is its
+  diagonal: the warpgroup's own 64 positions on both sides. Q and K in the
+  inputs' dtype and layout (B, T, H or Hkv, D), K unsmoothed (the exact
+  frame); the rows' lse (B, H, Tq) as the forward wrote it (the kernels'
+  lse operand is the 8-bit tiles', `causal_exact_operands`); for dQ each
+  query block's m' (`QuantizedQKV.k_mean_seen`, None without K-smoothing),
+  which its edge product takes K less."""
+
+  q16: jax.Array
+  k16: jax.Array
+  lse: jax.Array
+  k_mean_seen: jax.Array | None = None
+
+
+def causal_exact_operands(qkv: QuantizedQKV, lse, config: Config,
+                          name: str) -> tuple[jax.Array, EdgeOperands | None]:
+  """`Config.causal_exact` in a backward kernel's operands: the lse its
+  8-bit tiles read, less each row's q_i . m where K8 lacks K's mean m
+  (`numerics.mean_scores`: S + q_i . m - lse = S - (lse - q_i . m), so the
+  steps add no term), and with `Config.exact_edges` the diagonal's operands
+  (`EdgeOperands`, else None)."""
+  if not config.causal_exact:
+    return lse, None
+  means, edges = qkv.k_mean is not None, config.exact_edges
+  needed = ("q16",) * (means or edges) + ("k16",) * edges
+  missing = [field for field in needed if getattr(qkv, field) is None]
+  if missing:
+    raise ValueError(f"causal_exact: {name} needs QuantizedQKV.{', '.join(missing)} "
+                     "(sagebwd.quantize sets them)")
+  forward_lse = lse
+  if means:
+    lse = lse - nm.mean_scores(qkv.q16, qkv.k_mean, config.scale * nm.LOG2_E)
+  if not edges:
+    return lse, None
+  return lse, EdgeOperands(qkv.q16, qkv.k16, forward_lse, qkv.k_mean_seen)
+
+
+def sharing(tile, dtype) -> plgpu.RefUnion:
+  """`tile` ((warpgroups, 64, D)) and a 16-bit tile of its shape in the same
+  shared memory, for operands whose lifetimes do not overlap (the edge
+  step's before the output's staging, or after the last product of Q8)."""
+  return plgpu.RefUnion(tile, plgpu.SMEM(tile.shape, dtype,
+                                         transforms=smem_transforms(tile.shape[-1], dtype)))

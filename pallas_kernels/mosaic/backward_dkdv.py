@@ -31,6 +31,20 @@ Causal: a
 warpgroup starts at the query block holding its diagonal (masked); the ring
 starts at the CTA's first warpgroup's, and later warpgroups release the
 blocks only earlier ones need.
+
+With `Config.causal_exact` (docs/algorithm.md, "Statistics over what each row
+sees") the 8-bit tiles read lse less each row's q_i . m, which K8 lacks
+(`backward_common.causal_exact_operands`), so their steps add nothing; and
+the diagonal, the one masked step, runs in the exact frame: S^T = K16.Q16^T
+with fp32 accumulation and the rows' own lse, P^T and dS^T quantized for dV
+and dK as every step's. K16 is its A operand from registers, Q16 waits in
+the output's staging tile (unused until the loop ends). The pipelined
+schedule runs it as a chain of one step: its fp32 S^T is not the 8-bit
+steps' accumulator type.
+
+Longer than 400 lines because the one loop body serves both numerics modes,
+their schedules and `Config.causal_exact`'s diagonal step: split by mode,
+the kernels would repeat the pipeline's frame.
 """
 
 from __future__ import annotations
@@ -54,13 +68,16 @@ from pallas_kernels.types import Config, Fp8Operands, Masks, QuantizedQKV, Trans
 
 
 def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns, out_scales,
-               *, causal: bool, out_dtype, tuning: BackwardTuning):
+               edge_operands: bc.EdgeOperands | None, *, causal: bool, multiplier: float, out_dtype,
+               tuning: BackwardTuning):
   """q8_t, do8_t: REGISTER_B (B, H, Tq / 64, D, 64), int8 or with FP8
   products (`out_scales` given) E4M3 (`types.TransposedLayout`); scales per
   token (B, H, T). `step_scale` (B, H, Tq): dO's block scale, or with FP8
   log2 of `Fp8Operands.p_factor`; `columns`: the query rows' vectors each
   step reads, (lse, Delta) or with FP8 (lse, Delta, dS^T's column factor);
-  `out_scales`: dK's and dV's factors after the loop (B, Hkv), or None."""
+  `out_scales`: dK's and dV's factors after the loop (B, Hkv), or None;
+  `edge_operands`: the edge tiles' operands (`Config.exact_edges`), whose scores
+  `multiplier` scales, or None."""
   batch, heads, q_len, head_dim = q8.shape
   kv_heads, kv_len = k8.shape[1], k8.shape[2]
   group = heads // kv_heads
@@ -71,6 +88,8 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
   t_transforms = smem_transforms(BLOCK, q8_t.dtype)
   k_transforms = smem_transforms(head_dim, jnp.int8)
   v_transforms = smem_transforms(head_dim, v.dtype)
+  edges = edge_operands is not None
+  edge_inputs = (edge_operands.q16, edge_operands.k16, edge_operands.lse) if edges else ()
 
   def q_range(j):
     """Query blocks key block j sees: [start, full) masked, [full, end) whole."""
@@ -80,21 +99,34 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
                  for x in causal_blocks.q_blocks(j, BLOCK, BLOCK, num_q_blocks))
 
   def kernel(q_ref, q8_t_ref, qs_ref, k_ref, ks_ref, v_ref, do_ref, do8_t_ref, step_ref, *refs):
+    edge_refs, refs = refs[:len(edge_inputs)], refs[len(edge_inputs):]
     col_refs, out_scale_refs = refs[:len(columns)], refs[len(columns):-3]
     dk_ref, dv_ref, scoped = refs[-3:]
     b, h, t = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("kv_seq")
     wg = lax.axis_index("wg")
     kvh = lax.div(h, jnp.array(group, h.dtype))
-    smem, (k_bars, v_bars), ring_bars, releases, sched = scoped
+    smem, (k_bars, v_bars), ring_bars, releases, sched, *edge_bars = scoped
     # Pipelined, Q8^T's and dO8^T's slots (read by dV and dK, a step later)
     # are released on their own barriers, the rest's after the chain.
     consumed, consumed_t = releases if pipelined else releases * 2
     k_smem2, v_smem2, q_ring, q8_t_ring, do_ring, do8_t_ring, col_rings, out_smem2 = smem
+    if edges:  # Q16 in the output's staging tile until the loop's first step is done
+      out_smem2, q16_smem2 = out_smem2
     q_bars, q8_t_bars, do_bars, do8_t_bars, *col_bars = ring_bars
     cta_start = q_range(t * wgs)[0]
     end = jnp.int32(num_q_blocks)
     ring = pipeline.Ring(tuning.max_concurrent_steps)
     schedule = pipeline.Schedule(sched, tuning)
+
+    def load_edge(rows):
+      """The diagonal tile's operands: Q16 into shared memory, K16 (the A
+      operand of its S^T) and the queries' lse into registers, their latency
+      behind K8's and V's. K16 has no tile of its own: at D=128 with a ring
+      of 3 none is left."""
+      q16_ref, k16_ref, lse_ref = edge_refs
+      plgpu.copy_gmem_to_smem(q16_ref.at[b, rows, h], q16_smem2.at[wg], edge_bars[0].at[wg])
+      return (plgpu.load(k16_ref.at[b, rows, kvh], layout=plgpu.Layout.WGMMA, optimized=False),
+              bc.col_vector(lse_ref.at[b, h, rows]))
 
     def compute():
       j = t * wgs + wg  # this warpgroup's key block
@@ -102,21 +134,32 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
       k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
       plgpu.copy_gmem_to_smem(k_ref.at[b, kvh, kv], k_smem, k_bars.at[wg])
       plgpu.copy_gmem_to_smem(v_ref.at[b, kv, kvh], v_smem, v_bars.at[wg])
+      if edges:  # the diagonal's queries are the block's own 64 positions
+        edge_k16, edge_lse = load_edge(kv)
       k_scale = ks_ref[b, kvh, j * BLOCK]
       plgpu.barrier_wait(k_bars.at[wg])
       plgpu.barrier_wait(v_bars.at[wg])
+
+      def edge_scores():
+        """S^T of the diagonal tile from K16 and Q16 (fp32, from 0), in place
+        of K8.Q8^T."""
+        plgpu.barrier_wait(edge_bars[0].at[wg])
+        return (edge_k16, q16_smem2.at[wg]), bc.zeros(bc.TILE)
 
       def column(slot, c):
         plgpu.barrier_wait(col_bars[c].at[slot])
         return bc.col_vector(col_rings.at[slot, c])
 
-      def exponent(i, s, q_scale, *, masked: bool, shift=None):
+      def exponent(i, s, q_scale, *, masked: bool, shift=None, edge: bool = False):
         """The exponent of P^T of step i from S^T (less `shift`, capped
-        there)."""
-        f = bc.as_float(s)
+        there); with `edge`, the diagonal's fp32 S^T."""
+        f = s if edge else bc.as_float(s)
         if masked:
           f = bc.causal_mask(f, row_start=j * BLOCK, col_start=i * BLOCK, rows_are_keys=True)
         lse = column(ring.slot(i), 0)
+        if edge:  # the rows' own lse: the ring's lacks their q_i . m
+          lse = edge_lse if shift is None else edge_lse - shift
+          return bc.edge_exponent(f, multiplier, lse, along=1, cap=shift)
         if shift is None:
           return bc.exponent(f, q_scale * k_scale, lse, along=1)
         return bc.exponent(f, q_scale * k_scale, lse - shift, along=1, cap=shift)
@@ -127,20 +170,20 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         behind it."""
         return qs_ref[b, h, i * BLOCK], step_ref[b, h, i * BLOCK]
 
-      def fp8_chain(i, s, dp, q_scale, step, *, masked: bool):
+      def fp8_chain(i, s, dp, q_scale, step, *, masked: bool, edge: bool = False):
         """P'^T = P^T * p_factor (the exponent shifted by its log2, capped
         there) and dS'^T of step i, in E4M3."""
-        p = jnp.exp2(exponent(i, s, q_scale, masked=masked, shift=step))
+        p = jnp.exp2(exponent(i, s, q_scale, masked=masked, shift=step, edge=edge))
         ds_t = p * (dp * lax.broadcast_in_dim(column(ring.slot(i), 2), bc.TILE, [1]))
         return registers.pack_e4m3(p), registers.pack_e4m3(ds_t)
 
-      def q_step(i, carry, *, masked: bool):
+      def q_step(i, carry, *, masked: bool, edge: bool = False):
         dk, dv = carry
         slot = ring.slot(i)
         q_scale, step = scalars(i)
         with jax.named_scope("wait_q"):
           plgpu.barrier_wait(q_bars.at[slot])
-        s_product = (k_smem, q_ring.at[slot]), bc.magic()
+        s_product = edge_scores() if edge else ((k_smem, q_ring.at[slot]), bc.magic())
 
         def dp_product():
           minus_delta = -lax.broadcast_in_dim(column(slot, 1), bc.TILE, [1])
@@ -155,9 +198,9 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
             (s,) = bc.products(*zip(s_product), schedule)
         with jax.named_scope("elementwise"):
           if fp8:
-            p8, ds8 = fp8_chain(i, s, dp, q_scale, step, masked=masked)
+            p8, ds8 = fp8_chain(i, s, dp, q_scale, step, masked=masked, edge=edge)
           else:
-            pq, top = nm.unsigned_rows(exponent(i, s, q_scale, masked=masked))
+            pq, top = nm.unsigned_rows(exponent(i, s, q_scale, masked=masked, edge=edge))
             # dP^T only now: with S^T, P^T and the int32 products of dK and dV
             # it would not fit the registers (FP8 adds into dK and dV).
             (dp,) = bc.products(*zip(dp_product()))
@@ -182,18 +225,21 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         plgpu.barrier_arrive(consumed.at[slot])
         return dk, dv
 
-      def issue_s_dp(i):
-        """S^T and dP^T of step i, issued and left in flight."""
+      def issue_s_dp(i, *, edge: bool = False):
+        """S^T and dP^T of step i, issued and left in flight (the diagonal's
+        waited for: K16, their A operand, is in registers)."""
         slot = ring.slot(i)
         plgpu.barrier_wait(q_bars.at[slot])
         minus_delta = -lax.broadcast_in_dim(column(slot, 1), bc.TILE, [1])
         plgpu.barrier_wait(do_bars.at[slot])
+        if edge:
+          return bc.products(*zip(edge_scores(), ((v_smem, do_ring.at[slot]), minus_delta)))
         return registers.dots(
             (bc.magic(), ((k_smem, k_transforms),), (q_ring.at[slot],), k_transforms),
             (minus_delta, ((v_smem, v_transforms),), (do_ring.at[slot],), v_transforms),
             wait=False)
 
-      def pipelined_step(i, carry, *, masked: bool, last: bool = False):
+      def pipelined_step(i, carry, *, masked: bool, last: bool = False, edge: bool = False):
         """Step i with FP8 products, its S^T and dP^T issued by step i - 1:
         dV and dK of step i go out with S^T and dP^T of step i + 1, and one
         wait at the next step's start covers both; the warpgroup then takes
@@ -203,12 +249,12 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
           s, dp, dk, dv = registers.wait_for(*carry)
         slot = ring.slot(i)
 
-        @pl.when(i > start)
+        @pl.when(i > first)
         def _release_previous():  # dV and dK of step i - 1 are done
           plgpu.barrier_arrive(consumed_t.at[ring.slot(i - 1)])
 
         with jax.named_scope("elementwise"):
-          p8, ds8 = fp8_chain(i, s, dp, q_scale, step, masked=masked)
+          p8, ds8 = fp8_chain(i, s, dp, q_scale, step, masked=masked, edge=edge)
         plgpu.barrier_arrive(consumed.at[slot])  # Q8, dO and the rows' vectors
         with jax.named_scope("issue"):
           plgpu.barrier_wait(do8_t_bars.at[slot])
@@ -220,32 +266,47 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
           schedule.turn()
         return carry
 
-      def pipelined_steps(start, full, zeros):
+      def pipelined_steps(start, end, carry, *, edge: bool = False):
         """Steps [start, end) as `pipelined_step`s: masked ones, whole ones,
-        then the last (masked when causal: a whole block's mask keeps all)."""
-        carry = (*issue_s_dp(start), *zeros)
+        then the last (masked when causal: a whole block's mask keeps all);
+        with `edge`, the one step of the diagonal."""
+        carry = (*issue_s_dp(start, edge=edge), *carry)
         schedule.turn()
         last = end - 1
-        carry = lax.fori_loop(start, jnp.minimum(full, last),
-                              functools.partial(pipelined_step, masked=True), carry)
-        carry = lax.fori_loop(jnp.minimum(full, last), last,
-                              functools.partial(pipelined_step, masked=False), carry)
-        carry = pipelined_step(last, carry, masked=causal, last=True)
+        if not edge:
+          carry = lax.fori_loop(start, jnp.minimum(full, last),
+                                functools.partial(pipelined_step, masked=True), carry)
+          carry = lax.fori_loop(jnp.minimum(full, last), last,
+                                functools.partial(pipelined_step, masked=False), carry)
+        carry = pipelined_step(last, carry, masked=causal, last=True, edge=edge)
         dk, dv = registers.wait_for(*carry)
         plgpu.barrier_arrive(consumed_t.at[ring.slot(last)])
         return dk, dv
 
       start, full, _ = q_range(j)
-      if pipelined:  # every warpgroup takes a turn at each of the CTA's steps
+      if pipelined and tuning.schedule_barrier:
+        # Every warpgroup takes a turn at each of its CTA's steps (without
+        # causal_exact: `backward_dkdv_mosaic` refuses it here).
         start = cta_start
+      # With edges the diagonal's step (the one masked, causal 64 x 64) runs
+      # first, from Q16 and K16 (fp32 S^T, another accumulator's type), and
+      # the whole blocks [full, end) after it.
+      first = full if edges else start
       pipeline.release(ring, cta_start, start, bars=ring_bars, consumed=releases,
                        schedule=schedule)
       schedule.lead_in(wg)
       zeros = (bc.zeros((BLOCK, head_dim)), bc.zeros((BLOCK, head_dim)))
       if pipelined:
-        dk, dv = pipelined_steps(start, full, zeros)
+        if edges:  # the last key block has the diagonal alone
+          dk, dv = lax.cond(full < end, functools.partial(pipelined_steps, full, end),
+                            lambda carry: carry, pipelined_steps(start, full, zeros, edge=True))
+        else:
+          dk, dv = pipelined_steps(start, end, zeros)
       else:
-        carry = lax.fori_loop(start, full, functools.partial(q_step, masked=True), zeros)
+        if edges:
+          carry = q_step(start, zeros, masked=True, edge=True)
+        else:
+          carry = lax.fori_loop(start, full, functools.partial(q_step, masked=True), zeros)
         dk, dv = lax.fori_loop(full, end, functools.partial(q_step, masked=False), carry)
       schedule.lead_out(wg)
       # Q was quantized as Q * scale * log2(e): dK carries log2(e) once (FP8:
@@ -289,20 +350,24 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
       plgpu.SMEM((slots, BLOCK, head_dim), fdt, transforms=smem_transforms(head_dim, fdt)),  # dO
       plgpu.SMEM((slots, head_dim, BLOCK), do8_t.dtype, transforms=t_transforms),  # dO8^T
       plgpu.SMEM((slots, len(columns), BLOCK), jnp.float32),  # lse, Delta, ...
-      plgpu.SMEM((wgs, BLOCK, head_dim), out_dtype,
-                 transforms=smem_transforms(head_dim, out_dtype)),  # dK, then dV
   )
+  out_tile = plgpu.SMEM((wgs, BLOCK, head_dim), out_dtype,
+                        transforms=smem_transforms(head_dim, out_dtype))  # dK, then dV
+  scratch += (bc.sharing(out_tile, edge_operands.q16.dtype) if edges else out_tile,)
   barriers = ((plgpu.Barrier(num_barriers=wgs),) * 2,
               (plgpu.Barrier(num_barriers=slots),) * (4 + len(columns)),
               (plgpu.Barrier(num_arrivals=wgs, num_barriers=slots),) * (
                   2 if pipelined else 1),
               plgpu.Barrier(num_arrivals=wgs))
+  if edges:
+    barriers += (plgpu.Barrier(num_barriers=wgs),)  # Q16's
   shape = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), out_dtype)
   return pipeline.kernel(
       kernel, tuning=tuning, scratch=scratch, barriers=barriers, out_type=(shape, shape),
       grid=(heads, kv_len // (wgs * BLOCK), batch), grid_names=("heads", "kv_seq", "batch"),
       name="sagebwd_backward_dkdv_fp8_mosaic" if fp8 else "sagebwd_backward_dkdv_mosaic",
-  )(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, *columns, *(out_scales or ()))
+  )(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, *edge_inputs, *columns,
+    *(out_scales or ()))
 
 
 def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
@@ -316,12 +381,20 @@ def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
   REGISTER_B (`types.Layouts`); P^T quantized as `backend.MOSAIC_NUMERICS`
   says. With GQA the per-query-head partials are kept in fp32 until summed.
   With `Config.fp8`, `fp8` (its operands, `fp8_operands`) gives dK's
-  second operand and the FP8 factors, and dO8^T is E4M3.
+  second operand and the FP8 factors, and dO8^T is E4M3. With
+  `Config.causal_exact` the scores are the forward's (from
+  `QuantizedQKV.q16`, `k16` and `k_mean`).
   """
   check_supported(qkv, masks, config, "backward_dkdv_mosaic", tuning.compute_wgs * BLOCK)
   if config.fp8 != (fp8 is not None):
     raise ValueError("backward_dkdv_mosaic: `fp8` (the FP8 operands) is given exactly when "
                      f"quantization='int8_fp8'; got quantization={config.quantization!r}")
+  if config.exact_edges and config.fp8 and tuning.pipelined and tuning.schedule_barrier:
+    # The diagonal runs as a chain of its own, whose turns the ping-pong's
+    # warpgroups would not take equally often.
+    raise ValueError("backward_dkdv_mosaic: tuning=BackwardTuning(pipelined=True) with the "
+                     "schedule barrier does not take causal_exact; pass "
+                     "schedule_barrier=False")
   q8_t = qkv.q8_t if fp8 is None else fp8.q8_t
   for name, x8_t in (("q8_t", q8_t), ("do8_t", do8_t)):
     check_layout(name, x8_t, TransposedLayout.REGISTER_B)
@@ -329,6 +402,7 @@ def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
   kv_heads, kv_len = qkv.k8.shape[1], qkv.k8.shape[2]
   group = heads // kv_heads
   out_dtype = v.dtype if group == 1 else jnp.dtype(jnp.float32)
+  lse, edge_operands = bc.causal_exact_operands(qkv, lse, config, "backward_dkdv_mosaic")
   if fp8 is None:
     step_scale, columns, out_scales = do_scale, (lse, delta), None
   else:
@@ -339,8 +413,8 @@ def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
     step_scale, columns = jnp.log2(fp8.p_factor), (lse, delta, ds_col)
     out_scales = (fp8.dk_scale * nm.LN_2, fp8.dv_scale)
   dk, dv = _dkdv_call(qkv.q8, q8_t, qkv.q_scale, qkv.k8, qkv.k_scale, v, do, do8_t,
-                      step_scale, columns, out_scales, causal=config.causal,
-                      out_dtype=out_dtype, tuning=tuning)
+                      step_scale, columns, out_scales, edge_operands, causal=config.causal,
+                      multiplier=config.scale * nm.LOG2_E, out_dtype=out_dtype, tuning=tuning)
   if group > 1:
     sum_group = lambda x: x.reshape(batch, kv_len, kv_heads, group, head_dim).sum(axis=3)
     dk, dv = sum_group(dk).astype(v.dtype), sum_group(dv).astype(v.dtype)
