@@ -31,7 +31,6 @@ from conftest import (CPU, FP8_TUNINGS, MOSAIC_BACKWARD_CASES, MOSAIC_EXACT_CASE
                       MOSAIC_FORWARD_CASES, MOSAIC_LAYOUTS, assert_lowers_to_mosaic_gpu,
                       channel_biased_qkv, gaussian_qkv, kernel_config, mosaic_config,
                       mosaic_exact_case, oracle64, rel_l2, sage)
-from pallas_kernels import numerics as nm
 from pallas_kernels.fp8_operands import fp8_operands
 from pallas_kernels.layouts import REGISTER_B, TOKENS
 from pallas_kernels.mosaic import forward as mosaic_forward
