@@ -366,3 +366,17 @@ def test_saturated_lse_margin(m):
   gap = np.float64(m) - np.float64(lse)
   assert gap > 2 * np.spacing(np.abs(m))
   assert gap + 2 * np.spacing(np.abs(m)) < abs(np.float64(m)) / (127**2 * 64)
+
+
+def test_mean_scores_are_each_rows_product_with_its_kv_heads_mean():
+  """q_i . m times the multiplier, per (batch, query head, row), m the mean
+  of the query head's kv head (GQA: heads 0-2 read kv head 0, 3-5 kv head 1),
+  against float64."""
+  rng = np.random.default_rng(0)
+  q = rng.standard_normal((2, 16, 6, 8)).astype(np.float32)
+  m = rng.standard_normal((2, 2, 8)).astype(np.float32)
+  got = np.asarray(nm.mean_scores(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32),
+                                  jnp.asarray(m), 0.5))
+  q64 = np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32), np.float64)
+  want = np.einsum("bthd,bhd->bht", q64, np.repeat(m.astype(np.float64), 3, axis=1)) * 0.5
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
