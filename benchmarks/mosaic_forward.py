@@ -10,12 +10,13 @@ Mosaic variant's O and lse are checked against `ReferenceBackend(MOSAIC_NUMERICS
 run on the same device (relative L2). Then quantization="int8_fp8": its
 quantization (the reference's XLA pass: Q, K int8, V^T E4M3 per 64-key
 block REGISTER_B; `quantize_fp8_xla`) and the Mosaic FP8 forward (`mosaic_fp8`),
-checked against the reference's FP8 forward in 128-key steps. Causal, both
-modes again with `causal_exact=True` (`mosaic_causal_exact`,
+checked against the reference's FP8 forward in 128-key steps, under each
+schedule (`mosaic_fp8_pipelined`: P.V issued with the next step's S;
+`mosaic_fp8_pingpong`: that with the schedule barrier, one turn a step).
+Causal, both modes again with `causal_exact=True` (`mosaic_causal_exact`,
 `mosaic_fp8_causal_exact`: the reference's passes, K's first-block mean, the
-16-bit operands), against `mosaic` and
-`mosaic_fp8`. Writes mosaic_forward.csv to --out (default $OUT, else
-nothing).
+16-bit operands), against `mosaic` and `mosaic_fp8`. Writes
+mosaic_forward.csv to --out (default $OUT, else nothing).
 """
 
 from __future__ import annotations
@@ -42,7 +43,12 @@ VARIANTS = {
     "mosaic_3st": ForwardTuning(max_concurrent_steps=3),
     "mosaic_nosched": ForwardTuning(schedule_barrier=False),
     "mosaic_1wg": ForwardTuning(compute_wgs=1, schedule_barrier=False),
+    "mosaic_fp8": ForwardTuning(),
+    "mosaic_fp8_pipelined": ForwardTuning(pipelined=True, schedule_barrier=False),
+    "mosaic_fp8_pingpong": ForwardTuning(pipelined=True),
+    "mosaic_fp8_pingpong_3st": ForwardTuning(pipelined=True, max_concurrent_steps=3),
 }
+FP8_PREFIX = "mosaic_fp8"  # variants run with quantization="int8_fp8"
 
 
 def time_causal_exact(config: Config, q, k, v, record, table: Rows):
@@ -91,7 +97,7 @@ def main():
     reference = jax.jit(lambda qkv: ReferenceBackend(MOSAIC_NUMERICS).forward(
         qkv, Masks(), config, jnp.bfloat16))
     o_ref, lse_ref, _ = jax.block_until_ready(reference(qkv))
-    for name in names:
+    for name in [name for name in names if not name.startswith(FP8_PREFIX)]:
       fn = jax.jit(lambda qkv, tuning=VARIANTS[name]: forward_mosaic(
           qkv, Masks(), config, jnp.bfloat16, tuning))
       try:
@@ -108,13 +114,15 @@ def main():
     record("quantize_fp8_xla", time_call(quantize_fp8, q, k, v))
     o_ref, lse_ref, _ = jax.block_until_ready(jax.jit(lambda qkv: reference_fp8.forward(
         qkv, Masks(), fp8, jnp.bfloat16))(qkv_fp8))
-    fn = jax.jit(lambda qkv: forward_mosaic(qkv, Masks(), fp8, jnp.bfloat16))
-    try:
-      o, lse, _ = jax.block_until_ready(fn(qkv_fp8))
-      record("mosaic_fp8", time_call(fn, qkv_fp8), o_rel_l2=rel_l2(o, o_ref),
-             lse_rel_l2=rel_l2(lse, lse_ref))
-    except Exception as e:
-      table.failed("mosaic_fp8", causal, e)
+    for name in [name for name in names if name.startswith(FP8_PREFIX)]:
+      fn = jax.jit(lambda qkv, tuning=VARIANTS[name]: forward_mosaic(
+          qkv, Masks(), fp8, jnp.bfloat16, tuning))
+      try:
+        o, lse, _ = jax.block_until_ready(fn(qkv_fp8))
+        record(name, time_call(fn, qkv_fp8), o_rel_l2=rel_l2(o, o_ref),
+               lse_rel_l2=rel_l2(lse, lse_ref))
+      except Exception as e:  # report and go on with the other variants
+        table.failed(name, causal, e)
     if causal:  # the op applies causal_exact with causality only
       time_causal_exact(config, q, k, v, record, table)
     table.ratios(causal, ref_row)

@@ -227,12 +227,42 @@ def test_flax_and_train_pass_it_on(monkeypatch):
   assert seen and set(seen) == {"int8_fp8"}
 
 
+FORWARD_TUNINGS = {"default": mosaic_forward.ForwardTuning(),
+                   "pipelined": mosaic_forward.ForwardTuning(pipelined=True,
+                                                             schedule_barrier=False),
+                   "pingpong": mosaic_forward.ForwardTuning(pipelined=True)}
+
+
+@pytest.mark.parametrize("tuning", ["pipelined", "pingpong"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_pipelined_forward_lowers_for_cuda(head_dim, causal, tuning):
+  """The pipelined FP8 forward (P.V issued with the next step's S), lowered
+  with and without the ping-pong's schedule barrier."""
+  config = mosaic_config(head_dim, causal, quantization="int8_fp8")
+  args = gaussian_qkv(jax.random.key(0), 2, 512, 512, 4, 2, head_dim)[:3]
+  qkv = jax.eval_shape(lambda: ReferenceBackend().quantize(*args, None, config,
+                                                           layouts=MOSAIC_LAYOUTS))
+  assert_lowers_to_mosaic_gpu(lambda qkv: mosaic_forward.forward_mosaic(
+      qkv, Masks(), config, jnp.bfloat16, FORWARD_TUNINGS[tuning]), qkv)
+
+
+def test_pipelined_forward_refuses_causal_exact():
+  config = mosaic_config(64, True, quantization="int8_fp8", causal_exact=True)
+  with pytest.raises(ValueError, match="pipelined=True"):
+    mosaic_forward.forward_mosaic(None, Masks(), config, jnp.bfloat16,
+                                  FORWARD_TUNINGS["pingpong"])
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("tuning", sorted(FORWARD_TUNINGS))
 @pytest.mark.parametrize("case", MOSAIC_FORWARD_CASES, ids=str)
-def test_gpu_mosaic_forward_matches_reference(case):
+def test_gpu_mosaic_forward_matches_reference(case, tuning):
   """The Hopper FP8 forward against the reference in its 128-key steps: the
   same E4M3 values but where the kernel's one-FMA exponent rounds a P across
-  an E4M3 boundary (and fp32 sums in another order), bf16 O."""
+  an E4M3 boundary (and fp32 sums in another order), bf16 O. Every
+  schedule: the default, and P.V issued with the next step's S with and
+  without the ping-pong."""
   batch, q_len, kv_len, heads, kv_heads, head_dim, causal = case
   q, k, v, _ = gaussian_qkv(jax.random.key(12), batch, q_len, kv_len, heads, kv_heads,
                             head_dim, sigma=2.0)
@@ -242,7 +272,8 @@ def test_gpu_mosaic_forward_matches_reference(case):
     q, k, v = (jax.device_put(x, CPU) for x in (q, k, v))
     qkv = reference.quantize(q, k, v, key_mean(k, None), config, layouts=MOSAIC_LAYOUTS)
     o_ref, lse_ref, m_ref = reference.forward(qkv, Masks(), config, jnp.bfloat16)
-  run = jax.jit(lambda qkv: mosaic_forward.forward_mosaic(qkv, Masks(), config, jnp.bfloat16))
+  run = jax.jit(lambda qkv: mosaic_forward.forward_mosaic(qkv, Masks(), config, jnp.bfloat16,
+                                                         FORWARD_TUNINGS[tuning]))
   o, lse, m = run(jax.device_put(qkv, jax.devices("gpu")[0]))
   assert rel_l2(o, o_ref) < 1e-2
   assert rel_l2(lse, lse_ref) < 1e-4

@@ -45,15 +45,11 @@ class BackwardTuning(pipeline.Tuning):
   (docs/performance-log.md).
 
   `pipelined` (FP8): each step issues the next step's S and dP with its own
-  FP8 products (dV and dK, or dQ), one wait covering both; the ring's tiles
-  for the first products are released after the chain, those for the
-  second a step later. With the schedule barrier the warpgroups take one
-  turn a step, after that issue (a ping-pong: one's products run while the
-  other runs its chain), and each steps through all of its CTA's tiles
-  (causal dK/dV: those before its diagonal are masked whole), so that both
-  take as many turns."""
-
-  pipelined: bool = False
+  FP8 products (dV and dK, or dQ); the ring's tiles for the first products
+  are released after the chain, those for the second a step later. In the
+  ping-pong (with the schedule barrier) each warpgroup steps through all of
+  its CTA's tiles (causal dK/dV: those before its diagonal are masked
+  whole), so that both take as many turns."""
 
 
 def magic(shape=TILE):

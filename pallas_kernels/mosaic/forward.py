@@ -96,7 +96,9 @@ _LOG2_E4M3_MAX = math.log2(nm.E4M3_MAX)
 @dataclasses.dataclass(frozen=True)
 class ForwardTuning(pipeline.Tuning):
   """Launch settings of the Mosaic forward: query blocks per CTA, the K/V
-  ring (128 keys a slot), the schedule barrier."""
+  ring (128 keys a slot), the schedule barrier. `pipelined` (FP8, without
+  `Config.exact_edges`): each step issues its P.V with the next step's S; K's
+  tile is released when S has read it, V's a step later."""
 
 
 def takes(masks: Masks, config: Config, q_len: int, kv_len: int, head_dim: int,
@@ -256,6 +258,8 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
   vt_transforms = smem_transforms(BLOCK, v_dtype)
   row_outputs = 2 if fp8 else 1  # lse, and with FP8 the row maxima
   means, edges = exact.k_mean is not None, exact.k16 is not None
+  pipelined = fp8 and tuning.pipelined
+  i8_transforms = smem_transforms(head_dim, jnp.int8)
   exact_inputs = tuple(x for x in exact if x is not None)
   present = [name for name, x in zip(_Exact._fields, exact) if x is not None]
   staged = [name for name in present if name != "k_mean"]  # copied to shared memory
@@ -405,6 +409,61 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
                        _Half(_causal_mask(x, q_base, q_base), multiplier, 0.0)]
         return finish_step(ring.slot(j), step_halves, state, (other,))
 
+      def issue_s(j):
+        """S of step j's halves into accumulators that start at 0x4B400000,
+        left in flight."""
+        slot = ring.slot(j)
+        plgpu.barrier_wait(k_bars.at[slot])
+        return registers.dots(*[(magic, ((q_smem.at[wg], i8_transforms),),
+                                 (k_smem.at[slot, half],), i8_transforms)
+                                for half in range(halves)], wait=False)
+
+      def pipelined_step(j, carry, *, masked: bool, last: bool = False):
+        """FP8 step j, its S issued by step j - 1: its P.V goes out with step
+        j + 1's S, and one wait at the next step's start covers both; the
+        warpgroup then takes its turn, so the other one's chain runs under
+        these products."""
+        s, (acc, m, l, row_max), scales = carry
+        next_scales = step_scales(jnp.minimum(j + 1, num_steps - 1))
+        slot = ring.slot(j)
+        with jax.named_scope("wait"):
+          *s, acc = registers.wait_for(*s, acc)
+        plgpu.barrier_arrive(k_consumed.at[slot])
+
+        @pl.when(j > 0)
+        def _release_previous():  # step j - 1's P.V is done
+          plgpu.barrier_arrive(v_consumed.at[ring.slot(j - 1)])
+
+        with jax.named_scope("elementwise"):
+          f = [lax.bitcast_convert_type(x, jnp.float32) for x in s]
+          if masked:
+            f = [_causal_mask(x, q_base, j * KV_STEP + half * BLOCK) for half, x in enumerate(f)]
+          p, alpha, m, l, row_max = _fp8_softmax(
+              [eight_bit(x, scale, mean) for x, scale in zip(f, scales)], m, l, row_max)
+          a_tiles = tuple(registers.pack_e4m3(x) for x in p)
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        with jax.named_scope("issue"):
+          plgpu.barrier_wait(v_bars.at[slot])
+          (acc,) = registers.dots(
+              (acc, a_tiles, tuple(vt_smem.at[slot, i] for i in range(halves)), vt_transforms),
+              wait=False)
+          s = () if last else issue_s(j + 1)
+        with jax.named_scope("turn"):
+          schedule.turn()
+        return s, (acc, m, l, row_max), next_scales
+
+      def pipelined_steps(state, steps):
+        """Steps [0, steps) as `pipelined_step`s, the last masked when causal."""
+        carry = (issue_s(jnp.int32(0)), state, step_scales(0))
+        schedule.turn()
+        carry = lax.fori_loop(0, steps - 1, functools.partial(pipelined_step, masked=False),
+                              carry)
+        last = jnp.asarray(steps - 1, jnp.int32)
+        _, (acc, *rest), _ = pipelined_step(last, carry, masked=causal, last=True)
+        (acc,) = registers.wait_for(acc)
+        plgpu.barrier_arrive(v_consumed.at[ring.slot(last)])
+        return (acc, *rest)
+
       full_row = lambda value: plgpu.layout_cast(jnp.full((BLOCK,), value, jnp.float32), row)
       state = (plgpu.layout_cast(jnp.full((BLOCK, head_dim), 0.0, jnp.float32),
                                  plgpu.Layout.WGMMA),
@@ -414,7 +473,9 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
       schedule.lead_in(wg)
       # With causality the last step holds the diagonal.
       steps = cta_steps if causal else num_steps
-      if causal:
+      if pipelined:
+        state = pipelined_steps(state, steps)
+      elif causal:
         carry = lax.fori_loop(0, steps - 1, functools.partial(kv_step, masked=False), carry)
         if edges:
           state = edge_step(steps - 1, carry)
@@ -453,9 +514,8 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
 
   i8 = jnp.int8
   scratch = (
-      plgpu.SMEM((wgs, BLOCK, head_dim), i8, transforms=smem_transforms(head_dim, i8)),
-      plgpu.SMEM((ring.slots, halves, BLOCK, head_dim), i8,
-                 transforms=smem_transforms(head_dim, i8)),
+      plgpu.SMEM((wgs, BLOCK, head_dim), i8, transforms=i8_transforms),
+      plgpu.SMEM((ring.slots, halves, BLOCK, head_dim), i8, transforms=i8_transforms),
       plgpu.SMEM((ring.slots, halves, head_dim, BLOCK), v_dtype, transforms=vt_transforms),
       plgpu.SMEM((wgs, BLOCK, head_dim), out_dtype,
                  transforms=smem_transforms(head_dim, out_dtype)),
@@ -510,6 +570,9 @@ def forward_mosaic(qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype,
   over what each row sees, from the operands `sagebwd.quantize` adds
   (`QuantizedQKV.q16`, `k_mean`, `k16`, `v16`).
   """
+  if tuning.pipelined and config.fp8 and config.exact_edges:
+    raise ValueError("forward_mosaic: tuning=ForwardTuning(pipelined=True) does not take "
+                     "causal_exact's 16-bit edge step; pass pipelined=False")
   batch, heads, q_len, head_dim = qkv.q8.shape
   kv_heads, kv_len = qkv.k8.shape[1], qkv.k8.shape[2]
   if not takes(masks, config, q_len, kv_len, head_dim, out_dtype):

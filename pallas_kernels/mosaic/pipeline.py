@@ -36,11 +36,17 @@ _MAX_COMPUTE_REGISTERS = 240
 class Tuning:
   """Launch settings of a warp-specialized kernel (they do not change
   results): `compute_wgs` compute warpgroups of 64 rows each, a ring of
-  `max_concurrent_steps` slots, the schedule barrier."""
+  `max_concurrent_steps` slots, the schedule barrier, and with FP8 products
+  `pipelined`: each step issues the next step's first products with its own
+  last ones, and one wait at the next step's start covers both (each kernel's
+  tuning says which; the INT8 kernels ignore it). With the schedule barrier
+  a pipelined warpgroup takes one turn a step, after that issue: a ping-pong,
+  one warpgroup's products running while the other runs its chain."""
 
   compute_wgs: int = 2
   max_concurrent_steps: int = 2
   schedule_barrier: bool = True
+  pipelined: bool = False
 
   def __post_init__(self):
     # One or two 64-row blocks fit a 128-token step or CTA tile, so with
