@@ -55,6 +55,8 @@ VARIANTS = {
     "mosaic_fp8_3st": (BackwardTuning(max_concurrent_steps=3), BackwardTuning()),
     "mosaic_fp8_pipelined_3st": (BackwardTuning(pipelined=True, schedule_barrier=False,
                                                 max_concurrent_steps=3), BackwardTuning()),
+    "mosaic_fp8_pingpong_3st": (BackwardTuning(pipelined=True, max_concurrent_steps=3),
+                                BackwardTuning(pipelined=True)),
 }
 
 

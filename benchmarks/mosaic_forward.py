@@ -47,6 +47,7 @@ VARIANTS = {
     "mosaic_fp8_pipelined": ForwardTuning(pipelined=True, schedule_barrier=False),
     "mosaic_fp8_pingpong": ForwardTuning(pipelined=True),
     "mosaic_fp8_pingpong_3st": ForwardTuning(pipelined=True, max_concurrent_steps=3),
+    "mosaic_fp8_pingpong_4st": ForwardTuning(pipelined=True, max_concurrent_steps=4),
 }
 FP8_PREFIX = "mosaic_fp8"  # variants run with quantization="int8_fp8"
 

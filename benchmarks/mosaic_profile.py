@@ -1,12 +1,15 @@
-"""Where a Mosaic backward kernel's warpgroups spend their cycles, from Mosaic
+"""Where a Mosaic FP8 kernel's warpgroups spend their cycles, from Mosaic
 GPU's on-device profiler: each compute warpgroup records the SM clock at the
 bounds of the kernel's `jax.named_scope` regions (S and dP's products, the
-elementwise chain, the waits, the dK/dV or dQ products), and this script
-prints each region's mean cycles per step and share of the loop.
+elementwise chain, the waits, the dK/dV, dQ or P.V products), and this
+script prints each region's mean cycles per step and share of the loop.
 
-    python -m benchmarks.mosaic_profile --batch 1 --seq 2048 --heads 8 [--variants mosaic_fp8]
+    python -m benchmarks.mosaic_profile --batch 1 --seq 2048 --heads 8 \
+        [--variants mosaic_fp8,forward_mosaic_fp8]
 
-One call of each FP8 variant's dK/dV and dQ kernels, not causal. B=1
+One call of each FP8 variant's dK/dV and dQ kernels (the variants of
+`benchmarks.mosaic_backward`), or of its forward (`forward_` and a variant
+of `benchmarks.mosaic_forward`), not causal. B=1
 T=2048 H=8 D=128 is one wave of 128 CTAs on an H100 or H200, one CTA per
 SM as at any larger shape. The profiler's own stores (~12 cycles a bound)
 are inside the figures. Needs a GPU.
@@ -24,11 +27,13 @@ import tempfile
 
 import jax
 
+from benchmarks import mosaic_forward
 from benchmarks.mosaic_backward import VARIANTS, fp8_inputs, tunings
 from benchmarks.variants import parse_args, random_inputs
 from pallas_kernels.mosaic import pipeline
 from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
 from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
+from pallas_kernels.mosaic.forward import forward_mosaic
 from pallas_kernels.types import Config, Masks
 
 
@@ -72,32 +77,44 @@ def report(name: str, folder: str):
             f"  {sum(c) / sum(spans):6.1%}")
 
 
+FORWARD = "forward_"
+FORWARD_VARIANTS = {FORWARD + name: tuning for name, tuning in mosaic_forward.VARIANTS.items()
+                    if name.startswith(mosaic_forward.FP8_PREFIX)}
+
+
+def profile(name: str, run, seq: int):
+  """Runs `run` once under the profiler (six regions a step at most, 64 keys
+  or queries a step) and prints its regions."""
+  with tempfile.TemporaryDirectory() as folder:
+    os.environ[pipeline.PROFILE_ENV] = f"{folder}:{6 * seq // 64 + 16}"
+    try:
+      jax.block_until_ready(run())
+      jax.effects_barrier()
+    finally:
+      del os.environ[pipeline.PROFILE_ENV]
+    report(name, folder)
+
+
 def main():
-  args, names = parse_args(__doc__, "benchmarks.mosaic_profile", VARIANTS)
+  fp8_backward = {name: tuning for name, tuning in VARIANTS.items() if "fp8" in name}
+  args, names = parse_args(__doc__, "benchmarks.mosaic_profile",
+                           {**fp8_backward, **FORWARD_VARIANTS})
   q, k, v, do = random_inputs(args, 4)
   config = Config(scale=args.head_dim**-0.5, causal=False, smooth_q=False, block_q=64,
                   block_kv=64, quantization="int8_fp8")
   (qkv, v8, lse, pre, do8), _, _ = jax.block_until_ready(
       jax.jit(functools.partial(fp8_inputs, config=config))(q, k, v, do))
-  for name in (n for n in names if "fp8" in n):
+  for name in names:
+    if name in FORWARD_VARIANTS:
+      profile(name, lambda: forward_mosaic(qkv, Masks(), config, v.dtype,
+                                           FORWARD_VARIANTS[name]), args.seq)
+      continue
     dkdv_tuning, dq_tuning = tunings(name)
-    for kernel in ("dkdv", "dq"):
-      with tempfile.TemporaryDirectory() as folder:
-        # Six regions a step, 64 queries or keys a step.
-        os.environ[pipeline.PROFILE_ENV] = f"{folder}:{6 * args.seq // 64 + 16}"
-        try:
-          if kernel == "dkdv":
-            run = lambda: backward_dkdv_mosaic(qkv, v8, lse, pre.delta, do8, pre.do8_t,
-                                               pre.do_scale, Masks(), config, dkdv_tuning,
-                                               fp8=pre.fp8)
-          else:
-            run = lambda: backward_dq_mosaic(qkv, v8, lse, pre.delta, do8, Masks(), config,
-                                             dq_tuning, fp8=pre.fp8)
-          jax.block_until_ready(run())
-          jax.effects_barrier()
-        finally:
-          del os.environ[pipeline.PROFILE_ENV]
-        report(f"{name} {kernel}", folder)
+    profile(f"{name} dkdv", lambda: backward_dkdv_mosaic(
+        qkv, v8, lse, pre.delta, do8, pre.do8_t, pre.do_scale, Masks(), config, dkdv_tuning,
+        fp8=pre.fp8), args.seq)
+    profile(f"{name} dq", lambda: backward_dq_mosaic(
+        qkv, v8, lse, pre.delta, do8, Masks(), config, dq_tuning, fp8=pre.fp8), args.seq)
 
 
 if __name__ == "__main__":

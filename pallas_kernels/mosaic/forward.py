@@ -340,8 +340,9 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
         """S of the halves `keys`, then (with `edge`) the edge tile's
         Q16.K16^T."""
         starts = (magic,) * len(keys) + ((zeros(),) if edge else ())
-        s = pl.run_state(functools.partial(issue_scores, j, keys, edge))(
-            tuple(plgpu.ACC.init(x) for x in starts))
+        with jax.named_scope("s"):
+          s = pl.run_state(functools.partial(issue_scores, j, keys, edge))(
+              tuple(plgpu.ACC.init(x) for x in starts))
         plgpu.barrier_arrive(k_consumed.at[ring.slot(j)])
         return s
 
@@ -355,26 +356,29 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
         times V8's tiles `v_halves` in order, an edge half's (the last) times
         V16. Returns the new state."""
         edge = len(step_halves) > len(v_halves)
-        if fp8:
-          acc, m, l, row_max = state
-          p, alpha, m, l, row_max = _fp8_softmax(step_halves, m, l, row_max)
-          a_tiles = tuple(registers.pack_e4m3(x) for x in p[:len(v_halves)])
-        else:
-          acc, m, e, l = state
-          p, alpha, m, e, l = _softmax(step_halves, m, e, l)
-          a_tiles = tuple(registers.pack(x) for x in p[:len(v_halves)])
-        if edge:
-          p16 = p[-1].astype(x_refs.v16.dtype)
-        schedule.arrive()  # softmax done: let the other warpgroup issue
-        plgpu.barrier_wait(v_bars.at[slot])
-        schedule.wait()
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        b_tiles = tuple(vt_smem.at[slot, i] for i in v_halves)
-        if fp8:
-          (acc,) = registers.dots((acc, a_tiles, b_tiles, vt_transforms))
-        else:
-          (pv,) = registers.dots((None, a_tiles, b_tiles, vt_transforms), unsigned_a=True)
-          acc = acc + pv.astype(jnp.float32)
+        with jax.named_scope("elementwise"):
+          if fp8:
+            acc, m, l, row_max = state
+            p, alpha, m, l, row_max = _fp8_softmax(step_halves, m, l, row_max)
+            a_tiles = tuple(registers.pack_e4m3(x) for x in p[:len(v_halves)])
+          else:
+            acc, m, e, l = state
+            p, alpha, m, e, l = _softmax(step_halves, m, e, l)
+            a_tiles = tuple(registers.pack(x) for x in p[:len(v_halves)])
+          if edge:
+            p16 = p[-1].astype(x_refs.v16.dtype)
+        with jax.named_scope("wait_turn"):
+          schedule.arrive()  # softmax done: let the other warpgroup issue
+          plgpu.barrier_wait(v_bars.at[slot])
+          schedule.wait()
+        with jax.named_scope("pv"):
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          b_tiles = tuple(vt_smem.at[slot, i] for i in v_halves)
+          if fp8:
+            (acc,) = registers.dots((acc, a_tiles, b_tiles, vt_transforms))
+          else:
+            (pv,) = registers.dots((None, a_tiles, b_tiles, vt_transforms), unsigned_a=True)
+            acc = acc + pv.astype(jnp.float32)
         plgpu.barrier_arrive(v_consumed.at[slot])
         if edge:
           plgpu.barrier_wait(v16_bars.at[wg])
@@ -502,13 +506,20 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
       plgpu.wait_smem_to_gmem(0)
 
     def producer():
-      def load(j, slot):
+      def load_k(j, slot):
         blocks = pl.ds(j * halves, halves)
         plgpu.copy_gmem_to_smem(k_ref.at[b, kvh, blocks], k_smem.at[slot], k_bars.at[slot])
+
+      def load_v(j, slot):
+        blocks = pl.ds(j * halves, halves)
         plgpu.copy_gmem_to_smem(vt_ref.at[b, kvh, blocks], vt_smem.at[slot], v_bars.at[slot])
 
-      pipeline.stream(ring, first=jnp.int32(0), end=cta_steps,
-                      groups=((load, (k_consumed, v_consumed)),))
+      # Pipelined, K's tile is released a step before V's: the next S must not
+      # wait for the other warpgroup's release of V, which follows its turn.
+      groups = (((load_k, (k_consumed,)), (load_v, (v_consumed,))) if pipelined
+                else ((lambda j, slot: (load_k(j, slot), load_v(j, slot)),
+                       (k_consumed, v_consumed)),))
+      pipeline.stream(ring, first=jnp.int32(0), end=cta_steps, groups=groups)
 
     pipeline.split(wg, tuning, pipeline.FORWARD_REGISTERS, compute=compute, producer=producer)
 
