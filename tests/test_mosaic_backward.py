@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.experimental.pallas.mosaic_gpu as plgpu
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,7 +24,9 @@ from conftest import (CPU, FP8_TUNINGS, MOSAIC_BACKWARD_CASES, MOSAIC_EXACT_CASE
                       channel_biased_qkv, gaussian_qkv, mosaic_config, rel_l2, resampled)
 from pallas_kernels.jax_triton.backward_prepass import backward_prepass
 from pallas_kernels.jax_triton.launch import LaunchConfig
+from pallas_kernels.mosaic import backward_common
 from pallas_kernels.mosaic.backward_common import BackwardTuning
+from pallas_kernels.mosaic.common import smem_transforms
 from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
 from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
 from pallas_kernels.layouts import REGISTER_B
@@ -192,6 +195,25 @@ def _exact_kernels(config, tuning, qkv, v, lse, pre, do):
                                 config, tuning, fp8=fp8)
   dq = backward_dq_mosaic(qkv, v, lse, pre.delta, do, Masks(), config, tuning, fp8=fp8)
   return dq, dk, dv
+
+
+@pytest.mark.parametrize("dtype,dtype16", [(jnp.int8, jnp.bfloat16), (jnp.float32, jnp.bfloat16),
+                                           (jnp.bfloat16, jnp.float16)])
+def test_shared_tiles_give_each_warpgroup_the_same_bytes_in_both_views(dtype, dtype16):
+  """A `sharing` union (Q8 and Q16 in dQ, the fp32 GQA partials' staging and
+  Q16 in dK/dV): warpgroup w's tile starts at the same byte in both views,
+  so one warpgroup's Q16 never overlaps the other's Q8 (with one
+  (warpgroups, 64, D) array per view it did, and FP8 dQ with causal_exact
+  went wrong on the GPU)."""
+  tile = plgpu.SMEM((2, 64, 128), dtype, transforms=smem_transforms(128, dtype))
+  union = backward_common.sharing(tile, dtype16)
+  warpgroups = min(ref.shape[0] for ref in union.refs)
+  assert warpgroups == 2
+  per_warpgroup = {ref.shape[0] // warpgroups * int(np.prod(ref.shape[1:]))
+                   * jnp.dtype(ref.dtype).itemsize for ref in union.refs}
+  assert per_warpgroup == {64 * 128 * max(jnp.dtype(dtype).itemsize,
+                                          jnp.dtype(dtype16).itemsize)}
+  assert [ref.dtype for ref in union.refs] == [jnp.dtype(dtype), jnp.dtype(dtype16)]
 
 
 @pytest.mark.parametrize("quantization,tuning", EXACT_TUNINGS, ids=str)

@@ -208,8 +208,22 @@ def causal_exact_operands(qkv: QuantizedQKV, lse, config: Config,
 
 
 def sharing(tile, dtype) -> plgpu.RefUnion:
-  """`tile` ((warpgroups, 64, D)) and a 16-bit tile of its shape in the same
-  shared memory, for operands whose lifetimes do not overlap (the edge
-  step's before the output's staging, or after the last product of Q8)."""
-  return plgpu.RefUnion(tile, plgpu.SMEM(tile.shape, dtype,
-                                         transforms=smem_transforms(tile.shape[-1], dtype)))
+  """`tile` ((warpgroups, 64, D)) and a tile of its shape in `dtype` in the
+  same shared memory, for operands of one warpgroup whose lifetimes do not
+  overlap (the edge step's before the output's staging, or after the last
+  product of Q8). Each warpgroup's tile starts at the same byte in both, the
+  narrower padded to the wider's size, so that no warpgroup's tile of one
+  overlaps another warpgroup's of the other (the warpgroups' lifetimes do
+  overlap): `shared_tiles` gives a warpgroup's two."""
+  other = plgpu.SMEM(tile.shape, dtype, transforms=smem_transforms(tile.shape[-1], dtype))
+  widest = max(jnp.dtype(x.dtype).itemsize for x in (tile, other))
+  # The narrower's warpgroup w at tile w * (widest / its itemsize).
+  padded = lambda x: plgpu.SMEM((x.shape[0] * widest // jnp.dtype(x.dtype).itemsize,
+                                 *x.shape[1:]), x.dtype, transforms=x.transforms)
+  return plgpu.RefUnion(padded(tile), padded(other))
+
+
+def shared_tiles(union, wg) -> tuple:
+  """Warpgroup `wg`'s (64, D) tile in each view of a `sharing` union."""
+  warpgroups = min(ref.shape[0] for ref in union)
+  return tuple(ref.at[wg * (ref.shape[0] // warpgroups)] for ref in union)

@@ -111,7 +111,9 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
     consumed, consumed_t = releases if pipelined else releases * 2
     k_smem2, v_smem2, q_ring, q8_t_ring, do_ring, do8_t_ring, col_rings, out_smem2 = smem
     if edges:  # Q16 in the output's staging tile until the loop's first step is done
-      out_smem2, q16_smem2 = out_smem2
+      out_smem, q16_smem = bc.shared_tiles(out_smem2, wg)
+    else:
+      out_smem = out_smem2.at[wg]  # one staging tile for both (fp32 GQA partials)
     q_bars, q8_t_bars, do_bars, do8_t_bars, *col_bars = ring_bars
     cta_start = q_range(t * wgs)[0]
     end = jnp.int32(num_q_blocks)
@@ -124,7 +126,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
       behind K8's and V's. K16 has no tile of its own: at D=128 with a ring
       of 3 none is left."""
       q16_ref, k16_ref, lse_ref = edge_refs
-      plgpu.copy_gmem_to_smem(q16_ref.at[b, rows, h], q16_smem2.at[wg], edge_bars[0].at[wg])
+      plgpu.copy_gmem_to_smem(q16_ref.at[b, rows, h], q16_smem, edge_bars[0].at[wg])
       return (plgpu.load(k16_ref.at[b, rows, kvh], layout=plgpu.Layout.WGMMA, optimized=False),
               bc.col_vector(lse_ref.at[b, h, rows]))
 
@@ -144,7 +146,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         """S^T of the diagonal tile from K16 and Q16 (fp32, from 0), in place
         of K8.Q8^T."""
         plgpu.barrier_wait(edge_bars[0].at[wg])
-        return (edge_k16, q16_smem2.at[wg]), bc.zeros(bc.TILE)
+        return (edge_k16, q16_smem), bc.zeros(bc.TILE)
 
       def column(slot, c):
         plgpu.barrier_wait(col_bars[c].at[slot])
@@ -316,7 +318,6 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         dv = dv * dv_factor
       else:
         dk_factor = nm.LN_2
-      out_smem = out_smem2.at[wg]  # one staging tile for both (fp32 GQA partials)
       for x, dst in ((dk * dk_factor, dk_ref), (dv, dv_ref)):
         bc.write_tile(x.astype(out_dtype), out_smem, dst.at[b, kv, h])
 

@@ -105,14 +105,16 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
     # released on their own barriers, K8's and V's after the chain.
     consumed, consumed_t = releases if pipelined else releases * 2
     q_smem2, do_smem2, k_ring, k8_t_ring, v_ring, dq_smem2, *edge_smem = smem
+    q_smem, dq_smem = q_smem2.at[wg], dq_smem2.at[wg]
     if edges:
       # K16 (then K16 - m') in dQ's staging tile until the last step is done;
       # Q16 in its own tile, or with FP8 in Q8's once its last S is done.
-      dq_smem2, k16_smem2 = dq_smem2
+      dq_smem, k16_smem = bc.shared_tiles(dq_smem2, wg)
       if fp8:
-        q_smem2, q16_smem2 = q_smem2
+        q_smem, q16_smem = bc.shared_tiles(q_smem2, wg)
       else:
         q16_smem2, *edge_smem = edge_smem
+        q16_smem = q16_smem2.at[wg]
       mean_smem2 = edge_smem[0] if means else None
     k_bars, k8_t_bars, v_bars = ring_bars
     cta_end = kv_range(t * wgs + wgs - 1)[1]
@@ -127,7 +129,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         """The diagonal tile's operands but FP8's Q16 (`fetch_q16`): K16 and
         m' into shared memory, the rows' lse into registers."""
         _, k16_ref, lse_ref, *mean_ref = edge_refs
-        plgpu.copy_gmem_to_smem(k16_ref.at[b, rows, kvh], k16_smem2.at[wg], edge_bars[1].at[wg])
+        plgpu.copy_gmem_to_smem(k16_ref.at[b, rows, kvh], k16_smem, edge_bars[1].at[wg])
         if means:
           plgpu.copy_gmem_to_smem(mean_ref[0].at[b, kvh, i], mean_smem2.at[wg],
                                   edge_bars[2].at[wg])
@@ -136,10 +138,10 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         return bc.row_vector(lse_ref.at[b, h, rows])
 
       def fetch_q16():
-        plgpu.copy_gmem_to_smem(edge_refs[0].at[b, rows, h], q16_smem2.at[wg],
+        plgpu.copy_gmem_to_smem(edge_refs[0].at[b, rows, h], q16_smem,
                                 edge_bars[0].at[wg])
 
-      q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+      do_smem = do_smem2.at[wg]
       plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_smem, q_bars.at[wg])
       plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem, do_bars.at[wg])
       if edges:  # the diagonal's keys are the block's own 64 positions
@@ -160,19 +162,19 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         """The diagonal tile's S = Q16.K16^T pair, fp32 from 0."""
         plgpu.barrier_wait(edge_bars[0].at[wg])
         plgpu.barrier_wait(edge_bars[1].at[wg])
-        return (q16_smem2.at[wg], k16_smem2.at[wg]), bc.zeros(bc.TILE)
+        return (q16_smem, k16_smem), bc.zeros(bc.TILE)
 
       def edge_ds(s, dp):
         """The diagonal tile's dS, in the inputs' dtype, from its fp32 S and
         dP - Delta: P in the exact frame (the rows' own lse)."""
         f = bc.causal_mask(s, row_start=i * BLOCK, col_start=i * BLOCK, rows_are_keys=False)
         p = jnp.exp2(bc.edge_exponent(f, multiplier, edge_lse, along=0))
-        return (p * dp).astype(k16_smem2.dtype)
+        return (p * dp).astype(k16_smem.dtype)
 
       def edge_dq(ds):
         """dS.(K16 - m') of the diagonal tile, fp32. S has read K16: its tile
         takes K16 - m' in place, rounded to the inputs' dtype."""
-        k16 = k16_smem2.at[wg]
+        k16 = k16_smem
         if means:
           plgpu.barrier_wait(edge_bars[2].at[wg])
           mean = bc.col_vector(mean_smem2.at[wg])
@@ -341,7 +343,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
       dq = dq * lax.broadcast_in_dim(row_out, dq.shape, [0]) if fp8 else dq * scale
       if edges:
         dq = dq + dq_edge[0] * scale
-      bc.write_tile(dq.astype(out_dtype), dq_smem2.at[wg], dq_ref.at[b, rows, h])
+      bc.write_tile(dq.astype(out_dtype), dq_smem, dq_ref.at[b, rows, h])
 
     def producer():
       def load_first(j, slot):  # what S and dP read
