@@ -46,10 +46,10 @@ class BackwardTuning(pipeline.Tuning):
 
   `pipelined` (FP8): each step issues the next step's S and dP with its own
   FP8 products (dV and dK, or dQ); the ring's tiles for the first products
-  are released after the chain, those for the second a step later. In the
-  ping-pong (with the schedule barrier) each warpgroup steps through all of
-  its CTA's tiles (causal dK/dV: those before its diagonal are masked
-  whole), so that both take as many turns."""
+  are released once those are done (before the chain), those for the
+  second a step later. In the ping-pong (with the schedule barrier) each
+  warpgroup steps through all of its CTA's tiles (causal dK/dV: those
+  before its diagonal are masked whole), so that both take as many turns."""
 
 
 def magic(shape=TILE):

@@ -107,7 +107,8 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
     kvh = lax.div(h, jnp.array(group, h.dtype))
     smem, (k_bars, v_bars), ring_bars, releases, sched, *edge_bars = scoped
     # Pipelined, Q8^T's and dO8^T's slots (read by dV and dK, a step later)
-    # are released on their own barriers, the rest's after the chain.
+    # are released on their own barriers, the rest's once S^T and dP^T are
+    # done.
     consumed, consumed_t = releases if pipelined else releases * 2
     k_smem2, v_smem2, q_ring, q8_t_ring, do_ring, do8_t_ring, col_rings, out_smem2 = smem
     if edges:  # Q16 in the output's staging tile until the loop's first step is done
@@ -152,13 +153,15 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         plgpu.barrier_wait(col_bars[c].at[slot])
         return bc.col_vector(col_rings.at[slot, c])
 
-      def exponent(i, s, q_scale, *, masked: bool, shift=None, edge: bool = False):
+      def exponent(i, s, q_scale, *, masked: bool, shift=None, edge: bool = False, lse=None):
         """The exponent of P^T of step i from S^T (less `shift`, capped
-        there); with `edge`, the diagonal's fp32 S^T."""
+        there); with `edge`, the diagonal's fp32 S^T. `lse`: the ring's
+        column, if read already."""
         f = s if edge else bc.as_float(s)
         if masked:
           f = bc.causal_mask(f, row_start=j * BLOCK, col_start=i * BLOCK, rows_are_keys=True)
-        lse = column(ring.slot(i), 0)
+        if lse is None:
+          lse = column(ring.slot(i), 0)
         if edge:  # the rows' own lse: the ring's lacks their q_i . m
           lse = edge_lse if shift is None else edge_lse - shift
           return bc.edge_exponent(f, multiplier, lse, along=1, cap=shift)
@@ -172,11 +175,16 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         behind it."""
         return qs_ref[b, h, i * BLOCK], step_ref[b, h, i * BLOCK]
 
-      def fp8_chain(i, s, dp, q_scale, step, *, masked: bool, edge: bool = False):
+      def fp8_chain(i, s, dp, q_scale, step, *, masked: bool, edge: bool = False,
+                    columns=None):
         """P'^T = P^T * p_factor (the exponent shifted by its log2, capped
-        there) and dS'^T of step i, in E4M3."""
-        p = jnp.exp2(exponent(i, s, q_scale, masked=masked, shift=step, edge=edge))
-        ds_t = p * (dp * lax.broadcast_in_dim(column(ring.slot(i), 2), bc.TILE, [1]))
+        there) and dS'^T of step i, in E4M3. `columns`: the ring's lse and
+        dS^T factor, if read already."""
+        lse, ds_col = columns or (None, None)
+        p = jnp.exp2(exponent(i, s, q_scale, masked=masked, shift=step, edge=edge, lse=lse))
+        if ds_col is None:
+          ds_col = column(ring.slot(i), 2)
+        ds_t = p * (dp * lax.broadcast_in_dim(ds_col, bc.TILE, [1]))
         return registers.pack_e4m3(p), registers.pack_e4m3(ds_t)
 
       def q_step(i, carry, *, masked: bool, edge: bool = False):
@@ -255,9 +263,14 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         def _release_previous():  # dV and dK of step i - 1 are done
           plgpu.barrier_arrive(consumed_t.at[ring.slot(i - 1)])
 
+        # The chain's columns into registers first, so that the tiles S^T and
+        # dP^T read (Q8, dO, the rows' vectors) go back to the producer a chain
+        # before the next step's S^T and dP^T need their successors.
+        columns = (column(slot, 0), column(slot, 2))
+        plgpu.barrier_arrive(consumed.at[slot])
         with jax.named_scope("elementwise"):
-          p8, ds8 = fp8_chain(i, s, dp, q_scale, step, masked=masked, edge=edge)
-        plgpu.barrier_arrive(consumed.at[slot])  # Q8, dO and the rows' vectors
+          p8, ds8 = fp8_chain(i, s, dp, q_scale, step, masked=masked, edge=edge,
+                              columns=columns)
         with jax.named_scope("issue"):
           plgpu.barrier_wait(do8_t_bars.at[slot])
           plgpu.barrier_wait(q8_t_bars.at[slot])

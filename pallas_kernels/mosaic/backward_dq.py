@@ -102,7 +102,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
     kvh = lax.div(h, jnp.array(group, h.dtype))
     smem, (q_bars, do_bars), ring_bars, releases, sched, *edge_bars = scoped
     # Pipelined, K8^T's slots (read by dQ's product, a step later) are
-    # released on their own barriers, K8's and V's after the chain.
+    # released on their own barriers, K8's and V's once S and dP are done.
     consumed, consumed_t = releases if pipelined else releases * 2
     q_smem2, do_smem2, k_ring, k8_t_ring, v_ring, dq_smem2, *edge_smem = smem
     q_smem, dq_smem = q_smem2.at[wg], dq_smem2.at[wg]
@@ -292,9 +292,11 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         def _release_previous():  # dQ's product of step j - 1 is done
           plgpu.barrier_arrive(consumed_t.at[ring.slot(j - 1)])
 
+        # S and dP are done with K8 and V: their slot goes back to the
+        # producer a chain before the next step's S and dP need its successor.
+        plgpu.barrier_arrive(consumed.at[slot])
         with jax.named_scope("elementwise"):
           ds8s = chain(j, s, dp, scales, masked=masked, edge=edge)
-        plgpu.barrier_arrive(consumed.at[slot])  # K8 and V
         with jax.named_scope("issue"):
           plgpu.barrier_wait(k8_t_bars.at[slot])
           k8_t_tiles = tuple(k8_t_ring.at[slot, half] for half in range(halves))
