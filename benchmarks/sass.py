@@ -1,6 +1,6 @@
 """Where the instructions of the kernels' inner loops go, read from their
-SASS without a GPU: the register and spill report (ptxas's, or for Triton
-cuobjdump's with the programs an SM holds), then each innermost
+SASS without a GPU: the register and spill report and warnings (ptxas's,
+or for Triton cuobjdump's with the programs an SM holds), then each innermost
 loop that issues wgmmas, its instructions by opcode and by source line, per
 score.
 
@@ -168,6 +168,14 @@ def disassemble(ptx: str, arch: str) -> tuple[str, str]:
     return report, listing(cubin)
 
 
+def ptxas_summary(report: str) -> str:
+  """ptxas's register and spill lines and its warnings, indented. A warning
+  that "wgmma.mma_async instructions are serialized" means each wgmma waits
+  for the one before it, whatever the kernel's schedule."""
+  return "\n".join("  " + row.strip() for row in report.splitlines()
+                   if "spill" in row or "Used" in row or "warning" in row.lower())
+
+
 def listing(cubin_path: str) -> str:
   """nvdisasm's listing of a cubin, with source lines."""
   return subprocess.run([tool("nvdisasm"), "-c", "-g", cubin_path], capture_output=True,
@@ -287,8 +295,7 @@ def main(argv: list[str] | None = None) -> None:
   for path in args.ptx:
     report, text = disassemble(path, args.arch)
     print(f"## {os.path.basename(path)}")
-    print("\n".join("  " + r.strip() for r in report.splitlines()
-                    if "spill" in r or "Used" in r))
+    print(ptxas_summary(report))
     report_loops(*parse_listing(text), args.scores_per_thread, args.lines)
 
 

@@ -193,6 +193,21 @@ def test_sass_finds_the_innermost_wgmma_loop():
   assert sass.wgmma_loops(instructions, labels) == [range(0, 3)]
 
 
+def test_sass_keeps_ptxas_registers_spills_and_warnings():
+  from benchmarks import sass
+  report = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'k' for 'sm_90a'
+ptxas warning : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due to the presence of Extern calls in the function 'k'.
+ptxas info    : Function properties for k
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers"""
+  kept = sass.ptxas_summary(report).splitlines()
+  assert [row.split(":")[0].strip() for row in kept] == [
+      "ptxas warning", "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads",
+      "ptxas info"]
+  assert "serialized" in kept[0] and "168 registers" in kept[2]
+
+
 def test_sass_counts_a_loop_per_score_and_refuses_missing_files(capsys, tmp_path):
   from benchmarks import sass
   instructions, labels = sass.parse_listing(LISTING)

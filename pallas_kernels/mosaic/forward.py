@@ -45,7 +45,9 @@ so O takes no scale at the end. The kernel also returns the rows' largest
 unfolded scores, tracked apart: the backward's bound on dS needs them.
 
 The two warpgroups take turns on the tensor cores (a schedule barrier): one
-runs its softmax while the other's products run. Causal: the query blocks of a
+runs its softmax while the other's products run. With FP8 products
+`ForwardTuning(pipelined=True)` issues each step's P.V together with the
+next step's S instead, one turn a step (a ping-pong). Causal: the query blocks of a
 CTA see the same key steps (128 query rows against 128-key steps), the last
 one masked; later steps are skipped and the longest CTAs launch first.
 
