@@ -171,8 +171,8 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
 
       def scalars(i):
         """Step i's Q block scale and step scale, loaded from global memory:
-        a pipelined step asks before its wait, so the loads' latency hides
-        behind it."""
+        a pipelined step asks for the next step's before its wait, so the
+        loads' latency hides behind it."""
         return qs_ref[b, h, i * BLOCK], step_ref[b, h, i * BLOCK]
 
       def fp8_chain(i, s, dp, q_scale, step, *, masked: bool, edge: bool = False,
@@ -250,19 +250,13 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
             wait=False)
 
       def pipelined_step(i, carry, *, masked: bool, last: bool = False, edge: bool = False):
-        """Step i with FP8 products, its S^T and dP^T issued by step i - 1:
-        dV and dK of step i go out with S^T and dP^T of step i + 1, and one
-        wait at the next step's start covers both; the warpgroup then takes
-        its turn, so the other one's chain runs under these products."""
-        q_scale, step = scalars(i)
-        with jax.named_scope("wait"):
-          s, dp, dk, dv = registers.wait_for(*carry)
+        """Step i with FP8 products, its S^T and dP^T issued and waited for by
+        step i - 1: dV and dK of step i go out with S^T and dP^T of step i + 1,
+        the warpgroup takes its turn (the other one's chain runs under these
+        products), and one wait covers them all, so that no product is in
+        flight across the loop's back edge."""
+        s, dp, dk, dv, (q_scale, step) = carry
         slot = ring.slot(i)
-
-        @pl.when(i > first)
-        def _release_previous():  # dV and dK of step i - 1 are done
-          plgpu.barrier_arrive(consumed_t.at[ring.slot(i - 1)])
-
         # The chain's columns into registers first, so that the tiles S^T and
         # dP^T read (Q8, dO, the rows' vectors) go back to the producer a chain
         # before the next step's S^T and dP^T need their successors.
@@ -276,27 +270,29 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
           plgpu.barrier_wait(q8_t_bars.at[slot])
           dv, dk = registers.dots((dv, (p8,), (do8_t_ring.at[slot],), t_transforms),
                                   (dk, (ds8,), (q8_t_ring.at[slot],), t_transforms), wait=False)
-          carry = (dk, dv) if last else (*issue_s_dp(i + 1), dk, dv)
+          in_flight = (dk, dv) if last else (*issue_s_dp(i + 1), dk, dv)
+          following = () if last else (scalars(i + 1),)
         with jax.named_scope("turn"):
           schedule.turn()
-        return carry
+        with jax.named_scope("wait"):
+          done = registers.wait_for(*in_flight)
+        plgpu.barrier_arrive(consumed_t.at[slot])  # dV and dK read Q8^T and dO8^T
+        return (*done, *following)
 
       def pipelined_steps(start, end, carry, *, edge: bool = False):
         """Steps [start, end) as `pipelined_step`s: masked ones, whole ones,
         then the last (masked when causal: a whole block's mask keeps all);
         with `edge`, the one step of the diagonal."""
-        carry = (*issue_s_dp(start, edge=edge), *carry)
+        s_dp, following = issue_s_dp(start, edge=edge), scalars(start)
         schedule.turn()
+        carry = (*registers.wait_for(*s_dp), *carry, following)
         last = end - 1
         if not edge:
           carry = lax.fori_loop(start, jnp.minimum(full, last),
                                 functools.partial(pipelined_step, masked=True), carry)
           carry = lax.fori_loop(jnp.minimum(full, last), last,
                                 functools.partial(pipelined_step, masked=False), carry)
-        carry = pipelined_step(last, carry, masked=causal, last=True, edge=edge)
-        dk, dv = registers.wait_for(*carry)
-        plgpu.barrier_arrive(consumed_t.at[ring.slot(last)])
-        return dk, dv
+        return pipelined_step(last, carry, masked=causal, last=True, edge=edge)
 
       start, full, _ = q_range(j)
       if pipelined and tuning.schedule_barrier:
@@ -306,7 +302,6 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
       # With edges the diagonal's step (the one masked, causal 64 x 64) runs
       # first, from Q16 and K16 (fp32 S^T, another accumulator's type), and
       # the whole blocks [full, end) after it.
-      first = full if edges else start
       pipeline.release(ring, cta_start, start, bars=ring_bars, consumed=releases,
                        schedule=schedule)
       schedule.lead_in(wg)

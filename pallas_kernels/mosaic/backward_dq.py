@@ -193,8 +193,8 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
 
       def scalars(j):
         """Step j's K block scales and step scales, one pair per 64-key
-        block, loaded from global memory: a pipelined step asks before its
-        wait, so the loads' latency hides behind it."""
+        block, loaded from global memory: a pipelined step asks for the next
+        step's before its wait, so the loads' latency hides behind it."""
         return [(ks_ref[b, kvh, blk * BLOCK], step_ref[b, kvh, blk * BLOCK])
                 for blk in (j * halves + half for half in range(halves))]
 
@@ -279,19 +279,13 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
             wait=False)
 
       def pipelined_step(j, carry, *, masked: bool, last: bool = False, edge: bool = False):
-        """Step j, its S and dP issued by step j - 1: dQ's product goes out
-        with S and dP of step j + 1, one wait at the next step covering both;
-        the warpgroup then takes its turn, so the other one's chain runs
-        under these products."""
-        scales = scalars(j)
-        with jax.named_scope("wait"):
-          s, dp, dq = registers.wait_for(*carry)
+        """Step j, its S and dP issued and waited for by step j - 1: dQ's
+        product goes out with S and dP of step j + 1, the warpgroup takes its
+        turn (the other one's chain runs under these products), and one wait
+        covers them all, so that no product is in flight across the loop's
+        back edge."""
+        s, dp, dq, scales = carry
         slot = ring.slot(j)
-
-        @pl.when(j > 0)
-        def _release_previous():  # dQ's product of step j - 1 is done
-          plgpu.barrier_arrive(consumed_t.at[ring.slot(j - 1)])
-
         # S and dP are done with K8 and V: their slot goes back to the
         # producer a chain before the next step's S and dP need its successor.
         plgpu.barrier_arrive(consumed.at[slot])
@@ -302,28 +296,30 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
           k8_t_tiles = tuple(k8_t_ring.at[slot, half] for half in range(halves))
           (dq,) = registers.dots((dq, ds8s, k8_t_tiles, t_transforms), wait=False)
           if edge:  # the last step
-            carry = (dq, edge_half(dp))
+            in_flight = (dq, edge_half(dp))
           else:
-            carry = (dq,) if last else (*issue_s_dp(j + 1), dq)
+            in_flight = (dq,) if last else (*issue_s_dp(j + 1), dq)
+          following = () if last else (scalars(j + 1),)
         with jax.named_scope("turn"):
           schedule.turn()
-        return carry
+        with jax.named_scope("wait"):
+          done = registers.wait_for(*in_flight)
+        plgpu.barrier_arrive(consumed_t.at[slot])  # dQ's product read K8^T
+        return (*done, *following)
 
       def pipelined_steps(full, end, zero):
         """Steps [0, end) as `pipelined_step`s: whole ones, masked ones, then
         the last (masked when causal: a whole block's mask keeps all).
         Returns dQ and, with edges, the diagonal's term."""
         last = end - 1
-        carry = (*issue_s_dp(jnp.int32(0)), zero)
+        s_dp, following = issue_s_dp(jnp.int32(0)), scalars(jnp.int32(0))
         schedule.turn()
+        carry = (*registers.wait_for(*s_dp), zero, following)
         carry = lax.fori_loop(0, jnp.minimum(full, last),
                               functools.partial(pipelined_step, masked=False), carry)
         carry = lax.fori_loop(jnp.minimum(full, last), last,
                               functools.partial(pipelined_step, masked=True), carry)
-        carry = pipelined_step(last, carry, masked=causal, last=True, edge=edges)
-        dq = registers.wait_for(*carry)
-        plgpu.barrier_arrive(consumed_t.at[ring.slot(last)])
-        return dq
+        return pipelined_step(last, carry, masked=causal, last=True, edge=edges)
 
       full, end = kv_range(i)
       zero = bc.zeros((BLOCK, head_dim))

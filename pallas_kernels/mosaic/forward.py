@@ -425,21 +425,13 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
                                 for half in range(halves)], wait=False)
 
       def pipelined_step(j, carry, *, masked: bool, last: bool = False):
-        """FP8 step j, its S issued by step j - 1: its P.V goes out with step
-        j + 1's S, and one wait at the next step's start covers both; the
-        warpgroup then takes its turn, so the other one's chain runs under
-        these products."""
+        """FP8 step j, its S issued and waited for by step j - 1: its P.V goes
+        out with step j + 1's S, the warpgroup takes its turn (the other
+        one's chain runs under these products), and one wait covers both, so
+        that no product is in flight across the loop's back edge."""
         s, (acc, m, l, row_max), scales = carry
         next_scales = step_scales(jnp.minimum(j + 1, num_steps - 1))
         slot = ring.slot(j)
-        with jax.named_scope("wait"):
-          *s, acc = registers.wait_for(*s, acc)
-        plgpu.barrier_arrive(k_consumed.at[slot])
-
-        @pl.when(j > 0)
-        def _release_previous():  # step j - 1's P.V is done
-          plgpu.barrier_arrive(v_consumed.at[ring.slot(j - 1)])
-
         with jax.named_scope("elementwise"):
           f = [lax.bitcast_convert_type(x, jnp.float32) for x in s]
           if masked:
@@ -456,19 +448,24 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
           s = () if last else issue_s(j + 1)
         with jax.named_scope("turn"):
           schedule.turn()
-        return s, (acc, m, l, row_max), next_scales
+        with jax.named_scope("wait"):
+          *s, acc = registers.wait_for(*s, acc)
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        if not last:  # step j + 1's S has read K
+          plgpu.barrier_arrive(k_consumed.at[ring.slot(j + 1)])
+        return tuple(s), (acc, m, l, row_max), next_scales
 
       def pipelined_steps(state, steps):
         """Steps [0, steps) as `pipelined_step`s, the last masked when causal."""
-        carry = (issue_s(jnp.int32(0)), state, step_scales(0))
+        s = issue_s(jnp.int32(0))
         schedule.turn()
+        s = registers.wait_for(*s)
+        plgpu.barrier_arrive(k_consumed.at[ring.slot(jnp.int32(0))])
         carry = lax.fori_loop(0, steps - 1, functools.partial(pipelined_step, masked=False),
-                              carry)
-        last = jnp.asarray(steps - 1, jnp.int32)
-        _, (acc, *rest), _ = pipelined_step(last, carry, masked=causal, last=True)
-        (acc,) = registers.wait_for(acc)
-        plgpu.barrier_arrive(v_consumed.at[ring.slot(last)])
-        return (acc, *rest)
+                              (s, state, step_scales(0)))
+        _, state, _ = pipelined_step(jnp.asarray(steps - 1, jnp.int32), carry, masked=causal,
+                                     last=True)
+        return state
 
       full_row = lambda value: plgpu.layout_cast(jnp.full((BLOCK,), value, jnp.float32), row)
       state = (plgpu.layout_cast(jnp.full((BLOCK, head_dim), 0.0, jnp.float32),
