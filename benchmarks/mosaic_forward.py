@@ -12,7 +12,8 @@ quantization (the reference's XLA pass: Q, K int8, V^T E4M3 per 64-key
 block REGISTER_B; `quantize_fp8_xla`) and the Mosaic FP8 forward (`mosaic_fp8`),
 checked against the reference's FP8 forward in 128-key steps, under each
 schedule (`mosaic_fp8_pipelined`: P.V issued with the next step's S;
-`mosaic_fp8_pingpong`: that with the schedule barrier, one turn a step).
+`mosaic_fp8_pingpong`: that with the schedule barrier, one turn a step;
+`mosaic_fp8_overlap`: the next S first, its softmax under P.V).
 Causal, both modes again with `causal_exact=True` (`mosaic_causal_exact`,
 `mosaic_fp8_causal_exact`: the reference's passes, K's first-block mean, the
 16-bit operands), against `mosaic` and `mosaic_fp8`. Writes
@@ -48,6 +49,10 @@ VARIANTS = {
     "mosaic_fp8_pingpong": ForwardTuning(pipelined=True),
     "mosaic_fp8_pingpong_3st": ForwardTuning(pipelined=True, max_concurrent_steps=3),
     "mosaic_fp8_pingpong_4st": ForwardTuning(pipelined=True, max_concurrent_steps=4),
+    "mosaic_fp8_overlap": ForwardTuning(pipelined=True, overlap=True, schedule_barrier=False),
+    "mosaic_fp8_overlap_pingpong": ForwardTuning(pipelined=True, overlap=True),
+    "mosaic_fp8_overlap_pingpong_3st": ForwardTuning(pipelined=True, overlap=True,
+                                                     max_concurrent_steps=3),
 }
 FP8_PREFIX = "mosaic_fp8"  # variants run with quantization="int8_fp8"
 

@@ -230,15 +230,20 @@ def test_flax_and_train_pass_it_on(monkeypatch):
 FORWARD_TUNINGS = {"default": mosaic_forward.ForwardTuning(),
                    "pipelined": mosaic_forward.ForwardTuning(pipelined=True,
                                                              schedule_barrier=False),
-                   "pingpong": mosaic_forward.ForwardTuning(pipelined=True)}
+                   "pingpong": mosaic_forward.ForwardTuning(pipelined=True),
+                   "overlap": mosaic_forward.ForwardTuning(pipelined=True, overlap=True,
+                                                           schedule_barrier=False),
+                   "overlap_pingpong": mosaic_forward.ForwardTuning(pipelined=True,
+                                                                    overlap=True)}
 
 
-@pytest.mark.parametrize("tuning", ["pipelined", "pingpong"])
+@pytest.mark.parametrize("tuning", ["pipelined", "pingpong", "overlap", "overlap_pingpong"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_pipelined_forward_lowers_for_cuda(head_dim, causal, tuning):
-  """The pipelined FP8 forward (P.V issued with the next step's S), lowered
-  with and without the ping-pong's schedule barrier."""
+  """The pipelined FP8 forward (P.V issued with the next step's S; with
+  `overlap`, the next softmax under P.V), lowered with and without the
+  ping-pong's schedule barrier."""
   config = mosaic_config(head_dim, causal, quantization="int8_fp8")
   args = gaussian_qkv(jax.random.key(0), 2, 512, 512, 4, 2, head_dim)[:3]
   qkv = jax.eval_shape(lambda: ReferenceBackend().quantize(*args, None, config,

@@ -154,10 +154,11 @@ def test_refuses_what_it_does_not_take():
     forward_mosaic(qkv, Masks(ids, ids), config, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("kwargs", [dict(compute_wgs=3), dict(max_concurrent_steps=1),
-                                    dict(compute_wgs=1)])
-def test_tuning_is_checked(kwargs):
-  with pytest.raises(ValueError):
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(compute_wgs=3), "compute_wgs"), (dict(max_concurrent_steps=1), "max_concurrent"),
+    (dict(compute_wgs=1), "schedule_barrier"), (dict(overlap=True), "pipelined=True")])
+def test_tuning_is_checked(kwargs, match):
+  with pytest.raises(ValueError, match=match):
     ForwardTuning(**kwargs)
 
 

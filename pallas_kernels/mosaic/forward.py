@@ -100,7 +100,8 @@ class ForwardTuning(pipeline.Tuning):
   """Launch settings of the Mosaic forward: query blocks per CTA, the K/V
   ring (128 keys a slot), the schedule barrier. `pipelined` (FP8, without
   `Config.exact_edges`): each step issues its P.V with the next step's S; K's
-  tile is released when S has read it, V's a step later."""
+  tile is released when S has read it, V's a step later. `overlap`: the next
+  step's S first, and its softmax under this step's P.V."""
 
 
 def takes(masks: Masks, config: Config, q_len: int, kv_len: int, head_dim: int,
@@ -424,6 +425,25 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
                                  (k_smem.at[slot, half],), i8_transforms)
                                 for half in range(halves)], wait=False)
 
+      def fp8_chain(j, s, scales, m, l, row_max, *, masked: bool):
+        """Step j's softmax from its finished S: P's E4M3 tiles, alpha and
+        the new (m, l, row_max)."""
+        f = [lax.bitcast_convert_type(x, jnp.float32) for x in s]
+        if masked:
+          f = [_causal_mask(x, q_base, j * KV_STEP + half * BLOCK) for half, x in enumerate(f)]
+        p, alpha, m, l, row_max = _fp8_softmax(
+            [eight_bit(x, scale, mean) for x, scale in zip(f, scales)], m, l, row_max)
+        return tuple(registers.pack_e4m3(x) for x in p), alpha, m, l, row_max
+
+      def issue_pv(j, acc, a_tiles):
+        """acc + P.V of step j, left in flight."""
+        slot = ring.slot(j)
+        plgpu.barrier_wait(v_bars.at[slot])
+        (acc,) = registers.dots(
+            (acc, a_tiles, tuple(vt_smem.at[slot, i] for i in range(halves)), vt_transforms),
+            wait=False)
+        return acc
+
       def pipelined_step(j, carry, *, masked: bool, last: bool = False):
         """FP8 step j, its S issued and waited for by step j - 1: its P.V goes
         out with step j + 1's S, the warpgroup takes its turn (the other
@@ -433,18 +453,10 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
         next_scales = step_scales(jnp.minimum(j + 1, num_steps - 1))
         slot = ring.slot(j)
         with jax.named_scope("elementwise"):
-          f = [lax.bitcast_convert_type(x, jnp.float32) for x in s]
-          if masked:
-            f = [_causal_mask(x, q_base, j * KV_STEP + half * BLOCK) for half, x in enumerate(f)]
-          p, alpha, m, l, row_max = _fp8_softmax(
-              [eight_bit(x, scale, mean) for x, scale in zip(f, scales)], m, l, row_max)
-          a_tiles = tuple(registers.pack_e4m3(x) for x in p)
+          a_tiles, alpha, m, l, row_max = fp8_chain(j, s, scales, m, l, row_max, masked=masked)
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         with jax.named_scope("issue"):
-          plgpu.barrier_wait(v_bars.at[slot])
-          (acc,) = registers.dots(
-              (acc, a_tiles, tuple(vt_smem.at[slot, i] for i in range(halves)), vt_transforms),
-              wait=False)
+          acc = issue_pv(j, acc, a_tiles)
           s = () if last else issue_s(j + 1)
         with jax.named_scope("turn"):
           schedule.turn()
@@ -467,6 +479,61 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
                                      last=True)
         return state
 
+      def overlap_step(j, carry, *, masked: bool):
+        """Step j's P.V under step j + 1's chain: step j + 1's S goes out
+        first, then step j's P.V, the warpgroup takes its turn, waits for S
+        alone (groups complete in order) and runs step j + 1's chain while
+        P.V runs; then it waits for P.V and rescales. Nothing is in flight
+        across the loop's back edge."""
+        a_tiles, (acc, m, l, row_max), scales = carry  # scales: step j + 1's
+        with jax.named_scope("issue"):
+          s = issue_s(j + 1)
+          acc = issue_pv(j, acc, a_tiles)
+        with jax.named_scope("turn"):
+          schedule.turn()
+        with jax.named_scope("wait"):
+          s = registers.wait_for(*s, pending=1)
+        plgpu.barrier_arrive(k_consumed.at[ring.slot(j + 1)])
+        next_scales = step_scales(jnp.minimum(j + 2, num_steps - 1))
+        with jax.named_scope("elementwise"):
+          a_tiles, alpha, m, l, row_max = fp8_chain(j + 1, s, scales, m, l, row_max,
+                                                    masked=masked)
+        with jax.named_scope("wait_pv"):
+          (acc,) = registers.wait_for(acc)
+        plgpu.barrier_arrive(v_consumed.at[ring.slot(j)])
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        return a_tiles, (acc, m, l, row_max), next_scales
+
+      def overlap_steps(state, steps):
+        """Steps [0, steps) with each chain but the first under the step
+        before's P.V (`overlap_step`); the last chain masked when causal."""
+        acc, m, l, row_max = state
+        s = issue_s(jnp.int32(0))
+        schedule.turn()
+        s = registers.wait_for(*s)
+        plgpu.barrier_arrive(k_consumed.at[ring.slot(jnp.int32(0))])
+        # Masking a step the rows see whole changes nothing: step 0's chain is
+        # masked whenever causal, in case it is the last.
+        a_tiles, _, m, l, row_max = fp8_chain(jnp.int32(0), s, step_scales(0), m, l, row_max,
+                                              masked=causal)
+        carry = (a_tiles, (acc, m, l, row_max), step_scales(jnp.int32(min(1, num_steps - 1))))
+        if causal:  # the last chain, step steps - 1's, masked: none when steps == 1
+          carry = lax.fori_loop(0, jnp.maximum(steps - 2, 0),
+                                functools.partial(overlap_step, masked=False), carry)
+          carry = lax.fori_loop(jnp.maximum(steps - 2, 0), steps - 1,
+                                functools.partial(overlap_step, masked=True), carry)
+        else:
+          carry = lax.fori_loop(0, steps - 1, functools.partial(overlap_step, masked=False),
+                                carry)
+        a_tiles, (acc, m, l, row_max), _ = carry
+        last = jnp.asarray(steps - 1, jnp.int32)
+        with jax.named_scope("issue"):
+          acc = issue_pv(last, acc, a_tiles)
+        schedule.turn()
+        (acc,) = registers.wait_for(acc)
+        plgpu.barrier_arrive(v_consumed.at[ring.slot(last)])
+        return acc, m, l, row_max
+
       full_row = lambda value: plgpu.layout_cast(jnp.full((BLOCK,), value, jnp.float32), row)
       state = (plgpu.layout_cast(jnp.full((BLOCK, head_dim), 0.0, jnp.float32),
                                  plgpu.Layout.WGMMA),
@@ -476,7 +543,9 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
       schedule.lead_in(wg)
       # With causality the last step holds the diagonal.
       steps = cta_steps if causal else num_steps
-      if pipelined:
+      if pipelined and tuning.overlap:
+        state = overlap_steps(state, steps)
+      elif pipelined:
         state = pipelined_steps(state, steps)
       elif causal:
         carry = lax.fori_loop(0, steps - 1, functools.partial(kv_step, masked=False), carry)

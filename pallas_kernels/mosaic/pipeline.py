@@ -41,12 +41,17 @@ class Tuning:
   last ones, and one wait at the next step's start covers both (each kernel's
   tuning says which; the INT8 kernels ignore it). With the schedule barrier
   a pipelined warpgroup takes one turn a step, after that issue: a ping-pong,
-  one warpgroup's products running while the other runs its chain."""
+  one warpgroup's products running while the other runs its chain. With
+  `overlap` too, the next step's first products go out before this step's
+  last ones, and the warpgroup waits for the first alone: the next step's
+  chain runs under this step's last products (FlashAttention-3's
+  intra-warpgroup overlap), in the warpgroup that issued them."""
 
   compute_wgs: int = 2
   max_concurrent_steps: int = 2
   schedule_barrier: bool = True
   pipelined: bool = False
+  overlap: bool = False
 
   def __post_init__(self):
     # One or two 64-row blocks fit a 128-token step or CTA tile, so with
@@ -58,6 +63,8 @@ class Tuning:
       raise ValueError(f"max_concurrent_steps must be >= 2; got {self.max_concurrent_steps}")
     if self.schedule_barrier and self.compute_wgs != 2:
       raise ValueError("schedule_barrier alternates two compute warpgroups")
+    if self.overlap and not self.pipelined:
+      raise ValueError("overlap orders a pipelined step's products: pass pipelined=True")
 
 
 @dataclasses.dataclass(frozen=True)

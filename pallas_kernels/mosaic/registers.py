@@ -231,9 +231,11 @@ def dots(*products, unsigned_a: bool = False, wait: bool = True) -> tuple[jax.Ar
   return product(*args)
 
 
-def wait_for(*accs) -> tuple[jax.Array, ...]:
-  """Waits for every wgmma this warpgroup issued; returns `accs` (in flight
-  from `dots(..., wait=False)`) as values that nothing reads before the wait."""
+def wait_for(*accs, pending: int = 0) -> tuple[jax.Array, ...]:
+  """Waits until at most `pending` of this warpgroup's wgmma groups (one a
+  `dots` call) are in flight, the latest ones (groups complete in order);
+  returns `accs`, which must come from the groups waited for (in flight from
+  `dots(..., wait=False)`), as values that nothing reads before the wait."""
 
   @plgpu.inline_mgpu(
       arg_types=(plgpu.Layout.WGMMA,) * len(accs),
@@ -242,7 +244,8 @@ def wait_for(*accs) -> tuple[jax.Array, ...]:
   def waited(ctx, *values):
     del ctx
     void = ir.Type.parse("!llvm.void")
-    llvm.inline_asm(void, [], "wgmma.wait_group.sync.aligned 0;", "", has_side_effects=True)
+    llvm.inline_asm(void, [], f"wgmma.wait_group.sync.aligned {pending};", "",
+                    has_side_effects=True)
     return tuple(fa.optimization_barrier(*values)) if len(values) > 1 else (
         fa.optimization_barrier(values[0]),)
 
