@@ -49,7 +49,9 @@ class BackwardTuning(pipeline.Tuning):
   are released once those are done (before the chain), those for the
   second a step later. In the ping-pong (with the schedule barrier) each
   warpgroup steps through all of its CTA's tiles (causal dK/dV: those
-  before its diagonal are masked whole), so that both take as many turns."""
+  before its diagonal are masked whole), so that both take as many turns.
+  `overlap` (dQ, without causal_exact): the next step's S and dP go out
+  before this step's dQ product, and the next chain runs under it."""
 
 
 def magic(shape=TILE):

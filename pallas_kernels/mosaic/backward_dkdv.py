@@ -398,6 +398,9 @@ def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
   if config.fp8 != (fp8 is not None):
     raise ValueError("backward_dkdv_mosaic: `fp8` (the FP8 operands) is given exactly when "
                      f"quantization='int8_fp8'; got quantization={config.quantization!r}")
+  if config.fp8 and tuning.overlap:
+    raise ValueError("backward_dkdv_mosaic: tuning=BackwardTuning(overlap=True) is dQ's and "
+                     "the forward's; pass overlap=False")
   if config.exact_edges and config.fp8 and tuning.pipelined and tuning.schedule_barrier:
     # The diagonal runs as a chain of its own, whose turns the ping-pong's
     # warpgroups would not take equally often.

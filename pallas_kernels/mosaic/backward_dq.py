@@ -278,6 +278,14 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
             (start_dp, ((do_smem, do_transforms),), (v_ring.at[slot],), do_transforms),
             wait=False)
 
+      def issue_dq(j, dq, ds8s):
+        """dq + dS.K' of step j, left in flight."""
+        slot = ring.slot(j)
+        plgpu.barrier_wait(k8_t_bars.at[slot])
+        k8_t_tiles = tuple(k8_t_ring.at[slot, half] for half in range(halves))
+        (dq,) = registers.dots((dq, ds8s, k8_t_tiles, t_transforms), wait=False)
+        return dq
+
       def pipelined_step(j, carry, *, masked: bool, last: bool = False, edge: bool = False):
         """Step j, its S and dP issued and waited for by step j - 1: dQ's
         product goes out with S and dP of step j + 1, the warpgroup takes its
@@ -292,9 +300,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         with jax.named_scope("elementwise"):
           ds8s = chain(j, s, dp, scales, masked=masked, edge=edge)
         with jax.named_scope("issue"):
-          plgpu.barrier_wait(k8_t_bars.at[slot])
-          k8_t_tiles = tuple(k8_t_ring.at[slot, half] for half in range(halves))
-          (dq,) = registers.dots((dq, ds8s, k8_t_tiles, t_transforms), wait=False)
+          dq = issue_dq(j, dq, ds8s)
           if edge:  # the last step
             in_flight = (dq, edge_half(dp))
           else:
@@ -321,10 +327,60 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
                               functools.partial(pipelined_step, masked=True), carry)
         return pipelined_step(last, carry, masked=causal, last=True, edge=edges)
 
+      def overlap_step(j, carry, *, masked: bool):
+        """Step j's dQ product under step j + 1's chain: step j + 1's S and dP
+        go out first, then step j's product, the warpgroup takes its turn,
+        waits for S and dP alone (groups complete in order) and runs step
+        j + 1's chain while the product runs; then it waits for that. Nothing
+        is in flight across the loop's back edge."""
+        ds8s, dq, scales = carry  # scales: step j + 1's
+        with jax.named_scope("issue"):
+          s_dp = issue_s_dp(j + 1)
+          dq = issue_dq(j, dq, ds8s)
+          following = scalars(jnp.minimum(j + 2, end - 1))
+        with jax.named_scope("turn"):
+          schedule.turn()
+        with jax.named_scope("wait"):
+          s, dp = registers.wait_for(*s_dp, pending=1)
+        plgpu.barrier_arrive(consumed.at[ring.slot(j + 1)])  # K8 and V
+        with jax.named_scope("elementwise"):
+          ds8s = chain(j + 1, s, dp, scales, masked=masked)
+        with jax.named_scope("wait_dq"):
+          (dq,) = registers.wait_for(dq)
+        plgpu.barrier_arrive(consumed_t.at[ring.slot(j)])  # K8^T
+        return ds8s, dq, following
+
+      def overlap_steps(full, end, zero):
+        """Steps [0, end) with each chain but the first under the step
+        before's dQ product (`overlap_step`); the chains of steps [full, end)
+        masked. Returns (dQ,)."""
+        s_dp, scales = issue_s_dp(jnp.int32(0)), scalars(jnp.int32(0))
+        schedule.turn()
+        s, dp = registers.wait_for(*s_dp)
+        plgpu.barrier_arrive(consumed.at[ring.slot(jnp.int32(0))])
+        # Masking a step the rows see whole changes nothing: step 0's chain is
+        # masked whenever causal, in case it is the diagonal's.
+        carry = (chain(jnp.int32(0), s, dp, scales, masked=causal), zero,
+                 scalars(jnp.minimum(1, end - 1)))
+        split = jnp.clip(full - 1, 0, end - 1)  # iteration j runs step j + 1's chain
+        carry = lax.fori_loop(0, split, functools.partial(overlap_step, masked=False), carry)
+        carry = lax.fori_loop(split, end - 1, functools.partial(overlap_step, masked=causal),
+                              carry)
+        ds8s, dq, _ = carry
+        last = end - 1
+        with jax.named_scope("issue"):
+          dq = issue_dq(last, dq, ds8s)
+        schedule.turn()
+        (dq,) = registers.wait_for(dq)
+        plgpu.barrier_arrive(consumed_t.at[ring.slot(last)])
+        return (dq,)
+
       full, end = kv_range(i)
       zero = bc.zeros((BLOCK, head_dim))
       schedule.lead_in(wg)
-      if pipelined:
+      if pipelined and tuning.overlap:
+        dq, *dq_edge = overlap_steps(full, end, zero)
+      elif pipelined:
         dq, *dq_edge = pipelined_steps(full, end, zero)
       else:
         dq = lax.fori_loop(0, full, functools.partial(kv_step, masked=False), zero)
@@ -431,6 +487,9 @@ def backward_dq_mosaic(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, confi
   if config.fp8 != (fp8 is not None):
     raise ValueError("backward_dq_mosaic: `fp8` (the FP8 operands) is given exactly when "
                      f"quantization='int8_fp8'; got quantization={config.quantization!r}")
+  if config.fp8 and config.exact_edges and tuning.overlap:
+    raise ValueError("backward_dq_mosaic: tuning=BackwardTuning(overlap=True) does not take "
+                     "causal_exact's 16-bit diagonal; pass overlap=False")
   k8_t = qkv.k8_t if fp8 is None else fp8.k8_t
   check_layout("k8_t", k8_t, TransposedLayout.REGISTER_B)
   lse, edge_operands = bc.causal_exact_operands(qkv, lse, config, "backward_dq_mosaic")
