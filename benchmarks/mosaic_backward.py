@@ -57,11 +57,12 @@ VARIANTS = {
                                                 max_concurrent_steps=3), BackwardTuning()),
     "mosaic_fp8_pingpong_3st": (BackwardTuning(pipelined=True, max_concurrent_steps=3),
                                 BackwardTuning(pipelined=True)),
-    # dQ's overlap beside today's dK/dV (overlap is dQ's only).
-    "mosaic_fp8_dq_overlap": (BackwardTuning(), BackwardTuning(pipelined=True, overlap=True)),
-    "mosaic_fp8_dq_overlap_nosched": (BackwardTuning(),
-                                      BackwardTuning(pipelined=True, overlap=True,
-                                                     schedule_barrier=False)),
+    "mosaic_fp8_overlap": BackwardTuning(pipelined=True, overlap=True),
+    "mosaic_fp8_overlap_nosched": BackwardTuning(pipelined=True, overlap=True,
+                                                 schedule_barrier=False),
+    "mosaic_fp8_overlap_3st": (BackwardTuning(pipelined=True, overlap=True,
+                                              max_concurrent_steps=3),
+                               BackwardTuning(pipelined=True, overlap=True)),
 }
 
 

@@ -253,14 +253,11 @@ MOSAIC_BACKWARD_CASES = [
 
 # The Mosaic FP8 backward's schedules the tests run (tests/test_fp8.py,
 # tests/test_mosaic_backward.py).
-# A tuning for both FP8 backward kernels, or a (dK/dV, dQ) pair: `overlap` is
-# dQ's only.
 FP8_TUNINGS = {"default": BackwardTuning(),
                "no_schedule_barrier": BackwardTuning(schedule_barrier=False),
                "pipelined": BackwardTuning(pipelined=True, schedule_barrier=False),
                "pingpong": BackwardTuning(pipelined=True),
-               "overlap": (BackwardTuning(pipelined=True),
-                           BackwardTuning(pipelined=True, overlap=True))}
+               "overlap": BackwardTuning(pipelined=True, overlap=True)}
 
 
 def mosaic_config(head_dim: int, causal: bool, **overrides) -> Config:

@@ -35,7 +35,6 @@ from pallas_kernels.fp8_operands import fp8_operands
 from pallas_kernels.layouts import REGISTER_B, TOKENS
 from pallas_kernels.mosaic import forward as mosaic_forward
 from pallas_kernels.mosaic.backend import MosaicBackend
-from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
 from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
 from pallas_kernels.types import QUANTIZATIONS, Masks, Numerics
@@ -366,12 +365,10 @@ def _fp8_backward_case(batch, seq, heads, kv_heads, head_dim, causal, *, seed=0,
 
 
 def _fp8_kernels(config, tuning, qkv, v, lse, pre, do):
-  """dQ, dK, dV from the Hopper FP8 backward kernels (`tuning`: for both, or
-  a (dK/dV, dQ) pair)."""
-  dkdv_tuning, dq_tuning = tuning if isinstance(tuning, tuple) else (tuning, tuning)
+  """dQ, dK, dV from the Hopper FP8 backward kernels."""
   dk, dv = backward_dkdv_mosaic(qkv, v, lse, pre.delta, do, pre.do8_t, pre.do_scale, Masks(),
-                                config, dkdv_tuning, fp8=pre.fp8)
-  dq = backward_dq_mosaic(qkv, v, lse, pre.delta, do, Masks(), config, dq_tuning, fp8=pre.fp8)
+                                config, tuning, fp8=pre.fp8)
+  dq = backward_dq_mosaic(qkv, v, lse, pre.delta, do, Masks(), config, tuning, fp8=pre.fp8)
   return dq, dk, dv
 
 
@@ -387,16 +384,15 @@ def test_fp8_backward_kernels_lower_for_cuda(case, tuning):
   assert_lowers_to_mosaic_gpu(functools.partial(_fp8_kernels, config, tuning), *args)
 
 
-def test_fp8_backward_overlap_is_dq_s_and_refuses_causal_exact():
+def test_fp8_backward_overlap_refuses_causal_exact():
   inputs, arrays, config = _fp8_backward_case(1, 128, 1, 1, 64, True)
   qkv, v, lse, pre, do = jax.eval_shape(inputs, *arrays)
-  overlap = BackwardTuning(pipelined=True, overlap=True)
+  exact, overlap = dataclasses.replace(config, causal_exact=True), FP8_TUNINGS["overlap"]
   with pytest.raises(ValueError, match="overlap=True"):
-    backward_dkdv_mosaic(qkv, v, lse, pre.delta, do, pre.do8_t, pre.do_scale, Masks(), config,
+    backward_dkdv_mosaic(qkv, v, lse, pre.delta, do, pre.do8_t, pre.do_scale, Masks(), exact,
                          overlap, fp8=pre.fp8)
-  with pytest.raises(ValueError, match="causal_exact"):
-    backward_dq_mosaic(qkv, v, lse, pre.delta, do, Masks(),
-                       dataclasses.replace(config, causal_exact=True), overlap, fp8=pre.fp8)
+  with pytest.raises(ValueError, match="overlap=True"):
+    backward_dq_mosaic(qkv, v, lse, pre.delta, do, Masks(), exact, overlap, fp8=pre.fp8)
 
 
 def test_fp8_backward_kernels_refuse_a_missing_or_stray_operand():

@@ -165,7 +165,7 @@ def test_gpu_large_logits(sigma):
 # Each mode's tunings, with the tolerance of its other GPU cases against the
 # reference (above; tests/test_fp8.py); the ping-pong and the overlap refuse
 # causal_exact (test_pingpong_refuses_causal_exact,
-# test_fp8_backward_overlap_is_dq_s_and_refuses_causal_exact).
+# test_fp8_backward_overlap_refuses_causal_exact).
 EXACT_TUNINGS = [("int8", name) for name in sorted(TUNINGS)] + [
     ("int8_fp8", name) for name in sorted(FP8_TUNINGS) if name not in ("pingpong", "overlap")]
 TOLERANCE = {"int8": 5e-3, "int8_fp8": 1e-2}

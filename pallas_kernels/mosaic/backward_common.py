@@ -50,8 +50,8 @@ class BackwardTuning(pipeline.Tuning):
   second a step later. In the ping-pong (with the schedule barrier) each
   warpgroup steps through all of its CTA's tiles (causal dK/dV: those
   before its diagonal are masked whole), so that both take as many turns.
-  `overlap` (dQ, without causal_exact): the next step's S and dP go out
-  before this step's dQ product, and the next chain runs under it."""
+  `overlap` (without causal_exact): the next step's S and dP go out before
+  this step's FP8 products, and the next chain runs under them."""
 
 
 def magic(shape=TILE):

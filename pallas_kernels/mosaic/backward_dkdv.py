@@ -249,27 +249,37 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
             (minus_delta, ((v_smem, v_transforms),), (do_ring.at[slot],), v_transforms),
             wait=False)
 
+      def released_chain(i, s, dp, step_scalars, *, masked: bool, edge: bool = False):
+        """`fp8_chain` of step i from its finished S^T and dP^T, the chain's
+        columns read into registers first, so that the tiles S^T and dP^T read
+        (Q8, dO, the rows' vectors) go back to the producer a chain before
+        the next step's S^T and dP^T need their successors."""
+        slot = ring.slot(i)
+        columns = (column(slot, 0), column(slot, 2))
+        plgpu.barrier_arrive(consumed.at[slot])
+        q_scale, step = step_scalars
+        return fp8_chain(i, s, dp, q_scale, step, masked=masked, edge=edge, columns=columns)
+
+      def issue_dv_dk(i, dk, dv, p8, ds8):
+        """(dV + P'^T.dO8, dK + dS'^T.Q'8) of step i, left in flight."""
+        slot = ring.slot(i)
+        plgpu.barrier_wait(do8_t_bars.at[slot])
+        plgpu.barrier_wait(q8_t_bars.at[slot])
+        return registers.dots((dv, (p8,), (do8_t_ring.at[slot],), t_transforms),
+                              (dk, (ds8,), (q8_t_ring.at[slot],), t_transforms), wait=False)
+
       def pipelined_step(i, carry, *, masked: bool, last: bool = False, edge: bool = False):
         """Step i with FP8 products, its S^T and dP^T issued and waited for by
         step i - 1: dV and dK of step i go out with S^T and dP^T of step i + 1,
         the warpgroup takes its turn (the other one's chain runs under these
         products), and one wait covers them all, so that no product is in
         flight across the loop's back edge."""
-        s, dp, dk, dv, (q_scale, step) = carry
+        s, dp, dk, dv, step_scalars = carry
         slot = ring.slot(i)
-        # The chain's columns into registers first, so that the tiles S^T and
-        # dP^T read (Q8, dO, the rows' vectors) go back to the producer a chain
-        # before the next step's S^T and dP^T need their successors.
-        columns = (column(slot, 0), column(slot, 2))
-        plgpu.barrier_arrive(consumed.at[slot])
         with jax.named_scope("elementwise"):
-          p8, ds8 = fp8_chain(i, s, dp, q_scale, step, masked=masked, edge=edge,
-                              columns=columns)
+          p8, ds8 = released_chain(i, s, dp, step_scalars, masked=masked, edge=edge)
         with jax.named_scope("issue"):
-          plgpu.barrier_wait(do8_t_bars.at[slot])
-          plgpu.barrier_wait(q8_t_bars.at[slot])
-          dv, dk = registers.dots((dv, (p8,), (do8_t_ring.at[slot],), t_transforms),
-                                  (dk, (ds8,), (q8_t_ring.at[slot],), t_transforms), wait=False)
+          dv, dk = issue_dv_dk(i, dk, dv, p8, ds8)
           in_flight = (dk, dv) if last else (*issue_s_dp(i + 1), dk, dv)
           following = () if last else (scalars(i + 1),)
         with jax.named_scope("turn"):
@@ -294,6 +304,52 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
                                 functools.partial(pipelined_step, masked=False), carry)
         return pipelined_step(last, carry, masked=causal, last=True, edge=edge)
 
+      def overlap_step(i, carry, *, masked: bool):
+        """Step i's dV and dK under step i + 1's chain: step i + 1's S^T and
+        dP^T go out first, then step i's dV and dK, the warpgroup takes its
+        turn, waits for S^T and dP^T alone (groups complete in order) and
+        runs step i + 1's chain while dV and dK run; then it waits for
+        those. Nothing is in flight across the loop's back edge."""
+        p8, ds8, dk, dv, step_scalars = carry  # step_scalars: step i + 1's
+        with jax.named_scope("issue"):
+          s_dp = issue_s_dp(i + 1)
+          dv, dk = issue_dv_dk(i, dk, dv, p8, ds8)
+          following = scalars(jnp.minimum(i + 2, end - 1))
+        with jax.named_scope("turn"):
+          schedule.turn()
+        with jax.named_scope("wait"):
+          s, dp = registers.wait_for(*s_dp, pending=1)
+        with jax.named_scope("elementwise"):
+          p8, ds8 = released_chain(i + 1, s, dp, step_scalars, masked=masked)
+        with jax.named_scope("wait_dv_dk"):
+          dk, dv = registers.wait_for(dk, dv)
+        plgpu.barrier_arrive(consumed_t.at[ring.slot(i)])  # Q8^T and dO8^T
+        return p8, ds8, dk, dv, following
+
+      def overlap_steps(start, carry):
+        """Steps [start, end) with each chain but the first under the step
+        before's dV and dK (`overlap_step`); the chains of steps [start,
+        full) masked. Returns dK, dV."""
+        s_dp, step_scalars = issue_s_dp(start), scalars(start)
+        schedule.turn()
+        s, dp = registers.wait_for(*s_dp)
+        # Masking a step the keys see whole changes nothing: the first chain
+        # is masked whenever causal.
+        carry = (*released_chain(start, s, dp, step_scalars, masked=causal), *carry,
+                 scalars(jnp.minimum(start + 1, end - 1)))
+        last = end - 1
+        split = jnp.clip(full - 1, start, last)  # iteration i runs step i + 1's chain
+        carry = lax.fori_loop(start, split, functools.partial(overlap_step, masked=causal),
+                              carry)
+        carry = lax.fori_loop(split, last, functools.partial(overlap_step, masked=False), carry)
+        p8, ds8, dk, dv, _ = carry
+        with jax.named_scope("issue"):
+          dv, dk = issue_dv_dk(last, dk, dv, p8, ds8)
+        schedule.turn()
+        dk, dv = registers.wait_for(dk, dv)
+        plgpu.barrier_arrive(consumed_t.at[ring.slot(last)])
+        return dk, dv
+
       start, full, _ = q_range(j)
       if pipelined and tuning.schedule_barrier:
         # Every warpgroup takes a turn at each of its CTA's steps (without
@@ -306,7 +362,9 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
                        schedule=schedule)
       schedule.lead_in(wg)
       zeros = (bc.zeros((BLOCK, head_dim)), bc.zeros((BLOCK, head_dim)))
-      if pipelined:
+      if pipelined and tuning.overlap:
+        dk, dv = overlap_steps(start, zeros)
+      elif pipelined:
         if edges:  # the last key block has the diagonal alone
           dk, dv = lax.cond(full < end, functools.partial(pipelined_steps, full, end),
                             lambda carry: carry, pipelined_steps(start, full, zeros, edge=True))
@@ -398,9 +456,9 @@ def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
   if config.fp8 != (fp8 is not None):
     raise ValueError("backward_dkdv_mosaic: `fp8` (the FP8 operands) is given exactly when "
                      f"quantization='int8_fp8'; got quantization={config.quantization!r}")
-  if config.fp8 and tuning.overlap:
-    raise ValueError("backward_dkdv_mosaic: tuning=BackwardTuning(overlap=True) is dQ's and "
-                     "the forward's; pass overlap=False")
+  if config.exact_edges and config.fp8 and tuning.overlap:
+    raise ValueError("backward_dkdv_mosaic: tuning=BackwardTuning(overlap=True) does not take "
+                     "causal_exact's 16-bit diagonal; pass overlap=False")
   if config.exact_edges and config.fp8 and tuning.pipelined and tuning.schedule_barrier:
     # The diagonal runs as a chain of its own, whose turns the ping-pong's
     # warpgroups would not take equally often.
