@@ -57,6 +57,20 @@ VARIANTS = {
 FP8_PREFIX = "mosaic_fp8"  # variants run with quantization="int8_fp8"
 
 
+def time_variants(names, config: Config, qkv, want, record, table: Rows):
+  """The Mosaic forward under each variant of `names` on `qkv`, timed, its O
+  and lse checked against `want` (the reference's)."""
+  o_ref, lse_ref = want
+  for name in names:
+    fn = jax.jit(lambda qkv, tuning=VARIANTS[name]: forward_mosaic(
+        qkv, Masks(), config, jnp.bfloat16, tuning))
+    try:
+      o, lse, _ = jax.block_until_ready(fn(qkv))
+      record(name, time_call(fn, qkv), o_rel_l2=rel_l2(o, o_ref), lse_rel_l2=rel_l2(lse, lse_ref))
+    except Exception as e:  # report and go on with the other variants
+      table.failed(name, config.causal, e)
+
+
 def time_causal_exact(config: Config, q, k, v, record, table: Rows):
   """The forward with causal_exact in both modes, on the reference's passes
   in the Mosaic layouts, checked against the reference's forward on the
@@ -103,15 +117,8 @@ def main():
     reference = jax.jit(lambda qkv: ReferenceBackend(MOSAIC_NUMERICS).forward(
         qkv, Masks(), config, jnp.bfloat16))
     o_ref, lse_ref, _ = jax.block_until_ready(reference(qkv))
-    for name in [name for name in names if not name.startswith(FP8_PREFIX)]:
-      fn = jax.jit(lambda qkv, tuning=VARIANTS[name]: forward_mosaic(
-          qkv, Masks(), config, jnp.bfloat16, tuning))
-      try:
-        o, lse, _ = jax.block_until_ready(fn(qkv_mosaic))
-        record(name, time_call(fn, qkv_mosaic), o_rel_l2=rel_l2(o, o_ref),
-               lse_rel_l2=rel_l2(lse, lse_ref))
-      except Exception as e:  # report and go on with the other variants
-        table.failed(name, causal, e)
+    time_variants([name for name in names if not name.startswith(FP8_PREFIX)], config,
+                  qkv_mosaic, (o_ref, lse_ref), record, table)
     fp8 = dataclasses.replace(config, quantization="int8_fp8")
     reference_fp8 = ReferenceBackend(Numerics(p_block=KV_STEP))
     quantize_fp8 = jax.jit(lambda q, k, v: reference_fp8.quantize(
@@ -120,15 +127,8 @@ def main():
     record("quantize_fp8_xla", time_call(quantize_fp8, q, k, v))
     o_ref, lse_ref, _ = jax.block_until_ready(jax.jit(lambda qkv: reference_fp8.forward(
         qkv, Masks(), fp8, jnp.bfloat16))(qkv_fp8))
-    for name in [name for name in names if name.startswith(FP8_PREFIX)]:
-      fn = jax.jit(lambda qkv, tuning=VARIANTS[name]: forward_mosaic(
-          qkv, Masks(), fp8, jnp.bfloat16, tuning))
-      try:
-        o, lse, _ = jax.block_until_ready(fn(qkv_fp8))
-        record(name, time_call(fn, qkv_fp8), o_rel_l2=rel_l2(o, o_ref),
-               lse_rel_l2=rel_l2(lse, lse_ref))
-      except Exception as e:  # report and go on with the other variants
-        table.failed(name, causal, e)
+    time_variants([name for name in names if name.startswith(FP8_PREFIX)], fp8, qkv_fp8,
+                  (o_ref, lse_ref), record, table)
     if causal:  # the op applies causal_exact with causality only
       time_causal_exact(config, q, k, v, record, table)
     table.ratios(causal, ref_row)
