@@ -71,15 +71,21 @@ def time_variants(names, config: Config, qkv, want, record, table: Rows):
       table.failed(name, config.causal, e)
 
 
+def exact_inputs(q, k, v, config: Config):
+  """The forward's QuantizedQKV for `config` (causal_exact's operands
+  included) from the reference's passes in the Mosaic layouts."""
+  passes = MosaicBackend(ReferenceBackend(), fp8_fallback=ReferenceBackend())
+  return jax.block_until_ready(jax.jit(lambda q, k, v: quantize(
+      q, k, v, Masks(), config, passes, True, False))(q, k, v))
+
+
 def time_causal_exact(config: Config, q, k, v, record, table: Rows):
   """The forward with causal_exact in both modes, on the reference's passes
   in the Mosaic layouts, checked against the reference's forward on the
   same device."""
-  passes = MosaicBackend(ReferenceBackend(), fp8_fallback=ReferenceBackend())
   for name, mode in (("mosaic_causal_exact", "int8"), ("mosaic_fp8_causal_exact", "int8_fp8")):
     exact = dataclasses.replace(config, quantization=mode, causal_exact=True)
-    qkv = jax.block_until_ready(jax.jit(lambda q, k, v: quantize(
-        q, k, v, Masks(), exact, passes, True, False))(q, k, v))
+    qkv = exact_inputs(q, k, v, exact)
     o_ref, lse_ref, _ = jax.block_until_ready(jax.jit(lambda qkv: ReferenceBackend(
         MOSAIC_NUMERICS).forward(qkv, Masks(), exact, jnp.bfloat16))(qkv))
     fn = jax.jit(lambda qkv: forward_mosaic(qkv, Masks(), exact, jnp.bfloat16))

@@ -9,15 +9,17 @@ script prints each region's mean cycles per step and share of the loop.
 
 One call of each FP8 variant's dK/dV and dQ kernels (the variants of
 `benchmarks.mosaic_backward`), or of its forward (`forward_` and a variant
-of `benchmarks.mosaic_forward`), not causal. B=1
-T=2048 H=8 D=128 is one wave of 128 CTAs on an H100 or H200, one CTA per
-SM as at any larger shape. The profiler's own stores (~12 cycles a bound)
+of `benchmarks.mosaic_forward`), not causal; `forward_causal` and
+`forward_causal_exact`: the forward, causal, without and with causal_exact.
+B=1 T=2048 H=8 D=128 is one wave of 128 CTAs on an H100 or H200, one CTA
+per SM as at any larger shape. The profiler's own stores (~12 cycles a bound)
 are inside the figures. Needs a GPU.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import glob
 import json
@@ -80,6 +82,9 @@ def report(name: str, folder: str):
 FORWARD = "forward_"
 FORWARD_VARIANTS = {FORWARD + name: tuning for name, tuning in mosaic_forward.VARIANTS.items()
                     if name.startswith(mosaic_forward.FP8_PREFIX)}
+# The FP8 forward's default schedule, causal, without and with causal_exact
+# (its value here).
+CAUSAL_FORWARD = {"forward_causal": False, "forward_causal_exact": True}
 
 
 def profile(name: str, run, seq: int):
@@ -98,13 +103,18 @@ def profile(name: str, run, seq: int):
 def main():
   fp8_backward = {name: tuning for name, tuning in VARIANTS.items() if "fp8" in name}
   args, names = parse_args(__doc__, "benchmarks.mosaic_profile",
-                           {**fp8_backward, **FORWARD_VARIANTS})
+                           {**fp8_backward, **FORWARD_VARIANTS, **CAUSAL_FORWARD})
   q, k, v, do = random_inputs(args, 4)
   config = Config(scale=args.head_dim**-0.5, causal=False, smooth_q=False, block_q=64,
                   block_kv=64, quantization="int8_fp8")
   (qkv, v8, lse, pre, do8), _, _ = jax.block_until_ready(
       jax.jit(functools.partial(fp8_inputs, config=config))(q, k, v, do))
   for name in names:
+    if name in CAUSAL_FORWARD:
+      causal = dataclasses.replace(config, causal=True, causal_exact=CAUSAL_FORWARD[name])
+      causal_qkv = mosaic_forward.exact_inputs(q, k, v, causal)
+      profile(name, lambda: forward_mosaic(causal_qkv, Masks(), causal, v.dtype), args.seq)
+      continue
     if name in FORWARD_VARIANTS:
       profile(name, lambda: forward_mosaic(qkv, Masks(), config, v.dtype,
                                            FORWARD_VARIANTS[name]), args.seq)
