@@ -66,8 +66,10 @@ that does not see the whole block; the other half runs in 8 bits as every
 step.
 
 Longer than 400 lines because the loop's one body serves both numerics
-modes and `Config.causal_exact`'s 16-bit edge step: split by mode, the
-kernels would repeat the pipeline's frame.
+modes, the FP8 mode's three schedules (the default, pipelined, overlap) and
+`Config.causal_exact`'s 16-bit edge step: split by mode or schedule, the
+kernels would repeat the pipeline's frame; which schedule wins is still
+being measured (docs/performance-log.md).
 """
 
 from __future__ import annotations
