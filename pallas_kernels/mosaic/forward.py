@@ -68,8 +68,8 @@ step.
 Longer than 400 lines because the loop's one body serves both numerics
 modes, the FP8 mode's three schedules (the default, pipelined, overlap) and
 `Config.causal_exact`'s 16-bit edge step: split by mode or schedule, the
-kernels would repeat the pipeline's frame; which schedule wins is still
-being measured (docs/performance-log.md).
+kernels would repeat the pipeline's frame (the schedules' timings:
+docs/performance-log.md).
 """
 
 from __future__ import annotations
