@@ -129,10 +129,10 @@ def dot_product_attention(
       cores' form; dO.V^T stays 16-bit. About 2x the INT8 mode's error at
       sigma 1 and 1.03-1.38x of it from sigma 3 (README, Accuracy). With
       ds_precision="bf16", dS.K and dS^T.Q run in 16 bits instead. Its
-      kernels so far: the Hopper forward ("mosaic"); the rest runs in
-      "reference" (pure JAX), and "triton" raises NotImplementedError. The
-      default is then ("mosaic", "reference") on an H100/H200 and
-      "reference" elsewhere.
+      kernels: the Hopper forward and backward ("mosaic", with the Triton
+      passes around them); what they do not take runs in "reference" (pure
+      JAX), and "triton" raises NotImplementedError. The default is then
+      ("mosaic", "reference") on an H100/H200 and "reference" elsewhere.
     causal_exact: with `is_causal` (or a `local_window_size`), no output
       row, nor its dQ, then depends on a key or value after the last key
       the row sees (with `is_causal`: on no later token), as in exact
