@@ -169,11 +169,14 @@ def disassemble(ptx: str, arch: str) -> tuple[str, str]:
 
 
 def ptxas_summary(report: str) -> str:
-  """ptxas's register and spill lines and its warnings, indented. A warning
-  that "wgmma.mma_async instructions are serialized" means each wgmma waits
-  for the one before it, whatever the kernel's schedule."""
+  """ptxas's register and spill lines, its warnings and its performance
+  advisories (the "(C7nnn)" lines it prints as info), indented: C7517
+  "warpgroup.wait is injected" means a wgmma waits there for a product
+  before it, C7515 that every wgmma of the function does, whatever the
+  kernel's schedule; C7519 (an injected wgmma fence) costs little."""
   return "\n".join("  " + row.strip() for row in report.splitlines()
-                   if "spill" in row or "Used" in row or "warning" in row.lower())
+                   if "spill" in row or "Used" in row or "warning" in row.lower()
+                   or "(C7" in row)
 
 
 def listing(cubin_path: str) -> str:
@@ -239,6 +242,9 @@ def report_loops(instructions: list[Instruction], labels: dict[str, int],
     print(f"  loop of {len(loop)} instructions = {len(loop) / scores_per_thread:.1f} per "
           f"score ({spills} spill loads/stores)")
     print("    " + ", ".join(f"{k} {v}" for k, v in ops.most_common(16)))
+    # One wait a wgmma: each product runs alone (ptxas's C7517 or C7515).
+    print(f"    {sum(n for op, n in ops.items() if 'GMMA' in op)} wgmmas, "
+          f"{ops['WARPGROUP.DEPBAR.LE']} waits for them, {ops['WARPGROUP.ARRIVE']} fences")
     for line, n in collections.Counter(i.line for i in loop).most_common(lines):
       mix = collections.Counter(i.opcode for i in loop if i.line == line)
       print(f"    {n / scores_per_thread:5.2f}/score {n:4d} {line}: "
