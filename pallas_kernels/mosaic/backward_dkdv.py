@@ -320,11 +320,11 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         with jax.named_scope("wait"):
           s, dp = registers.wait_for(*s_dp, pending=1)
         with jax.named_scope("elementwise"):
-          p8, ds8 = released_chain(i + 1, s, dp, step_scalars, masked=masked)
+          next_p8, next_ds8 = released_chain(i + 1, s, dp, step_scalars, masked=masked)
         with jax.named_scope("wait_dv_dk"):
-          dk, dv = registers.wait_for(dk, dv)
+          dk, dv = registers.wait_for(dk, dv, reads=(p8, ds8))
         plgpu.barrier_arrive(consumed_t.at[ring.slot(i)])  # Q8^T and dO8^T
-        return p8, ds8, dk, dv, following
+        return next_p8, next_ds8, dk, dv, following
 
       def overlap_steps(start, carry):
         """Steps [start, end) with each chain but the first under the step

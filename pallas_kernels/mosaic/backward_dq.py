@@ -344,11 +344,11 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
           s, dp = registers.wait_for(*s_dp, pending=1)
         plgpu.barrier_arrive(consumed.at[ring.slot(j + 1)])  # K8 and V
         with jax.named_scope("elementwise"):
-          ds8s = chain(j + 1, s, dp, scales, masked=masked)
+          next_ds8s = chain(j + 1, s, dp, scales, masked=masked)
         with jax.named_scope("wait_dq"):
-          (dq,) = registers.wait_for(dq)
+          (dq,) = registers.wait_for(dq, reads=ds8s)
         plgpu.barrier_arrive(consumed_t.at[ring.slot(j)])  # K8^T
-        return ds8s, dq, following
+        return next_ds8s, dq, following
 
       def overlap_steps(full, end, zero):
         """Steps [0, end) with each chain but the first under the step

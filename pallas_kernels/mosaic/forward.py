@@ -498,13 +498,13 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
         plgpu.barrier_arrive(k_consumed.at[ring.slot(j + 1)])
         next_scales = step_scales(jnp.minimum(j + 2, num_steps - 1))
         with jax.named_scope("elementwise"):
-          a_tiles, alpha, m, l, row_max = fp8_chain(j + 1, s, scales, m, l, row_max,
-                                                    masked=masked)
+          next_tiles, alpha, m, l, row_max = fp8_chain(j + 1, s, scales, m, l, row_max,
+                                                       masked=masked)
         with jax.named_scope("wait_pv"):
-          (acc,) = registers.wait_for(acc)
+          (acc,) = registers.wait_for(acc, reads=a_tiles)
         plgpu.barrier_arrive(v_consumed.at[ring.slot(j)])
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        return a_tiles, (acc, m, l, row_max), next_scales
+        return next_tiles, (acc, m, l, row_max), next_scales
 
       def overlap_steps(state, steps):
         """Steps [0, steps) with each chain but the first under the step

@@ -231,14 +231,20 @@ def dots(*products, unsigned_a: bool = False, wait: bool = True) -> tuple[jax.Ar
   return product(*args)
 
 
-def wait_for(*accs, pending: int = 0) -> tuple[jax.Array, ...]:
+def wait_for(*accs, pending: int = 0, reads: tuple = ()) -> tuple[jax.Array, ...]:
   """Waits until at most `pending` of this warpgroup's wgmma groups (one a
   `dots` call) are in flight, the latest ones (groups complete in order);
   returns `accs`, which must come from the groups waited for (in flight from
-  `dots(..., wait=False)`), as values that nothing reads before the wait."""
+  `dots(..., wait=False)`), as values that nothing reads before the wait.
+
+  `reads`: the register A tiles of the products waited for. They stay live
+  until the wait, so no instruction before it takes their registers (a chain
+  packing the next step's tiles would otherwise write into them, and ptxas
+  then runs every wgmma of the kernel alone: C7513)."""
+  count = len(accs)
 
   @plgpu.inline_mgpu(
-      arg_types=(plgpu.Layout.WGMMA,) * len(accs),
+      arg_types=(plgpu.Layout.WGMMA,) * count + (plgpu.Layout.WGMMA_8BIT,) * len(reads),
       return_type=tuple(plgpu.ShapeDtypeStruct(acc.shape, acc.dtype, layout=plgpu.Layout.WGMMA)
                         for acc in accs))
   def waited(ctx, *values):
@@ -246,7 +252,8 @@ def wait_for(*accs, pending: int = 0) -> tuple[jax.Array, ...]:
     void = ir.Type.parse("!llvm.void")
     llvm.inline_asm(void, [], f"wgmma.wait_group.sync.aligned {pending};", "",
                     has_side_effects=True)
-    return tuple(fa.optimization_barrier(*values)) if len(values) > 1 else (
-        fa.optimization_barrier(values[0]),)
+    if len(values) == 1:
+      return (fa.optimization_barrier(values[0]),)
+    return tuple(fa.optimization_barrier(*values))[:count]
 
-  return waited(*accs)
+  return waited(*accs, *reads)
