@@ -335,3 +335,15 @@ def test_the_deprecated_pallas_attention_is_imported_only_when_asked_for():
   run = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", code],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_mosaic_ptx_refuses_a_missing_plugin_and_non_fp8_variants(capsys, tmp_path):
+  from benchmarks import mosaic_ptx
+  plugin = tmp_path / "xla_cuda_plugin.so"
+  with pytest.raises(SystemExit, match="--plugin: no file"):
+    mosaic_ptx.main(["--plugin", str(plugin), "--out", str(tmp_path)])
+  plugin.write_bytes(b"")
+  for variants, forward in (("mosaic", []), ("mosaic_fp8,nope", []), ("mosaic_fp8_3st", ["--forward"])):
+    with pytest.raises(SystemExit, match="--variants: '(mosaic|nope|mosaic_fp8_3st)' is not one"):
+      mosaic_ptx.main(["--plugin", str(plugin), "--out", str(tmp_path), "--variants", variants,
+                       *forward])
