@@ -239,9 +239,10 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         """S^T and dP^T of step i, issued and left in flight (the diagonal's
         waited for: K16, their A operand, is in registers)."""
         slot = ring.slot(i)
-        plgpu.barrier_wait(q_bars.at[slot])
-        minus_delta = -lax.broadcast_in_dim(column(slot, 1), bc.TILE, [1])
-        plgpu.barrier_wait(do_bars.at[slot])
+        with jax.named_scope("tiles_s_dp"):
+          plgpu.barrier_wait(q_bars.at[slot])
+          minus_delta = -lax.broadcast_in_dim(column(slot, 1), bc.TILE, [1])
+          plgpu.barrier_wait(do_bars.at[slot])
         if edge:
           return bc.products(*zip(edge_scores(), ((v_smem, do_ring.at[slot]), minus_delta)))
         return registers.dots(
@@ -263,8 +264,9 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
       def issue_dv_dk(i, dk, dv, p8, ds8):
         """(dV + P'^T.dO8, dK + dS'^T.Q'8) of step i, left in flight."""
         slot = ring.slot(i)
-        plgpu.barrier_wait(do8_t_bars.at[slot])
-        plgpu.barrier_wait(q8_t_bars.at[slot])
+        with jax.named_scope("tiles_dv_dk"):
+          plgpu.barrier_wait(do8_t_bars.at[slot])
+          plgpu.barrier_wait(q8_t_bars.at[slot])
         return registers.dots((dv, (p8,), (do8_t_ring.at[slot],), t_transforms),
                               (dk, (ds8,), (q8_t_ring.at[slot],), t_transforms), wait=False)
 

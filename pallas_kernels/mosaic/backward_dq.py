@@ -270,8 +270,9 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
       def issue_s_dp(j):
         """S and dP of step j, issued and left in flight."""
         slot = ring.slot(j)
-        plgpu.barrier_wait(k_bars.at[slot])
-        plgpu.barrier_wait(v_bars.at[slot])
+        with jax.named_scope("tiles_s_dp"):
+          plgpu.barrier_wait(k_bars.at[slot])
+          plgpu.barrier_wait(v_bars.at[slot])
         start_s, start_dp = starts()
         return registers.dots(
             (start_s, ((q_smem, q_transforms),), (k_ring.at[slot],), q_transforms),
@@ -281,7 +282,8 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
       def issue_dq(j, dq, ds8s):
         """dq + dS.K' of step j, left in flight."""
         slot = ring.slot(j)
-        plgpu.barrier_wait(k8_t_bars.at[slot])
+        with jax.named_scope("tiles_dq"):
+          plgpu.barrier_wait(k8_t_bars.at[slot])
         k8_t_tiles = tuple(k8_t_ring.at[slot, half] for half in range(halves))
         (dq,) = registers.dots((dq, ds8s, k8_t_tiles, t_transforms), wait=False)
         return dq

@@ -422,7 +422,8 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
         """S of step j's halves into accumulators that start at 0x4B400000,
         left in flight."""
         slot = ring.slot(j)
-        plgpu.barrier_wait(k_bars.at[slot])
+        with jax.named_scope("tiles_s"):
+          plgpu.barrier_wait(k_bars.at[slot])
         return registers.dots(*[(magic, ((q_smem.at[wg], i8_transforms),),
                                  (k_smem.at[slot, half],), i8_transforms)
                                 for half in range(halves)], wait=False)
@@ -440,7 +441,8 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
       def issue_pv(j, acc, a_tiles):
         """acc + P.V of step j, left in flight."""
         slot = ring.slot(j)
-        plgpu.barrier_wait(v_bars.at[slot])
+        with jax.named_scope("tiles_pv"):
+          plgpu.barrier_wait(v_bars.at[slot])
         (acc,) = registers.dots(
             (acc, a_tiles, tuple(vt_smem.at[slot, i] for i in range(halves)), vt_transforms),
             wait=False)
