@@ -153,6 +153,24 @@ def test_mosaic_profile_reads_regions_per_warpgroup():
   np.testing.assert_allclose(sorted(cycles["loop"]), [150, 1000])
 
 
+def test_mosaic_profile_counts_steps_without_the_nested_tile_waits(tmp_path, capsys):
+  """A tile wait nests in its step's issue region and one more runs before
+  the loop: two steps, not three, of (1000 - 0) / 2 cycles."""
+  import json
+  from benchmarks import mosaic_profile
+  bounds = [("tiles_s", 0, 50), ("issue", 100, 400), ("tiles_s", 150, 250),
+            ("issue", 500, 800), ("tiles_s", 520, 540), ("elementwise", 800, 1000)]
+  events = [dict(name=name, ph=ph, ts=ts / 1e3, tid=1)
+            for name, begin, end in sorted(bounds, key=lambda b: (b[1], -b[2]))
+            for ph, ts in (("B", begin), ("E", end))]
+  events.sort(key=lambda e: (e["ts"], e["ph"] == "B"))
+  (tmp_path / "k-trace.json").write_text(json.dumps({"traceEvents": events}))
+  mosaic_profile.report("k", str(tmp_path))
+  out = capsys.readouterr().out
+  assert "1 compute warpgroups, 2.0 steps each, 500 cycles a step" in out
+  assert "tiles_s            57 cycles x   3.0" in out  # (50 + 100 + 20) / 3
+
+
 def test_compile_time_measures_a_train_step_in_a_fresh_process():
   """`--part step`'s child builds train's step as `train` does, in a
   subprocess, and reports its trace, lowering and compile apart."""
