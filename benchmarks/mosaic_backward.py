@@ -88,6 +88,20 @@ def fp8_inputs(q, k, v, do, config: Config):
   return (qkv, v, lse, pre, do), row_max, want
 
 
+def fp8_arguments(qkv, v, lse, pre, do):
+  """The FP8 dK/dV and dQ kernels' arguments (`fp8_kernels`) from
+  `fp8_inputs`' first."""
+  return ((qkv, v, lse, pre.delta, do, pre.do8_t, pre.do_scale, pre.fp8),
+          (qkv, v, lse, pre.delta, do, pre.fp8))
+
+
+def fp8_kernels(name: str, config: Config):
+  """A variant's FP8 dK/dV and dQ kernels, each on its `fp8_arguments`."""
+  dkdv_tuning, dq_tuning = tunings(name)
+  return (lambda *a: backward_dkdv_mosaic(*a[:-1], Masks(), config, dkdv_tuning, fp8=a[-1]),
+          lambda *a: backward_dq_mosaic(*a[:-1], Masks(), config, dq_tuning, fp8=a[-1]))
+
+
 def operands(qkv, v, do, pre, row_max, lse, config: Config):
   return fp8_operands(qkv, v, do, pre.do_scale, row_max, lse, pre.delta, Masks(), config,
                       REGISTER_B)
@@ -164,15 +178,9 @@ def main():
       qkv8, v8, lse8, pre8, do8 = fp8_args
       record("fp8_operands", time_call(jax.jit(functools.partial(operands, config=fp8_config)),
                                        qkv8, v8, do8, pre8, row_max, lse8))
-      pair = ((qkv8, v8, lse8, pre8.delta, do8, pre8.do8_t, pre8.do_scale, pre8.fp8),
-              (qkv8, v8, lse8, pre8.delta, do8, pre8.fp8))
+      pair = fp8_arguments(*fp8_args)
       for name in fp8_names:
-        time_pair(name,
-                  lambda *a, l=tunings(name)[0]: backward_dkdv_mosaic(
-                      *a[:-1], Masks(), fp8_config, l, fp8=a[-1]),
-                  lambda *a, l=tunings(name)[1]: backward_dq_mosaic(
-                      *a[:-1], Masks(), fp8_config, l, fp8=a[-1]),
-                  fp8_want, pair)
+        time_pair(name, *fp8_kernels(name, fp8_config), fp8_want, pair)
     table.ratios(causal, ref_row)
 
   print("\n| impl | causal | ms (dK/dV + dQ) | TOPS | x cuDNN bwd | dQ / dK / dV rel L2 vs Triton "

@@ -30,11 +30,9 @@ import tempfile
 import jax
 
 from benchmarks import mosaic_forward
-from benchmarks.mosaic_backward import VARIANTS, fp8_inputs, tunings
+from benchmarks.mosaic_backward import VARIANTS, fp8_arguments, fp8_inputs, fp8_kernels
 from benchmarks.variants import parse_args, random_inputs
 from pallas_kernels.mosaic import pipeline
-from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
-from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
 from pallas_kernels.mosaic.forward import forward_mosaic
 from pallas_kernels.types import Config, Masks
 
@@ -122,12 +120,9 @@ def main():
       profile(name, lambda: forward_mosaic(qkv, Masks(), config, v.dtype,
                                            FORWARD_VARIANTS[name]), args.seq)
       continue
-    dkdv_tuning, dq_tuning = tunings(name)
-    profile(f"{name} dkdv", lambda: backward_dkdv_mosaic(
-        qkv, v8, lse, pre.delta, do8, pre.do8_t, pre.do_scale, Masks(), config, dkdv_tuning,
-        fp8=pre.fp8), args.seq)
-    profile(f"{name} dq", lambda: backward_dq_mosaic(
-        qkv, v8, lse, pre.delta, do8, Masks(), config, dq_tuning, fp8=pre.fp8), args.seq)
+    for kernel, fn, arguments in zip(("dkdv", "dq"), fp8_kernels(name, config),
+                                     fp8_arguments(qkv, v8, lse, pre, do8)):
+      profile(f"{name} {kernel}", lambda: fn(*arguments), args.seq)
 
 
 if __name__ == "__main__":

@@ -96,57 +96,50 @@ def compile_modules(plugin: str):
     mosaic_core._run_serde_pass = serde  # pylint: disable=protected-access
 
 
-class quiet_stderr:
+@contextlib.contextmanager
+def quiet_stderr():
   """Standard error (file descriptor 2, where C++ writes) to /dev/null."""
-
-  def __enter__(self):
-    sys.stderr.flush()
-    self._saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    os.close(devnull)
-
-  def __exit__(self, *exc):
-    os.dup2(self._saved, 2)
-    os.close(self._saved)
+  sys.stderr.flush()
+  saved = os.dup(2)
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 2)
+  os.close(devnull)
+  try:
+    yield
+  finally:
+    os.dup2(saved, 2)
+    os.close(saved)
 
 
 def backward_kernels(name: str, shapes, causal: bool):
   """(function, abstract arguments) of a `benchmarks.mosaic_backward` FP8
   variant's dK/dV and dQ kernels on inputs of `shapes`."""
   from benchmarks import mosaic_backward
-  from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
-  from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
-  from pallas_kernels.types import Config, Masks
-  d = shapes[0].shape[-1]
-  config = Config(scale=d**-0.5, causal=causal, smooth_q=False, block_q=64, block_kv=64,
-                  quantization="int8_fp8")
-  (qkv, v, lse, pre, do), _, _ = jax.eval_shape(
-      functools.partial(mosaic_backward.fp8_inputs, config=config), *shapes)
-  dkdv_tuning, dq_tuning = mosaic_backward.tunings(name)
-  yield (lambda *a: backward_dkdv_mosaic(*a[:-1], Masks(), config, dkdv_tuning, fp8=a[-1]),
-         (qkv, v, lse, pre.delta, do, pre.do8_t, pre.do_scale, pre.fp8))
-  yield (lambda *a: backward_dq_mosaic(*a[:-1], Masks(), config, dq_tuning, fp8=a[-1]),
-         (qkv, v, lse, pre.delta, do, pre.fp8))
+  config = fp8_config(shapes, causal)
+  inputs, _, _ = jax.eval_shape(functools.partial(mosaic_backward.fp8_inputs, config=config),
+                                *shapes)
+  return zip(mosaic_backward.fp8_kernels(name, config), mosaic_backward.fp8_arguments(*inputs))
 
 
 def forward_kernels(name: str, shapes, causal: bool):
   """(function, abstract arguments) of a `benchmarks.mosaic_forward` FP8
   variant's kernel on inputs of `shapes`."""
   from benchmarks import mosaic_forward
-  from pallas_kernels.layouts import REGISTER_B
-  from pallas_kernels.mosaic.forward import KV_STEP, forward_mosaic
-  from pallas_kernels.types import Config, Layouts, Masks, Numerics
-  from sagebwd_jax.reference import ReferenceBackend
-  from sagebwd_jax.sagebwd import key_mean
-  d = shapes[0].shape[-1]
-  config = Config(scale=d**-0.5, causal=causal, smooth_q=False, block_q=64, block_kv=64,
-                  quantization="int8_fp8")
-  qkv = jax.eval_shape(lambda q, k, v: ReferenceBackend(Numerics(p_block=KV_STEP)).quantize(
-      q, k, v, key_mean(k, None), config, for_backward=False,
-      layouts=Layouts(forward=REGISTER_B)), *shapes[:3])
+  from pallas_kernels.mosaic.forward import forward_mosaic
+  from pallas_kernels.types import Masks
+  config = fp8_config(shapes, causal)
+  qkv = jax.eval_shape(functools.partial(mosaic_forward.quantize_fp8, config=config),
+                       *shapes[:3])
   tuning = mosaic_forward.VARIANTS[name]
-  yield (lambda qkv: forward_mosaic(qkv, Masks(), config, jnp.bfloat16, tuning), (qkv,))
+  return [(lambda qkv: forward_mosaic(qkv, Masks(), config, jnp.bfloat16, tuning), (qkv,))]
+
+
+def fp8_config(shapes, causal: bool):
+  """The benchmarks' kernel Config, quantization="int8_fp8"."""
+  from pallas_kernels.types import Config
+  d = shapes[0].shape[-1]
+  return Config(scale=d**-0.5, causal=causal, smooth_q=False, block_q=64, block_kv=64,
+                quantization="int8_fp8")
 
 
 def main(argv: list[str] | None = None) -> None:
