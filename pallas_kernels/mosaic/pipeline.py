@@ -38,7 +38,7 @@ class Tuning:
   results): `compute_wgs` compute warpgroups of 64 rows each, a ring of
   `max_concurrent_steps` slots, the schedule barrier, and with FP8 products
   `pipelined`: each step issues the next step's first products with its own
-  last ones, and one wait at the next step's start covers both (each kernel's
+  last ones, and one wait at the step's end covers both (each kernel's
   tuning says which; the INT8 kernels ignore it). With the schedule barrier
   a pipelined warpgroup takes one turn a step, after that issue: a ping-pong,
   one warpgroup's products running while the other runs its chain. With
