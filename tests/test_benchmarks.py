@@ -365,3 +365,20 @@ def test_mosaic_ptx_refuses_a_missing_plugin_and_non_fp8_variants(capsys, tmp_pa
     with pytest.raises(SystemExit, match="--variants: '(mosaic|nope|mosaic_fp8_3st)' is not one"):
       mosaic_ptx.main(["--plugin", str(plugin), "--out", str(tmp_path), "--variants", variants,
                        *forward])
+
+
+def test_mosaic_ptx_builds_each_fp8_kernel_on_abstract_inputs():
+  """The kernels `benchmarks.mosaic_ptx` lowers: a backward variant's dK/dV
+  and dQ on the benchmark's arguments (the FP8 operands last), a forward
+  variant's kernel on its E4M3 V^T, and an unknown variant refused."""
+  from benchmarks import mosaic_ptx
+  shapes = [jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)] * 4
+  (dkdv, dkdv_args), (dq, dq_args) = mosaic_ptx.backward_kernels("mosaic_fp8_overlap", shapes,
+                                                                 causal=True)
+  assert (len(dkdv_args), len(dq_args)) == (8, 6)
+  assert type(dkdv_args[-1]).__name__ == type(dq_args[-1]).__name__ == "Fp8Operands"
+  assert dkdv_args[0].q8.shape == (1, 2, 256, 128) and dkdv_args[0].q8.dtype == jnp.int8
+  [(forward, (qkv,))] = mosaic_ptx.forward_kernels("mosaic_fp8", shapes, causal=False)
+  assert qkv.v8_t.dtype == jnp.float8_e4m3fn
+  with pytest.raises(KeyError):
+    mosaic_ptx.forward_kernels("mosaic_fp8_nope", shapes, causal=False)
