@@ -244,7 +244,8 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
           minus_delta = -lax.broadcast_in_dim(column(slot, 1), bc.TILE, [1])
           plgpu.barrier_wait(do_bars.at[slot])
         if edge:
-          return bc.products(*zip(edge_scores(), ((v_smem, do_ring.at[slot]), minus_delta)))
+          return registers.InFlight(
+              bc.products(*zip(edge_scores(), ((v_smem, do_ring.at[slot]), minus_delta))), ())
         return registers.dots(
             (bc.magic(), ((k_smem, k_transforms),), (q_ring.at[slot],), k_transforms),
             (minus_delta, ((v_smem, v_transforms),), (do_ring.at[slot],), v_transforms),
@@ -281,15 +282,15 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         with jax.named_scope("elementwise"):
           p8, ds8 = released_chain(i, s, dp, step_scalars, masked=masked, edge=edge)
         with jax.named_scope("issue"):
-          dv, dk = issue_dv_dk(i, dk, dv, p8, ds8)
-          in_flight = (dk, dv) if last else (*issue_s_dp(i + 1), dk, dv)
+          dv_dk = issue_dv_dk(i, dk, dv, p8, ds8)
+          in_flight = (dv_dk,) if last else (issue_s_dp(i + 1), dv_dk)
           following = () if last else (scalars(i + 1),)
         with jax.named_scope("turn"):
           schedule.turn()
         with jax.named_scope("wait"):
-          done = registers.wait_for(*in_flight)
+          *s_dp, dv, dk = registers.wait_for(*in_flight)
         plgpu.barrier_arrive(consumed_t.at[slot])  # dV and dK read Q8^T and dO8^T
-        return (*done, *following)
+        return (*s_dp, dk, dv, *following)
 
       def pipelined_steps(start, end, carry, *, edge: bool = False):
         """Steps [start, end) as `pipelined_step`s: masked ones, whole ones,
@@ -297,7 +298,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         with `edge`, the one step of the diagonal."""
         s_dp, following = issue_s_dp(start, edge=edge), scalars(start)
         schedule.turn()
-        carry = (*registers.wait_for(*s_dp), *carry, following)
+        carry = (*registers.wait_for(s_dp), *carry, following)
         last = end - 1
         if not edge:
           carry = lax.fori_loop(start, jnp.minimum(full, last),
@@ -315,16 +316,16 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         p8, ds8, dk, dv, step_scalars = carry  # step_scalars: step i + 1's
         with jax.named_scope("issue"):
           s_dp = issue_s_dp(i + 1)
-          dv, dk = issue_dv_dk(i, dk, dv, p8, ds8)
+          dv_dk = issue_dv_dk(i, dk, dv, p8, ds8)
           following = scalars(jnp.minimum(i + 2, end - 1))
         with jax.named_scope("turn"):
           schedule.turn()
         with jax.named_scope("wait"):
-          s, dp = registers.wait_for(*s_dp, pending=1)
+          s, dp = registers.wait_for(s_dp, pending=1)
         with jax.named_scope("elementwise"):
           next_p8, next_ds8 = released_chain(i + 1, s, dp, step_scalars, masked=masked)
         with jax.named_scope("wait_dv_dk"):
-          dk, dv = registers.wait_for(dk, dv, reads=(p8, ds8))
+          dv, dk = registers.wait_for(dv_dk)
         plgpu.barrier_arrive(consumed_t.at[ring.slot(i)])  # Q8^T and dO8^T
         return next_p8, next_ds8, dk, dv, following
 
@@ -334,7 +335,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         full) masked. Returns dK, dV."""
         s_dp, step_scalars = issue_s_dp(start), scalars(start)
         schedule.turn()
-        s, dp = registers.wait_for(*s_dp)
+        s, dp = registers.wait_for(s_dp)
         # Masking a step the keys see whole changes nothing: the first chain
         # is masked whenever causal.
         carry = (*released_chain(start, s, dp, step_scalars, masked=causal), *carry,
@@ -346,9 +347,9 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         carry = lax.fori_loop(split, last, functools.partial(overlap_step, masked=False), carry)
         p8, ds8, dk, dv, _ = carry
         with jax.named_scope("issue"):
-          dv, dk = issue_dv_dk(last, dk, dv, p8, ds8)
+          dv_dk = issue_dv_dk(last, dk, dv, p8, ds8)
         schedule.turn()
-        dk, dv = registers.wait_for(dk, dv)
+        dv, dk = registers.wait_for(dv_dk)
         plgpu.barrier_arrive(consumed_t.at[ring.slot(last)])
         return dk, dv
 

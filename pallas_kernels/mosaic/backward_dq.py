@@ -285,8 +285,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         with jax.named_scope("tiles_dq"):
           plgpu.barrier_wait(k8_t_bars.at[slot])
         k8_t_tiles = tuple(k8_t_ring.at[slot, half] for half in range(halves))
-        (dq,) = registers.dots((dq, ds8s, k8_t_tiles, t_transforms), wait=False)
-        return dq
+        return registers.dots((dq, ds8s, k8_t_tiles, t_transforms), wait=False)
 
       def pipelined_step(j, carry, *, masked: bool, last: bool = False, edge: bool = False):
         """Step j, its S and dP issued and waited for by step j - 1: dQ's
@@ -302,11 +301,11 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         with jax.named_scope("elementwise"):
           ds8s = chain(j, s, dp, scales, masked=masked, edge=edge)
         with jax.named_scope("issue"):
-          dq = issue_dq(j, dq, ds8s)
-          if edge:  # the last step
-            in_flight = (dq, edge_half(dp))
+          dq_group = issue_dq(j, dq, ds8s)
+          if edge:  # the last step: the diagonal's term computed under dQ's product
+            in_flight = (dq_group, registers.InFlight((edge_half(dp),), ()))
           else:
-            in_flight = (dq,) if last else (*issue_s_dp(j + 1), dq)
+            in_flight = (dq_group,) if last else (issue_s_dp(j + 1), dq_group)
           following = () if last else (scalars(j + 1),)
         with jax.named_scope("turn"):
           schedule.turn()
@@ -322,7 +321,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         last = end - 1
         s_dp, following = issue_s_dp(jnp.int32(0)), scalars(jnp.int32(0))
         schedule.turn()
-        carry = (*registers.wait_for(*s_dp), zero, following)
+        carry = (*registers.wait_for(s_dp), zero, following)
         carry = lax.fori_loop(0, jnp.minimum(full, last),
                               functools.partial(pipelined_step, masked=False), carry)
         carry = lax.fori_loop(jnp.minimum(full, last), last,
@@ -338,17 +337,17 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         ds8s, dq, scales = carry  # scales: step j + 1's
         with jax.named_scope("issue"):
           s_dp = issue_s_dp(j + 1)
-          dq = issue_dq(j, dq, ds8s)
+          dq_group = issue_dq(j, dq, ds8s)
           following = scalars(jnp.minimum(j + 2, end - 1))
         with jax.named_scope("turn"):
           schedule.turn()
         with jax.named_scope("wait"):
-          s, dp = registers.wait_for(*s_dp, pending=1)
+          s, dp = registers.wait_for(s_dp, pending=1)
         plgpu.barrier_arrive(consumed.at[ring.slot(j + 1)])  # K8 and V
         with jax.named_scope("elementwise"):
           next_ds8s = chain(j + 1, s, dp, scales, masked=masked)
         with jax.named_scope("wait_dq"):
-          (dq,) = registers.wait_for(dq, reads=ds8s)
+          (dq,) = registers.wait_for(dq_group)
         plgpu.barrier_arrive(consumed_t.at[ring.slot(j)])  # K8^T
         return next_ds8s, dq, following
 
@@ -358,7 +357,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         masked. Returns (dQ,)."""
         s_dp, scales = issue_s_dp(jnp.int32(0)), scalars(jnp.int32(0))
         schedule.turn()
-        s, dp = registers.wait_for(*s_dp)
+        s, dp = registers.wait_for(s_dp)
         plgpu.barrier_arrive(consumed.at[ring.slot(jnp.int32(0))])
         # Masking a step the rows see whole changes nothing: step 0's chain is
         # masked whenever causal, in case it is the diagonal's.
@@ -371,9 +370,9 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         ds8s, dq, _ = carry
         last = end - 1
         with jax.named_scope("issue"):
-          dq = issue_dq(last, dq, ds8s)
+          dq_group = issue_dq(last, dq, ds8s)
         schedule.turn()
-        (dq,) = registers.wait_for(dq)
+        (dq,) = registers.wait_for(dq_group)
         plgpu.barrier_arrive(consumed_t.at[ring.slot(last)])
         return (dq,)
 

@@ -443,10 +443,9 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
         slot = ring.slot(j)
         with jax.named_scope("tiles_pv"):
           plgpu.barrier_wait(v_bars.at[slot])
-        (acc,) = registers.dots(
+        return registers.dots(
             (acc, a_tiles, tuple(vt_smem.at[slot, i] for i in range(halves)), vt_transforms),
             wait=False)
-        return acc
 
       def pipelined_step(j, carry, *, masked: bool, last: bool = False):
         """FP8 step j, its S issued and waited for by step j - 1: its P.V goes
@@ -460,12 +459,12 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
           a_tiles, alpha, m, l, row_max = fp8_chain(j, s, scales, m, l, row_max, masked=masked)
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         with jax.named_scope("issue"):
-          acc = issue_pv(j, acc, a_tiles)
-          s = () if last else issue_s(j + 1)
+          pv = issue_pv(j, acc, a_tiles)
+          in_flight = (pv,) if last else (issue_s(j + 1), pv)
         with jax.named_scope("turn"):
           schedule.turn()
         with jax.named_scope("wait"):
-          *s, acc = registers.wait_for(*s, acc)
+          *s, acc = registers.wait_for(*in_flight)
         plgpu.barrier_arrive(v_consumed.at[slot])
         if not last:  # step j + 1's S has read K
           plgpu.barrier_arrive(k_consumed.at[ring.slot(j + 1)])
@@ -475,7 +474,7 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
         """Steps [0, steps) as `pipelined_step`s, the last masked when causal."""
         s = issue_s(jnp.int32(0))
         schedule.turn()
-        s = registers.wait_for(*s)
+        s = registers.wait_for(s)
         plgpu.barrier_arrive(k_consumed.at[ring.slot(jnp.int32(0))])
         carry = lax.fori_loop(0, steps - 1, functools.partial(pipelined_step, masked=False),
                               (s, state, step_scales(0)))
@@ -492,18 +491,18 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
         a_tiles, (acc, m, l, row_max), scales = carry  # scales: step j + 1's
         with jax.named_scope("issue"):
           s = issue_s(j + 1)
-          acc = issue_pv(j, acc, a_tiles)
+          pv = issue_pv(j, acc, a_tiles)
         with jax.named_scope("turn"):
           schedule.turn()
         with jax.named_scope("wait"):
-          s = registers.wait_for(*s, pending=1)
+          s = registers.wait_for(s, pending=1)
         plgpu.barrier_arrive(k_consumed.at[ring.slot(j + 1)])
         next_scales = step_scales(jnp.minimum(j + 2, num_steps - 1))
         with jax.named_scope("elementwise"):
           next_tiles, alpha, m, l, row_max = fp8_chain(j + 1, s, scales, m, l, row_max,
                                                        masked=masked)
         with jax.named_scope("wait_pv"):
-          (acc,) = registers.wait_for(acc, reads=a_tiles)
+          (acc,) = registers.wait_for(pv)
         plgpu.barrier_arrive(v_consumed.at[ring.slot(j)])
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         return next_tiles, (acc, m, l, row_max), next_scales
@@ -514,7 +513,7 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
         acc, m, l, row_max = state
         s = issue_s(jnp.int32(0))
         schedule.turn()
-        s = registers.wait_for(*s)
+        s = registers.wait_for(s)
         plgpu.barrier_arrive(k_consumed.at[ring.slot(jnp.int32(0))])
         # Masking a step the rows see whole changes nothing: step 0's chain is
         # masked whenever causal, in case it is the last.
@@ -532,9 +531,9 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
         a_tiles, (acc, m, l, row_max), _ = carry
         last = jnp.asarray(steps - 1, jnp.int32)
         with jax.named_scope("issue"):
-          acc = issue_pv(last, acc, a_tiles)
+          pv = issue_pv(last, acc, a_tiles)
         schedule.turn()
-        (acc,) = registers.wait_for(acc)
+        (acc,) = registers.wait_for(pv)
         plgpu.barrier_arrive(v_consumed.at[ring.slot(last)])
         return acc, m, l, row_max
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import re
+from typing import NamedTuple
 
 import jax
 import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -37,6 +38,7 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 import jax.numpy as jnp
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import llvm
+from jaxlib.mlir.dialects import nvvm
 from jaxlib.mlir.dialects import vector
 import numpy as np
 
@@ -116,16 +118,34 @@ class _WgmmaRewrite:
 
 
 @contextlib.contextmanager
-def _rewritten_wgmma(*, fresh: bool, unsigned_a: bool):
+def _fenced_wgmma(*, fresh: bool, unsigned_a: bool):
   """While lowering the wgmmas of one accumulator in `dots` (and nothing
-  else), `_WgmmaRewrite` edits them. Remove when jax's wgmma takes unsigned
-  int8 A operands and a first product that ignores the accumulator."""
-  real = mgpu_wgmma.llvm
-  mgpu_wgmma.llvm = _WgmmaRewrite(real, fresh=fresh, unsigned_a=unsigned_a)
+  else): jax's wgmma does not fence its register operands, which `dots`
+  fenced once for the whole group, and `_WgmmaRewrite` edits the
+  instructions when asked. Remove when jax's wgmma takes unsigned int8 A
+  operands, a first product that ignores the accumulator, and operands
+  already fenced."""
+  real_llvm, real_fence = mgpu_wgmma.llvm, mgpu_wgmma.wgmma_fence
+  if unsigned_a or fresh:
+    mgpu_wgmma.llvm = _WgmmaRewrite(real_llvm, fresh=fresh, unsigned_a=unsigned_a)
+  mgpu_wgmma.wgmma_fence = lambda array: array
   try:
     yield
   finally:
-    mgpu_wgmma.llvm = real
+    mgpu_wgmma.llvm, mgpu_wgmma.wgmma_fence = real_llvm, real_fence
+
+
+def _fence(arrays: list[fa.FragmentedArray]) -> list[fa.FragmentedArray]:
+  """`arrays` computed before the one wgmma fence that follows them (what
+  jax's `wgmma_fence` does for one array). Fencing a group's operands once,
+  before its first wgmma, leaves no instruction between its wgmmas: a copy
+  of a register operand there (LLVM makes one where the unfenced value stays
+  live) would make ptxas run every wgmma of the kernel alone (C7513)."""
+  if not arrays:
+    return []
+  fenced = fa.optimization_barrier(*arrays)
+  nvvm.wgmma_fence_aligned()
+  return [fenced] if len(arrays) == 1 else list(fenced)
 
 
 def pack(bits: jax.Array) -> jax.Array:
@@ -161,7 +181,15 @@ def pack_e4m3(p: jax.Array) -> jax.Array:
   return packed(p)
 
 
-def dots(*products, unsigned_a: bool = False, wait: bool = True) -> tuple[jax.Array, ...]:
+class InFlight(NamedTuple):
+  """One `dots(..., wait=False)` group: its accumulators, which nothing may
+  read before `wait_for` returns them, and the register A tiles its wgmmas
+  read, which keep their registers until that wait."""
+  accs: tuple
+  reads: tuple
+
+
+def dots(*products, unsigned_a: bool = False, wait: bool = True):
   """For each (start, A tiles, B tiles, B's transforms) of `products`: start +
   sum over i of A_i.B_i^T by wgmmas, all issued before one commit and one
   wait; returns the (64, n) accumulators, WGMMA layout.
@@ -173,10 +201,11 @@ def dots(*products, unsigned_a: bool = False, wait: bool = True) -> tuple[jax.Ar
   tiles of B^T with the contraction axis in `layouts.permute_keys` order
   (REGISTER_B); or (ref, transforms) of shared-memory (64, k) tiles, with
   (n, k) B^T tiles stored as they are. `unsigned_a`: int8 A read as
-  unsigned (P in 0..255). `wait=False` returns the accumulators in flight:
-  nothing may read them before `wait_for` returns them.
+  unsigned (P in 0..255). The starts and register A tiles are fenced once,
+  before the first wgmma. `wait=False` returns the group in flight
+  (`InFlight`), for `wait_for`.
   """
-  arg_types, args, specs = [], [], []
+  arg_types, args, specs, read_types = [], [], [], []
   for start, a_tiles, b_tiles, b_transforms in products:
     in_smem = isinstance(a_tiles[0], tuple)
     a_dtype = jnp.dtype((a_tiles[0][0] if in_smem else a_tiles[0]).dtype)
@@ -190,19 +219,21 @@ def dots(*products, unsigned_a: bool = False, wait: bool = True) -> tuple[jax.Ar
     else:
       arg_types += [plgpu.Layout.WGMMA_8BIT] * len(a_tiles)
       args += list(a_tiles)
+      read_types += [plgpu.ShapeDtypeStruct(a.shape, a.dtype, layout=plgpu.Layout.WGMMA_8BIT)
+                     for a in a_tiles]
     arg_types += [plgpu.RefType(b_transforms)] * len(b_tiles)
     args += list(b_tiles)
-    specs.append((start is not None, len(a_tiles), b_transforms[-1].swizzle,
+    specs.append((start is not None, len(a_tiles), in_smem, b_transforms[-1].swizzle,
                   (ROWS, b_tiles[0].shape[0]), acc_dtype))
+  acc_types = tuple(plgpu.ShapeDtypeStruct(shape, dtype, layout=plgpu.Layout.WGMMA)
+                    for *_, shape, dtype in specs)
 
-  @plgpu.inline_mgpu(
-      arg_types=tuple(arg_types),
-      return_type=tuple(plgpu.ShapeDtypeStruct(shape, dtype, layout=plgpu.Layout.WGMMA)
-                        for *_, shape, dtype in specs))
+  @plgpu.inline_mgpu(arg_types=tuple(arg_types),
+                     return_type=acc_types if wait else acc_types + tuple(read_types))
   def product(ctx, *values):
     del ctx
-    values, accs = list(values), []
-    for has_start, count, swizzle, shape, dtype in specs:
+    values, accs, a_groups, b_groups = list(values), [], [], []
+    for has_start, count, _, _, shape, dtype in specs:
       signed = True if dtype == jnp.int32 else None
       if has_start:
         start = values.pop(0)
@@ -212,35 +243,52 @@ def dots(*products, unsigned_a: bool = False, wait: bool = True) -> tuple[jax.Ar
         element = ir.IntegerType.get_signless(32) if signed else ir.F32Type.get()
         start = fa.FragmentedArray.splat(llvm.mlir_undef(element), shape, fa.WGMMA_LAYOUT,
                                          is_signed=signed)
-      a_tiles, b_tiles = values[:count], values[count:2 * count]
+      accs.append(mgpu.WGMMAAccumulator.from_registers(start, sync=False))
+      a_groups.append(values[:count])
+      b_groups.append(values[count:2 * count])
       del values[:2 * count]
-      acc = mgpu.WGMMAAccumulator.from_registers(start)
-      rewrite = unsigned_a or not has_start
-      with (_rewritten_wgmma(fresh=not has_start, unsigned_a=unsigned_a) if rewrite
-            else contextlib.nullcontext()):
+    reads = [a for a_tiles, (_, _, in_smem, *_) in zip(a_groups, specs) if not in_smem
+             for a in a_tiles]
+    fenced = iter(_fence([acc.tree_flatten()[0][0] for acc in accs] + reads))
+    accs = [type(acc).tree_unflatten(acc.tree_flatten()[1], [next(fenced)]) for acc in accs]
+    reads = list(fenced)
+    fenced_reads = iter(reads)
+    a_groups = [a_tiles if in_smem else [next(fenced_reads) for _ in a_tiles]
+                for a_tiles, (_, _, in_smem, *_) in zip(a_groups, specs)]
+    results = []
+    for acc, a_tiles, b_tiles, (has_start, _, _, swizzle, *_) in zip(accs, a_groups, b_groups,
+                                                                     specs):
+      with _fenced_wgmma(fresh=not has_start, unsigned_a=unsigned_a):
         for a, b in zip(a_tiles, b_tiles):
           acc = mgpu.wgmma(acc, a, mgpu_utils.memref_transpose(b, (1, 0, 3, 2)),
                            swizzle=swizzle)
-      accs.append(acc)
+      results.append(acc.value)
     void = ir.Type.parse("!llvm.void")
     llvm.inline_asm(void, [], "wgmma.commit_group.sync.aligned;", "", has_side_effects=True)
     if wait:
       llvm.inline_asm(void, [], "wgmma.wait_group.sync.aligned 0;", "", has_side_effects=True)
-    return tuple(acc.value for acc in accs)
+      return tuple(results)
+    return (*results, *reads)
 
-  return product(*args)
+  values = product(*args)
+  if wait:
+    return values
+  return InFlight(tuple(values[:len(specs)]), tuple(values[len(specs):]))
 
 
-def wait_for(*accs, pending: int = 0, reads: tuple = ()) -> tuple[jax.Array, ...]:
-  """Waits until at most `pending` of this warpgroup's wgmma groups (one a
-  `dots` call) are in flight, the latest ones (groups complete in order);
-  returns `accs`, which must come from the groups waited for (in flight from
-  `dots(..., wait=False)`), as values that nothing reads before the wait.
+def wait_for(*groups: InFlight, pending: int = 0) -> tuple[jax.Array, ...]:
+  """Waits until at most `pending` of this warpgroup's wgmma groups are in
+  flight, the latest ones (groups complete in order); returns the
+  accumulators of `groups`, which must be among those waited for, as values
+  that nothing reads before the wait (values already finished, as an
+  `InFlight` with no reads, pass through it: computed before the wait).
 
-  `reads`: the register A tiles of the products waited for. They stay live
-  until the wait, so no instruction before it takes their registers (a chain
-  packing the next step's tiles would otherwise write into them, and ptxas
-  then runs every wgmma of the kernel alone: C7513)."""
+  The groups' register A tiles stay live until the wait, so no instruction
+  before it takes their registers (a chain packing the next step's tiles
+  would otherwise write into them, and ptxas then runs every wgmma of the
+  kernel alone: C7513)."""
+  accs = [acc for group in groups for acc in group.accs]
+  reads = [a for group in groups for a in group.reads]
   count = len(accs)
 
   @plgpu.inline_mgpu(
@@ -257,3 +305,4 @@ def wait_for(*accs, pending: int = 0, reads: tuple = ()) -> tuple[jax.Array, ...
     return tuple(fa.optimization_barrier(*values))[:count]
 
   return waited(*accs, *reads)
+
