@@ -342,16 +342,21 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
                  scalars(jnp.minimum(start + 1, end - 1)))
         last = end - 1
         split = jnp.clip(full - 1, start, last)  # iteration i runs step i + 1's chain
-        carry = lax.fori_loop(start, split, functools.partial(overlap_step, masked=causal),
-                              carry)
-        carry = lax.fori_loop(split, last, functools.partial(overlap_step, masked=False), carry)
-        p8, ds8, dk, dv, _ = carry
-        with jax.named_scope("issue"):
-          dv_dk = issue_dv_dk(last, dk, dv, p8, ds8)
-        schedule.turn()
-        dv, dk = registers.wait_for(dv_dk)
-        plgpu.barrier_arrive(consumed_t.at[ring.slot(last)])
-        return dk, dv
+        # Causal, at most one masked chain after the first: the diagonal's
+        # block, after (second warpgroup, schedule barrier) the CTA's first.
+        segments = ((start, split, functools.partial(overlap_step, masked=causal), causal),
+                    (split, last, functools.partial(overlap_step, masked=False), False))
+
+        def last_dv_dk(carry):
+          p8, ds8, dk, dv, _ = carry
+          with jax.named_scope("issue"):
+            dv_dk = issue_dv_dk(last, dk, dv, p8, ds8)
+          schedule.turn()
+          dv, dk = registers.wait_for(dv_dk)
+          plgpu.barrier_arrive(consumed_t.at[ring.slot(last)])
+          return dk, dv
+
+        return registers.steps(carry, segments, last_dv_dk)
 
       start, full, _ = q_range(j)
       if pipelined and tuning.schedule_barrier:

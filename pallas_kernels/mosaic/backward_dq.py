@@ -364,17 +364,22 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         carry = (chain(jnp.int32(0), s, dp, scales, masked=causal), zero,
                  scalars(jnp.minimum(1, end - 1)))
         split = jnp.clip(full - 1, 0, end - 1)  # iteration j runs step j + 1's chain
-        carry = lax.fori_loop(0, split, functools.partial(overlap_step, masked=False), carry)
-        carry = lax.fori_loop(split, end - 1, functools.partial(overlap_step, masked=causal),
-                              carry)
-        ds8s, dq, _ = carry
-        last = end - 1
-        with jax.named_scope("issue"):
-          dq_group = issue_dq(last, dq, ds8s)
-        schedule.turn()
-        (dq,) = registers.wait_for(dq_group)
-        plgpu.barrier_arrive(consumed_t.at[ring.slot(last)])
-        return (dq,)
+        # One masked step when causal, the diagonal's: none after the first
+        # chain when that is the diagonal's (end == 1).
+        segments = ((0, split, functools.partial(overlap_step, masked=False), False),
+                    (split, end - 1, functools.partial(overlap_step, masked=causal), causal))
+
+        def last_dq(carry):
+          ds8s, dq, _ = carry
+          last = end - 1
+          with jax.named_scope("issue"):
+            dq_group = issue_dq(last, dq, ds8s)
+          schedule.turn()
+          (dq,) = registers.wait_for(dq_group)
+          plgpu.barrier_arrive(consumed_t.at[ring.slot(last)])
+          return (dq,)
+
+        return registers.steps(carry, segments, last_dq)
 
       full, end = kv_range(i)
       zero = bc.zeros((BLOCK, head_dim))

@@ -520,22 +520,25 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
         a_tiles, _, m, l, row_max = fp8_chain(jnp.int32(0), s, step_scales(0), m, l, row_max,
                                               masked=causal)
         carry = (a_tiles, (acc, m, l, row_max), step_scales(jnp.int32(min(1, num_steps - 1))))
+        whole = functools.partial(overlap_step, masked=False)
         if causal:  # the last chain, step steps - 1's, masked: none when steps == 1
-          carry = lax.fori_loop(0, jnp.maximum(steps - 2, 0),
-                                functools.partial(overlap_step, masked=False), carry)
-          carry = lax.fori_loop(jnp.maximum(steps - 2, 0), steps - 1,
-                                functools.partial(overlap_step, masked=True), carry)
+          split = jnp.maximum(steps - 2, 0)
+          segments = ((0, split, whole, False),
+                      (split, steps - 1, functools.partial(overlap_step, masked=True), True))
         else:
-          carry = lax.fori_loop(0, steps - 1, functools.partial(overlap_step, masked=False),
-                                carry)
-        a_tiles, (acc, m, l, row_max), _ = carry
-        last = jnp.asarray(steps - 1, jnp.int32)
-        with jax.named_scope("issue"):
-          pv = issue_pv(last, acc, a_tiles)
-        schedule.turn()
-        (acc,) = registers.wait_for(pv)
-        plgpu.barrier_arrive(v_consumed.at[ring.slot(last)])
-        return acc, m, l, row_max
+          segments = ((0, steps - 1, whole, False),)
+
+        def last_pv(carry):
+          a_tiles, (acc, m, l, row_max), _ = carry
+          last = jnp.asarray(steps - 1, jnp.int32)
+          with jax.named_scope("issue"):
+            pv = issue_pv(last, acc, a_tiles)
+          schedule.turn()
+          (acc,) = registers.wait_for(pv)
+          plgpu.barrier_arrive(v_consumed.at[ring.slot(last)])
+          return acc, m, l, row_max
+
+        return registers.steps(carry, segments, last_pv)
 
       full_row = lambda value: plgpu.layout_cast(jnp.full((BLOCK,), value, jnp.float32), row)
       state = (plgpu.layout_cast(jnp.full((BLOCK, head_dim), 0.0, jnp.float32),

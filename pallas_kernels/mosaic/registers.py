@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import operator
 import re
 from typing import NamedTuple
 
 import jax
+from jax import lax
 import jax.experimental.pallas.mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -306,3 +308,39 @@ def wait_for(*groups: InFlight, pending: int = 0) -> tuple[jax.Array, ...]:
 
   return waited(*accs, *reads)
 
+
+def steps(carry, segments, finish):
+  """`finish(carry)` after the steps of each (start, stop, step, one) of
+  `segments`: `step(i, carry)` for i in [start, stop), in a loop, or as one
+  call where `one` says the segment holds at most one step. For loops whose
+  carry holds register A tiles that the products after them read (the
+  overlap schedules).
+
+  A segment whose size is not known when tracing gets a path of its own to
+  `finish` (a `lax.cond` on whether it is empty, the rest traced on both
+  sides), and on that path a loop runs `max(stop - start, 1)` times, which
+  LLVM sees is not zero. Where a loop's exit and a path that skips the loop
+  join before the products that read its carry, ptxas runs every wgmma of
+  the kernel alone (C7513), though no register is written in flight.
+  """
+  if not segments:
+    return finish(carry)
+  (start, stop, step, one), rest = segments[0], segments[1:]
+  try:  # known when tracing (Python ints, concrete arrays)
+    start, stop = operator.index(start), operator.index(stop)
+  except TypeError:
+    pass
+  else:
+    if one and stop - start > 1:
+      raise ValueError(f"a segment of one step holds {stop - start}")
+    return steps(lax.fori_loop(start, stop, step, carry), rest, finish)
+
+  def run(carry):
+    if one:
+      carry = step(start, carry)
+    else:
+      carry = lax.fori_loop(0, jnp.maximum(stop - start, 1),
+                            lambda i, carry: step(start + i, carry), carry)
+    return steps(carry, rest, finish)
+
+  return lax.cond(stop > start, run, lambda carry: steps(carry, rest, finish), carry)
