@@ -67,7 +67,7 @@ def backend(implementation: str, causal: bool) -> Backend:
           f"{where}. Use implementation='triton' (Triton's interpreter without a GPU).")
     # FP8 products: the Mosaic kernels with the Triton passes around them,
     # the reference where they do not run (no Triton attention kernel has them).
-    return MosaicBackend.tuned(_triton_backend(causal), fp8_fallback=ReferenceBackend())
+    return MosaicBackend(_triton_backend(causal), fp8_fallback=ReferenceBackend())
   raise ValueError(f"implementation must be one of {SAGE} or None; got {implementation!r}")
 
 

@@ -29,7 +29,8 @@ from pallas_kernels.jax_triton.backward_dq import backward_dq
 from pallas_kernels.jax_triton.forward import forward
 from pallas_kernels.jax_triton.launch import LaunchConfig
 from pallas_kernels.mosaic import backend as mosaic_backend
-from pallas_kernels.mosaic.backend import MOSAIC_NUMERICS, MosaicBackend, backward_takes
+from pallas_kernels.mosaic.backend import (MOSAIC_NUMERICS, Launches, MosaicBackend,
+                                           backward_takes)
 from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic import forward as mosaic_forward
 from pallas_kernels.layouts import REGISTER_B, TOKENS, arrange, to_layout
@@ -42,12 +43,12 @@ INTERPRET = LaunchConfig(interpret=True)
 
 
 def _tuned(causal: bool, interpret: bool) -> MosaicBackend:
-  return MosaicBackend.tuned(TritonBackend.tuned(causal=causal, interpret=interpret))
+  return MosaicBackend(TritonBackend.tuned(causal=causal, interpret=interpret))
 
 
 def _portable_forward(causal: bool, interpret: bool) -> MosaicBackend:
   """The tuned backend with the fallback's forward."""
-  return dataclasses.replace(_tuned(causal, interpret), forward_mosaic=None)
+  return dataclasses.replace(_tuned(causal, interpret), mosaic_forward=False)
 
 
 # Every case through the tuned backend; a few through one that keeps the
@@ -166,7 +167,7 @@ def test_layouts_and_numerics_follow_the_kernels_that_run(q_len, kv_len, causal,
   key block where the fallback's does."""
   backend = _tuned(causal, interpret=True)
   if not mosaic_forward_on:
-    backend = dataclasses.replace(backend, forward_mosaic=None)
+    backend = dataclasses.replace(backend, mosaic_forward=False)
   q = jax.ShapeDtypeStruct((1, q_len, 2, 64), dtype)
   k = jax.ShapeDtypeStruct((1, kv_len, 2, 64), dtype)
   masks = Masks(jnp.zeros((1, q_len), jnp.int32), jnp.zeros((1, kv_len), jnp.int32)) if ids \
@@ -180,13 +181,25 @@ def test_layouts_and_numerics_follow_the_kernels_that_run(q_len, kv_len, causal,
   assert numerics.unsigned_p_t  # the Mosaic backward's and the Triton kernels' alike
 
 
-def test_tuned_launches():
-  portable = TritonBackend.tuned(causal=True)
-  causal, plain = _tuned(True, False), _tuned(False, False)
-  assert causal.fallback == portable
-  assert causal.forward_mosaic == plain.forward_mosaic == mosaic_forward.ForwardTuning()
-  assert causal.dkdv_tuning == plain.dkdv_tuning == BackwardTuning()
-  assert causal.dq_tuning == plain.dq_tuning == BackwardTuning()
+@pytest.mark.parametrize("causal", [False, True])
+def test_launches_per_call(causal):
+  """Each call's kernels get `launches(config)`: FP8 products the overlap
+  without the schedule barrier (causal dQ keeps the barrier); INT8 products,
+  and FP8 with the diagonal in 16 bits (which the overlap does not take),
+  the barrier. A backend's own `launches` are every call's."""
+  int8 = mosaic_config(64, causal)
+  fp8 = dataclasses.replace(int8, quantization="int8_fp8")
+  barrier = Launches(mosaic_forward.ForwardTuning(), BackwardTuning(), BackwardTuning())
+  overlap = dict(pipelined=True, overlap=True, schedule_barrier=False)
+  backend = _tuned(causal, interpret=True)
+  assert backend._launches(int8) == barrier
+  assert backend._launches(fp8) == Launches(
+      mosaic_forward.ForwardTuning(**overlap), BackwardTuning(**overlap),
+      BackwardTuning() if causal else BackwardTuning(**overlap))
+  exact = dataclasses.replace(fp8, causal_exact=True)
+  assert (backend._launches(exact) == barrier) == causal
+  pinned = dataclasses.replace(backend, launches=barrier)
+  assert pinned._launches(fp8) == barrier
 
 
 def test_default_implementation_without_gpu_is_reference():

@@ -45,6 +45,31 @@ from pallas_kernels.types import (Backend, Config, Fp8Operands, Layouts, Masks, 
 MOSAIC_NUMERICS = Numerics(p_block=forward.KV_STEP, unsigned_p=True, unsigned_p_t=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class Launches:
+  """The launch settings of one call's Mosaic kernels."""
+
+  forward: forward.ForwardTuning
+  dkdv: BackwardTuning
+  dq: BackwardTuning
+
+
+def launches(config: Config) -> Launches:
+  """The launches `python -m benchmarks.mosaic_forward` and `python -m
+  benchmarks.mosaic_backward` measured fastest for a call
+  (docs/performance-log.md, 2026-12-07). INT8 products: the schedule barrier.
+  FP8 products: FlashAttention-3's overlap (the next step's first products
+  issued before this step's last, its chain under them) without the barrier,
+  but in causal dQ (the overlap's causal path runs out of registers there)
+  and with `Config.exact_edges` (the diagonal's 16-bit step), which keep the
+  barrier."""
+  if not config.fp8 or config.exact_edges:
+    return Launches(forward.ForwardTuning(), BackwardTuning(), BackwardTuning())
+  overlap = dict(pipelined=True, overlap=True, schedule_barrier=False)
+  return Launches(forward.ForwardTuning(**overlap), BackwardTuning(**overlap),
+                  BackwardTuning() if config.causal else BackwardTuning(**overlap))
+
+
 def backward_takes(masks: Masks, config: Config, q_len: int, kv_len: int, head_dim: int,
                    dtype, tuning: BackwardTuning = BackwardTuning()) -> bool:
   """Whether the Mosaic backward kernels run this case (`dtype`: V's, which the
@@ -66,24 +91,17 @@ class MosaicBackend:
   `forward.takes` or `backward_takes` refuses (the op passes the portable
   backend); `fp8_fallback` does so for quantization="int8_fp8" where the
   Mosaic kernels do not run (the op passes the reference; None: such calls
-  raise NotImplementedError). `forward_mosaic=None` keeps the fallback's
-  forward.
+  raise NotImplementedError). `mosaic_forward=False` keeps the fallback's
+  forward. `launches`: every call's (None: `launches(config)`, per call).
   """
 
   fallback: Backend
-  forward_mosaic: forward.ForwardTuning | None = forward.ForwardTuning()
-  dkdv_tuning: BackwardTuning = BackwardTuning()
-  dq_tuning: BackwardTuning = BackwardTuning()
   fp8_fallback: Backend | None = None
+  mosaic_forward: bool = True
+  launches: Launches | None = None
 
-  @classmethod
-  def tuned(cls, fallback: Backend, fp8_fallback: Backend | None = None) -> "MosaicBackend":
-    """The launches `python -m benchmarks.attention` and
-    `python -m benchmarks.mosaic_backward` measured fastest on an H200
-    (docs/performance-log.md)."""
-    return cls(fallback, forward_mosaic=forward.ForwardTuning(),
-               dkdv_tuning=BackwardTuning(), dq_tuning=BackwardTuning(),
-               fp8_fallback=fp8_fallback)
+  def _launches(self, config: Config) -> Launches:
+    return launches(config) if self.launches is None else self.launches
 
   def _fallback(self, config: Config) -> Backend:
     if not config.fp8:
@@ -96,13 +114,14 @@ class MosaicBackend:
 
   def _runs_forward(self, masks: Masks, config: Config, q_len: int, kv_len: int,
                     head_dim: int, dtype) -> bool:
-    return self.forward_mosaic is not None and forward.takes(masks, config, q_len, kv_len,
-                                                             head_dim, dtype)
+    return self.mosaic_forward and forward.takes(masks, config, q_len, kv_len, head_dim,
+                                                 dtype)
 
   def _runs_backward(self, masks: Masks, config: Config, q_len: int, kv_len: int,
                      head_dim: int, dtype) -> bool:
+    launch = self._launches(config)
     return all(backward_takes(masks, config, q_len, kv_len, head_dim, dtype, tuning)
-               for tuning in (self.dkdv_tuning, self.dq_tuning))
+               for tuning in (launch.dkdv, launch.dq))
 
   def _runs(self, q, k, masks: Masks, config: Config) -> tuple[bool, bool]:
     """Whether the Mosaic forward and backward run for these inputs, by the
@@ -143,7 +162,7 @@ class MosaicBackend:
     q_len, head_dim = qkv.q8.shape[2:]
     if not self._runs_forward(masks, config, q_len, qkv.k8.shape[2], head_dim, out_dtype):
       return self._fallback(config).forward(qkv, masks, config, out_dtype)
-    return forward.forward_mosaic(qkv, masks, config, out_dtype, self.forward_mosaic)
+    return forward.forward_mosaic(qkv, masks, config, out_dtype, self._launches(config).forward)
 
   def _backward_stages(self, qkv: QuantizedQKV, v, masks: Masks, config: Config) -> Backend:
     """Who runs the stages between the forward and the backward's kernels
@@ -179,9 +198,9 @@ class MosaicBackend:
     if not self._runs_backward(masks, config, q_len, qkv.k8.shape[2], head_dim, v.dtype):
       return self._fallback(config).backward(qkv, v, lse, do, prepass, masks, config)
     check_layout("do8_t", prepass.do8_t, TransposedLayout.REGISTER_B)
+    launch = self._launches(config)
     dk, dv = backward_dkdv_mosaic(qkv, v, lse, prepass.delta, do, prepass.do8_t,
-                                  prepass.do_scale, masks, config, self.dkdv_tuning,
-                                  fp8=prepass.fp8)
-    dq = backward_dq_mosaic(qkv, v, lse, prepass.delta, do, masks, config, self.dq_tuning,
+                                  prepass.do_scale, masks, config, launch.dkdv, fp8=prepass.fp8)
+    dq = backward_dq_mosaic(qkv, v, lse, prepass.delta, do, masks, config, launch.dq,
                             fp8=prepass.fp8)
     return dq, dk, dv

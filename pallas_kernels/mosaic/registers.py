@@ -21,6 +21,11 @@ FP8 (`Config.fp8`): fp32 values in the same places, two conversions to an
 E4M3 pair and one move pack four (`pack_e4m3`, round to nearest even,
 saturated at 448 as `numerics.to_e4m3`), and `dots` adds
 the products into running fp32 accumulators (no merge instruction).
+
+A `dots` group is fenced once, before its first wgmma. Left in flight
+(`InFlight`), it keeps the A tiles its wgmmas read live until `wait_for`;
+loops that carry such tiles into later products run through `steps`. Both
+keep ptxas from running the kernel's wgmmas one at a time (C7513).
 """
 
 from __future__ import annotations
