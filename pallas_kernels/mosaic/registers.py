@@ -188,6 +188,16 @@ def pack_e4m3(p: jax.Array) -> jax.Array:
   return packed(p)
 
 
+class _Product(NamedTuple):
+  """What `dots` lowers one product from."""
+  has_start: bool
+  count: int  # A (and B) tiles
+  a_in_smem: bool
+  swizzle: int
+  shape: tuple
+  acc_dtype: type
+
+
 class InFlight(NamedTuple):
   """One `dots(..., wait=False)` group: its accumulators, which nothing may
   read before `wait_for` returns them, and the register A tiles its wgmmas
@@ -230,45 +240,46 @@ def dots(*products, unsigned_a: bool = False, wait: bool = True):
                      for a in a_tiles]
     arg_types += [plgpu.RefType(b_transforms)] * len(b_tiles)
     args += list(b_tiles)
-    specs.append((start is not None, len(a_tiles), in_smem, b_transforms[-1].swizzle,
-                  (ROWS, b_tiles[0].shape[0]), acc_dtype))
-  acc_types = tuple(plgpu.ShapeDtypeStruct(shape, dtype, layout=plgpu.Layout.WGMMA)
-                    for *_, shape, dtype in specs)
+    specs.append(_Product(start is not None, len(a_tiles), in_smem, b_transforms[-1].swizzle,
+                          (ROWS, b_tiles[0].shape[0]), acc_dtype))
+  acc_types = tuple(plgpu.ShapeDtypeStruct(spec.shape, spec.acc_dtype,
+                                           layout=plgpu.Layout.WGMMA) for spec in specs)
 
   @plgpu.inline_mgpu(arg_types=tuple(arg_types),
                      return_type=acc_types if wait else acc_types + tuple(read_types))
   def product(ctx, *values):
     del ctx
     values, accs, a_groups, b_groups = list(values), [], [], []
-    for has_start, count, _, _, shape, dtype in specs:
-      signed = True if dtype == jnp.int32 else None
-      if has_start:
+    for spec in specs:
+      signed = True if spec.acc_dtype == jnp.int32 else None
+      if spec.has_start:
         start = values.pop(0)
         start = fa.FragmentedArray(_registers=start.registers, _layout=start.layout,
                                    _is_signed=signed)
       else:
         element = ir.IntegerType.get_signless(32) if signed else ir.F32Type.get()
-        start = fa.FragmentedArray.splat(llvm.mlir_undef(element), shape, fa.WGMMA_LAYOUT,
-                                         is_signed=signed)
+        start = fa.FragmentedArray.splat(llvm.mlir_undef(element), spec.shape,
+                                         fa.WGMMA_LAYOUT, is_signed=signed)
       accs.append(mgpu.WGMMAAccumulator.from_registers(start, sync=False))
-      a_groups.append(values[:count])
-      b_groups.append(values[count:2 * count])
-      del values[:2 * count]
-    reads = [a for a_tiles, (_, _, in_smem, *_) in zip(a_groups, specs) if not in_smem
+      a_groups.append(values[:spec.count])
+      b_groups.append(values[spec.count:2 * spec.count])
+      del values[:2 * spec.count]
+    # One fence for every accumulator (its registers, in the accumulator's
+    # own layout: the pytree leaf) and every register A tile.
+    reads = [a for a_tiles, spec in zip(a_groups, specs) if not spec.a_in_smem
              for a in a_tiles]
     fenced = iter(_fence([acc.tree_flatten()[0][0] for acc in accs] + reads))
     accs = [type(acc).tree_unflatten(acc.tree_flatten()[1], [next(fenced)]) for acc in accs]
     reads = list(fenced)
     fenced_reads = iter(reads)
-    a_groups = [a_tiles if in_smem else [next(fenced_reads) for _ in a_tiles]
-                for a_tiles, (_, _, in_smem, *_) in zip(a_groups, specs)]
+    a_groups = [a_tiles if spec.a_in_smem else [next(fenced_reads) for _ in a_tiles]
+                for a_tiles, spec in zip(a_groups, specs)]
     results = []
-    for acc, a_tiles, b_tiles, (has_start, _, _, swizzle, *_) in zip(accs, a_groups, b_groups,
-                                                                     specs):
-      with _fenced_wgmma(fresh=not has_start, unsigned_a=unsigned_a):
+    for acc, a_tiles, b_tiles, spec in zip(accs, a_groups, b_groups, specs):
+      with _fenced_wgmma(fresh=not spec.has_start, unsigned_a=unsigned_a):
         for a, b in zip(a_tiles, b_tiles):
           acc = mgpu.wgmma(acc, a, mgpu_utils.memref_transpose(b, (1, 0, 3, 2)),
-                           swizzle=swizzle)
+                           swizzle=spec.swizzle)
       results.append(acc.value)
     void = ir.Type.parse("!llvm.void")
     llvm.inline_asm(void, [], "wgmma.commit_group.sync.aligned;", "", has_side_effects=True)
