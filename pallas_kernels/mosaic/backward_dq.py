@@ -119,6 +119,15 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
     k_bars, k8_t_bars, v_bars = ring_bars
     cta_end = kv_range(t * wgs + wgs - 1)[1]
     ring = pipeline.Ring(tuning.max_concurrent_steps)
+    # Causal, the overlap takes the diagonal's step first, then the whole
+    # ones: a masked step after its loop runs ptxas out of registers (C7511).
+    # Ring position i holds key step `key_step(i)`; every warpgroup of a CTA
+    # ends at cta_end here (128-key steps, 64-row blocks).
+    diagonal_first = causal and pipelined and tuning.overlap
+
+    def key_step(i):
+      return jnp.where(i == 0, cta_end - 1, i - 1) if diagonal_first else i
+
     schedule = pipeline.Schedule(sched, tuning)
 
     def compute():
@@ -329,45 +338,39 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         return pipelined_step(last, carry, masked=causal, last=True, edge=edges)
 
       def overlap_step(j, carry, *, masked: bool):
-        """Step j's dQ product under step j + 1's chain: step j + 1's S and dP
-        go out first, then step j's product, the warpgroup takes its turn,
-        waits for S and dP alone (groups complete in order) and runs step
-        j + 1's chain while the product runs; then it waits for that. Nothing
-        is in flight across the loop's back edge."""
-        ds8s, dq, scales = carry  # scales: step j + 1's
+        """The step at ring position j: its dQ product under position j + 1's
+        chain: position j + 1's S and dP go out first, then j's product, the
+        warpgroup takes its turn, waits for S and dP alone (groups complete
+        in order) and runs j + 1's chain while the product runs; then it
+        waits for that. Nothing is in flight across the loop's back edge."""
+        ds8s, dq, scales = carry  # scales: position j + 1's
         with jax.named_scope("issue"):
           s_dp = issue_s_dp(j + 1)
           dq_group = issue_dq(j, dq, ds8s)
-          following = scalars(jnp.minimum(j + 2, end - 1))
+          following = scalars(key_step(jnp.minimum(j + 2, end - 1)))
         with jax.named_scope("turn"):
           schedule.turn()
         with jax.named_scope("wait"):
           s, dp = registers.wait_for(s_dp, pending=1)
         plgpu.barrier_arrive(consumed.at[ring.slot(j + 1)])  # K8 and V
         with jax.named_scope("elementwise"):
-          next_ds8s = chain(j + 1, s, dp, scales, masked=masked)
+          next_ds8s = chain(key_step(j + 1), s, dp, scales, masked=masked)
         with jax.named_scope("wait_dq"):
           (dq,) = registers.wait_for(dq_group)
         plgpu.barrier_arrive(consumed_t.at[ring.slot(j)])  # K8^T
         return next_ds8s, dq, following
 
-      def overlap_steps(full, end, zero):
-        """Steps [0, end) with each chain but the first under the step
-        before's dQ product (`overlap_step`); the chains of steps [full, end)
-        masked. Returns (dQ,)."""
-        s_dp, scales = issue_s_dp(jnp.int32(0)), scalars(jnp.int32(0))
+      def overlap_steps(end, zero):
+        """Ring positions [0, end) with each chain but the first under the
+        position before's dQ product (`overlap_step`); causal, the first is
+        the diagonal's step, the one masked. Returns (dQ,)."""
+        s_dp, scales = issue_s_dp(jnp.int32(0)), scalars(key_step(jnp.int32(0)))
         schedule.turn()
         s, dp = registers.wait_for(s_dp)
         plgpu.barrier_arrive(consumed.at[ring.slot(jnp.int32(0))])
-        # Masking a step the rows see whole changes nothing: step 0's chain is
-        # masked whenever causal, in case it is the diagonal's.
-        carry = (chain(jnp.int32(0), s, dp, scales, masked=causal), zero,
-                 scalars(jnp.minimum(1, end - 1)))
-        split = jnp.clip(full - 1, 0, end - 1)  # iteration j runs step j + 1's chain
-        # One masked step when causal, the diagonal's: none after the first
-        # chain when that is the diagonal's (end == 1).
-        segments = ((0, split, functools.partial(overlap_step, masked=False), False),
-                    (split, end - 1, functools.partial(overlap_step, masked=causal), causal))
+        carry = (chain(key_step(jnp.int32(0)), s, dp, scales, masked=causal), zero,
+                 scalars(key_step(jnp.minimum(1, end - 1))))
+        segments = ((0, end - 1, functools.partial(overlap_step, masked=False), False),)
 
         def last_dq(carry):
           ds8s, dq, _ = carry
@@ -385,7 +388,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
       zero = bc.zeros((BLOCK, head_dim))
       schedule.lead_in(wg)
       if pipelined and tuning.overlap:
-        dq, *dq_edge = overlap_steps(full, end, zero)
+        dq, *dq_edge = overlap_steps(end, zero)
       elif pipelined:
         dq, *dq_edge = pipelined_steps(full, end, zero)
       else:
@@ -406,13 +409,13 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
       bc.write_tile(dq.astype(out_dtype), dq_smem, dq_ref.at[b, rows, h])
 
     def producer():
-      def load_first(j, slot):  # what S and dP read
-        kv = pl.ds(j * step_keys, step_keys)
+      def load_first(i, slot):  # what S and dP read
+        kv = pl.ds(key_step(i) * step_keys, step_keys)
         plgpu.copy_gmem_to_smem(k_ref.at[b, kvh, kv], k_ring.at[slot], k_bars.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[b, kv, kvh], v_ring.at[slot], v_bars.at[slot])
 
-      def load_last(j, slot):  # what dQ's product reads
-        plgpu.copy_gmem_to_smem(k8_t_ref.at[b, kvh, pl.ds(j * halves, halves)],
+      def load_last(i, slot):  # what dQ's product reads
+        plgpu.copy_gmem_to_smem(k8_t_ref.at[b, kvh, pl.ds(key_step(i) * halves, halves)],
                                 k8_t_ring.at[slot], k8_t_bars.at[slot])
 
       if pipelined:
