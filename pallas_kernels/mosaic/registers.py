@@ -148,8 +148,6 @@ def _fence(arrays: list[fa.FragmentedArray]) -> list[fa.FragmentedArray]:
   before its first wgmma, leaves no instruction between its wgmmas: a copy
   of a register operand there (LLVM makes one where the unfenced value stays
   live) would make ptxas run every wgmma of the kernel alone (C7513)."""
-  if not arrays:
-    return []
   fenced = fa.optimization_barrier(*arrays)
   nvvm.wgmma_fence_aligned()
   return [fenced] if len(arrays) == 1 else list(fenced)
