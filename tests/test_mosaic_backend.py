@@ -184,7 +184,7 @@ def test_layouts_and_numerics_follow_the_kernels_that_run(q_len, kv_len, causal,
 @pytest.mark.parametrize("causal", [False, True])
 def test_launches_per_call(causal):
   """Each call's kernels get `launches(config)`: FP8 products the overlap
-  without the schedule barrier (causal dQ keeps the barrier); INT8 products,
+  without the schedule barrier; INT8 products,
   and FP8 with the diagonal in 16 bits (which the overlap does not take),
   the barrier. A backend's own `launches` are every call's."""
   int8 = mosaic_config(64, causal)
@@ -195,7 +195,7 @@ def test_launches_per_call(causal):
   assert backend._launches(int8) == barrier
   assert backend._launches(fp8) == Launches(
       mosaic_forward.ForwardTuning(**overlap), BackwardTuning(**overlap),
-      BackwardTuning() if causal else BackwardTuning(**overlap))
+      BackwardTuning(**overlap))
   exact = dataclasses.replace(fp8, causal_exact=True)
   assert (backend._launches(exact) == barrier) == causal
   pinned = dataclasses.replace(backend, launches=barrier)

@@ -59,15 +59,14 @@ def launches(config: Config) -> Launches:
   benchmarks.mosaic_backward` measured fastest for a call
   (docs/performance-log.md, 2026-12-07). INT8 products: the schedule barrier.
   FP8 products: FlashAttention-3's overlap (the next step's first products
-  issued before this step's last, its chain under them) without the barrier,
-  but in causal dQ (the overlap's causal path runs out of registers there)
-  and with `Config.exact_edges` (the diagonal's 16-bit step), which keep the
-  barrier."""
+  issued before this step's last, its chain under them) without the
+  barrier, but with `Config.exact_edges` (the diagonal's 16-bit step, which
+  the overlap does not take), which keeps the barrier."""
   if not config.fp8 or config.exact_edges:
     return Launches(forward.ForwardTuning(), BackwardTuning(), BackwardTuning())
   overlap = dict(pipelined=True, overlap=True, schedule_barrier=False)
   return Launches(forward.ForwardTuning(**overlap), BackwardTuning(**overlap),
-                  BackwardTuning() if config.causal else BackwardTuning(**overlap))
+                  BackwardTuning(**overlap))
 
 
 def backward_takes(masks: Masks, config: Config, q_len: int, kv_len: int, head_dim: int,
