@@ -60,6 +60,8 @@ VARIANTS = {
     "mosaic_fp8_overlap": BackwardTuning(pipelined=True, overlap=True),
     "mosaic_fp8_overlap_nosched": BackwardTuning(pipelined=True, overlap=True,
                                                  schedule_barrier=False),
+    "mosaic_fp8_overlap_turns": BackwardTuning(pipelined=True, overlap=True,
+                                               schedule_barrier=False, issue_turns=True),
     "mosaic_fp8_overlap_nosched_3st": (BackwardTuning(pipelined=True, overlap=True,
                                                       schedule_barrier=False,
                                                       max_concurrent_steps=3),

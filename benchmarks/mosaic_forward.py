@@ -51,6 +51,8 @@ VARIANTS = {
     "mosaic_fp8_pingpong_4st": ForwardTuning(pipelined=True, max_concurrent_steps=4),
     "mosaic_fp8_overlap": ForwardTuning(pipelined=True, overlap=True, schedule_barrier=False),
     "mosaic_fp8_overlap_pingpong": ForwardTuning(pipelined=True, overlap=True),
+    "mosaic_fp8_overlap_turns": ForwardTuning(pipelined=True, overlap=True,
+                                              schedule_barrier=False, issue_turns=True),
     "mosaic_fp8_overlap_pingpong_3st": ForwardTuning(pipelined=True, overlap=True,
                                                      max_concurrent_steps=3),
 }

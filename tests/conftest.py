@@ -257,7 +257,9 @@ FP8_TUNINGS = {"default": BackwardTuning(),
                "no_schedule_barrier": BackwardTuning(schedule_barrier=False),
                "pipelined": BackwardTuning(pipelined=True, schedule_barrier=False),
                "pingpong": BackwardTuning(pipelined=True),
-               "overlap": BackwardTuning(pipelined=True, overlap=True)}
+               "overlap": BackwardTuning(pipelined=True, overlap=True),
+               "overlap_turns": BackwardTuning(pipelined=True, overlap=True,
+                                               schedule_barrier=False, issue_turns=True)}
 
 
 def mosaic_config(head_dim: int, causal: bool, **overrides) -> Config:

@@ -234,15 +234,19 @@ FORWARD_TUNINGS = {"default": mosaic_forward.ForwardTuning(),
                    "overlap": mosaic_forward.ForwardTuning(pipelined=True, overlap=True,
                                                            schedule_barrier=False),
                    "overlap_pingpong": mosaic_forward.ForwardTuning(pipelined=True,
-                                                                    overlap=True)}
+                                                                    overlap=True),
+                   "overlap_turns": mosaic_forward.ForwardTuning(pipelined=True, overlap=True,
+                                                                 schedule_barrier=False,
+                                                                 issue_turns=True)}
 
 
-@pytest.mark.parametrize("tuning", ["pipelined", "pingpong", "overlap", "overlap_pingpong"])
+@pytest.mark.parametrize("tuning", ["pipelined", "pingpong", "overlap", "overlap_pingpong",
+                                    "overlap_turns"])
 @pytest.mark.parametrize("head_dim,causal", [(64, False), (128, True)])
 def test_pipelined_forward_lowers_for_cuda(head_dim, causal, tuning):
   """The pipelined FP8 forward (P.V issued with the next step's S; with
   `overlap`, the next softmax under P.V), lowered with and without the
-  ping-pong's schedule barrier."""
+  ping-pong's schedule barrier, and with issue turns."""
   config = mosaic_config(head_dim, causal, quantization="int8_fp8")
   args = gaussian_qkv(jax.random.key(0), 2, 512, 512, 4, 2, head_dim)[:3]
   qkv = jax.eval_shape(lambda: ReferenceBackend().quantize(*args, None, config,

@@ -156,7 +156,9 @@ def test_refuses_what_it_does_not_take():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(compute_wgs=3), "compute_wgs"), (dict(max_concurrent_steps=1), "max_concurrent"),
-    (dict(compute_wgs=1), "schedule_barrier"), (dict(overlap=True), "pipelined=True")])
+    (dict(compute_wgs=1), "schedule_barrier"), (dict(overlap=True), "pipelined=True"),
+    (dict(issue_turns=True, pipelined=True), "issue_turns"),
+    (dict(issue_turns=True, schedule_barrier=False), "issue_turns")])
 def test_tuning_is_checked(kwargs, match):
   with pytest.raises(ValueError, match=match):
     ForwardTuning(**kwargs)

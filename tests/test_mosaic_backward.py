@@ -167,7 +167,8 @@ def test_gpu_large_logits(sigma):
 # causal_exact (test_pingpong_refuses_causal_exact,
 # test_fp8_backward_overlap_refuses_causal_exact).
 EXACT_TUNINGS = [("int8", name) for name in sorted(TUNINGS)] + [
-    ("int8_fp8", name) for name in sorted(FP8_TUNINGS) if name not in ("pingpong", "overlap")]
+    ("int8_fp8", name) for name in sorted(FP8_TUNINGS)
+    if name not in ("pingpong", "overlap", "overlap_turns")]
 TOLERANCE = {"int8": 5e-3, "int8_fp8": 1e-2}
 
 

@@ -119,7 +119,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
     cta_start = q_range(t * wgs)[0]
     end = jnp.int32(num_q_blocks)
     ring = pipeline.Ring(tuning.max_concurrent_steps)
-    schedule = pipeline.Schedule(sched, tuning)
+    schedule = pipeline.Schedule(sched, tuning, wg)
 
     def load_edge(rows):
       """The diagonal tile's operands: Q16 into shared memory, K16 (the A
@@ -281,12 +281,10 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         slot = ring.slot(i)
         with jax.named_scope("elementwise"):
           p8, ds8 = released_chain(i, s, dp, step_scalars, masked=masked, edge=edge)
-        with jax.named_scope("issue"):
+        with schedule.issuing(), jax.named_scope("issue"):
           dv_dk = issue_dv_dk(i, dk, dv, p8, ds8)
           in_flight = (dv_dk,) if last else (issue_s_dp(i + 1), dv_dk)
           following = () if last else (scalars(i + 1),)
-        with jax.named_scope("turn"):
-          schedule.turn()
         with jax.named_scope("wait"):
           *s_dp, dv, dk = registers.wait_for(*in_flight)
         plgpu.barrier_arrive(consumed_t.at[slot])  # dV and dK read Q8^T and dO8^T
@@ -296,8 +294,8 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         """Steps [start, end) as `pipelined_step`s: masked ones, whole ones,
         then the last (masked when causal: a whole block's mask keeps all);
         with `edge`, the one step of the diagonal."""
-        s_dp, following = issue_s_dp(start, edge=edge), scalars(start)
-        schedule.turn()
+        with schedule.issuing():
+          s_dp, following = issue_s_dp(start, edge=edge), scalars(start)
         carry = (*registers.wait_for(s_dp), *carry, following)
         last = end - 1
         if not edge:
@@ -314,12 +312,10 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         runs step i + 1's chain while dV and dK run; then it waits for
         those. Nothing is in flight across the loop's back edge."""
         p8, ds8, dk, dv, step_scalars = carry  # step_scalars: step i + 1's
-        with jax.named_scope("issue"):
+        with schedule.issuing(), jax.named_scope("issue"):
           s_dp = issue_s_dp(i + 1)
           dv_dk = issue_dv_dk(i, dk, dv, p8, ds8)
           following = scalars(jnp.minimum(i + 2, end - 1))
-        with jax.named_scope("turn"):
-          schedule.turn()
         with jax.named_scope("wait"):
           s, dp = registers.wait_for(s_dp, pending=1)
         with jax.named_scope("elementwise"):
@@ -333,8 +329,8 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         """Steps [start, end) with each chain but the first under the step
         before's dV and dK (`overlap_step`); the chains of steps [start,
         full) masked. Returns dK, dV."""
-        s_dp, step_scalars = issue_s_dp(start), scalars(start)
-        schedule.turn()
+        with schedule.issuing():
+          s_dp, step_scalars = issue_s_dp(start), scalars(start)
         s, dp = registers.wait_for(s_dp)
         # Masking a step the keys see whole changes nothing: the first chain
         # is masked whenever causal.
@@ -349,9 +345,8 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
 
         def last_dv_dk(carry):
           p8, ds8, dk, dv, _ = carry
-          with jax.named_scope("issue"):
+          with schedule.issuing(), jax.named_scope("issue"):
             dv_dk = issue_dv_dk(last, dk, dv, p8, ds8)
-          schedule.turn()
           dv, dk = registers.wait_for(dv_dk)
           plgpu.barrier_arrive(consumed_t.at[ring.slot(last)])
           return dk, dv
@@ -359,7 +354,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         return registers.steps(carry, segments, last_dv_dk)
 
       start, full, _ = q_range(j)
-      if pipelined and tuning.schedule_barrier:
+      if pipelined and (tuning.schedule_barrier or tuning.issue_turns):
         # Every warpgroup takes a turn at each of its CTA's steps (without
         # causal_exact: `backward_dkdv_mosaic` refuses it here).
         start = cta_start
@@ -368,7 +363,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
       # the whole blocks [full, end) after it.
       pipeline.release(ring, cta_start, start, bars=ring_bars, consumed=releases,
                        schedule=schedule)
-      schedule.lead_in(wg)
+      schedule.lead_in()
       zeros = (bc.zeros((BLOCK, head_dim)), bc.zeros((BLOCK, head_dim)))
       if pipelined and tuning.overlap:
         dk, dv = overlap_steps(start, zeros)
@@ -384,7 +379,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         else:
           carry = lax.fori_loop(start, full, functools.partial(q_step, masked=True), zeros)
         dk, dv = lax.fori_loop(full, end, functools.partial(q_step, masked=False), carry)
-      schedule.lead_out(wg)
+      schedule.lead_out()
       # Q was quantized as Q * scale * log2(e): dK carries log2(e) once (FP8:
       # in its factor).
       if fp8:
@@ -433,7 +428,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
               (plgpu.Barrier(num_barriers=slots),) * (4 + len(columns)),
               (plgpu.Barrier(num_arrivals=wgs, num_barriers=slots),) * (
                   2 if pipelined else 1),
-              plgpu.Barrier(num_arrivals=wgs))
+              pipeline.Schedule.barrier(tuning))
   if edges:
     barriers += (plgpu.Barrier(num_barriers=wgs),)  # Q16's
   shape = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), out_dtype)
@@ -467,12 +462,13 @@ def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
   if config.exact_edges and config.fp8 and tuning.overlap:
     raise ValueError("backward_dkdv_mosaic: tuning=BackwardTuning(overlap=True) does not take "
                      "causal_exact's 16-bit diagonal; pass overlap=False")
-  if config.exact_edges and config.fp8 and tuning.pipelined and tuning.schedule_barrier:
-    # The diagonal runs as a chain of its own, whose turns the ping-pong's
-    # warpgroups would not take equally often.
+  if (config.exact_edges and config.fp8 and tuning.pipelined
+      and (tuning.schedule_barrier or tuning.issue_turns)):
+    # The diagonal runs as a chain of its own, whose turns the warpgroups
+    # would not take equally often.
     raise ValueError("backward_dkdv_mosaic: tuning=BackwardTuning(pipelined=True) with the "
-                     "schedule barrier does not take causal_exact; pass "
-                     "schedule_barrier=False")
+                     "schedule barrier or issue turns does not take causal_exact; pass "
+                     "schedule_barrier=False, issue_turns=False")
   q8_t = qkv.q8_t if fp8 is None else fp8.q8_t
   for name, x8_t in (("q8_t", q8_t), ("do8_t", do8_t)):
     check_layout(name, x8_t, TransposedLayout.REGISTER_B)

@@ -128,7 +128,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
     def key_step(i):
       return jnp.where(i == 0, cta_end - 1, i - 1) if diagonal_first else i
 
-    schedule = pipeline.Schedule(sched, tuning)
+    schedule = pipeline.Schedule(sched, tuning, wg)
 
     def compute():
       i = t * wgs + wg  # this warpgroup's query block
@@ -309,15 +309,13 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         plgpu.barrier_arrive(consumed.at[slot])
         with jax.named_scope("elementwise"):
           ds8s = chain(j, s, dp, scales, masked=masked, edge=edge)
-        with jax.named_scope("issue"):
+        with schedule.issuing(), jax.named_scope("issue"):
           dq_group = issue_dq(j, dq, ds8s)
           if edge:  # the last step: the diagonal's term computed under dQ's product
             in_flight = (dq_group, registers.InFlight((edge_half(dp),), ()))
           else:
             in_flight = (dq_group,) if last else (issue_s_dp(j + 1), dq_group)
           following = () if last else (scalars(j + 1),)
-        with jax.named_scope("turn"):
-          schedule.turn()
         with jax.named_scope("wait"):
           done = registers.wait_for(*in_flight)
         plgpu.barrier_arrive(consumed_t.at[slot])  # dQ's product read K8^T
@@ -328,8 +326,8 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         the last (masked when causal: a whole block's mask keeps all).
         Returns dQ and, with edges, the diagonal's term."""
         last = end - 1
-        s_dp, following = issue_s_dp(jnp.int32(0)), scalars(jnp.int32(0))
-        schedule.turn()
+        with schedule.issuing():
+          s_dp, following = issue_s_dp(jnp.int32(0)), scalars(jnp.int32(0))
         carry = (*registers.wait_for(s_dp), zero, following)
         carry = lax.fori_loop(0, jnp.minimum(full, last),
                               functools.partial(pipelined_step, masked=False), carry)
@@ -344,12 +342,10 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         in order) and runs j + 1's chain while the product runs; then it
         waits for that. Nothing is in flight across the loop's back edge."""
         ds8s, dq, scales = carry  # scales: position j + 1's
-        with jax.named_scope("issue"):
+        with schedule.issuing(), jax.named_scope("issue"):
           s_dp = issue_s_dp(j + 1)
           dq_group = issue_dq(j, dq, ds8s)
           following = scalars(key_step(jnp.minimum(j + 2, end - 1)))
-        with jax.named_scope("turn"):
-          schedule.turn()
         with jax.named_scope("wait"):
           s, dp = registers.wait_for(s_dp, pending=1)
         plgpu.barrier_arrive(consumed.at[ring.slot(j + 1)])  # K8 and V
@@ -364,8 +360,8 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         """Ring positions [0, end) with each chain but the first under the
         position before's dQ product (`overlap_step`); causal, the first is
         the diagonal's step, the one masked. Returns (dQ,)."""
-        s_dp, scales = issue_s_dp(jnp.int32(0)), scalars(key_step(jnp.int32(0)))
-        schedule.turn()
+        with schedule.issuing():
+          s_dp, scales = issue_s_dp(jnp.int32(0)), scalars(key_step(jnp.int32(0)))
         s, dp = registers.wait_for(s_dp)
         plgpu.barrier_arrive(consumed.at[ring.slot(jnp.int32(0))])
         carry = (chain(key_step(jnp.int32(0)), s, dp, scales, masked=causal), zero,
@@ -375,9 +371,8 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         def last_dq(carry):
           ds8s, dq, _ = carry
           last = end - 1
-          with jax.named_scope("issue"):
+          with schedule.issuing(), jax.named_scope("issue"):
             dq_group = issue_dq(last, dq, ds8s)
-          schedule.turn()
           (dq,) = registers.wait_for(dq_group)
           plgpu.barrier_arrive(consumed_t.at[ring.slot(last)])
           return (dq,)
@@ -386,7 +381,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
 
       full, end = kv_range(i)
       zero = bc.zeros((BLOCK, head_dim))
-      schedule.lead_in(wg)
+      schedule.lead_in()
       if pipelined and tuning.overlap:
         dq, *dq_edge = overlap_steps(end, zero)
       elif pipelined:
@@ -398,7 +393,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
                           else edge_step(full, dq))
         else:
           dq = lax.fori_loop(full, end, functools.partial(kv_step, masked=True), dq)
-      schedule.lead_out(wg)
+      schedule.lead_out()
       pipeline.release(ring, end, cta_end, bars=ring_bars, consumed=releases,
                        schedule=schedule)
       # Q was quantized as Q * scale * log2(e); dS is in base-2 units: dQ takes
@@ -459,7 +454,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
               (plgpu.Barrier(num_barriers=slots),) * 3,
               (plgpu.Barrier(num_arrivals=wgs, num_barriers=slots),) * (
                   2 if pipelined else 1),
-              plgpu.Barrier(num_arrivals=wgs))
+              pipeline.Schedule.barrier(tuning))
   if edges:
     barriers += (plgpu.Barrier(num_barriers=wgs),) * (2 + means)  # Q16's, K16's, m''s
   return pipeline.kernel(

@@ -285,7 +285,7 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
     kvh = lax.div(h, jnp.array(group, h.dtype))
     # Key steps the CTA's query blocks see (the same for each of its warpgroups).
     cta_steps = lax.div(t * wgs * BLOCK, jnp.array(KV_STEP, t.dtype)) + 1 if causal else num_steps
-    schedule = pipeline.Schedule(sched, tuning)
+    schedule = pipeline.Schedule(sched, tuning, wg)
 
     def compute():
       q_block = t * wgs + wg
@@ -458,11 +458,9 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
         with jax.named_scope("elementwise"):
           a_tiles, alpha, m, l, row_max = fp8_chain(j, s, scales, m, l, row_max, masked=masked)
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        with jax.named_scope("issue"):
+        with schedule.issuing(), jax.named_scope("issue"):
           pv = issue_pv(j, acc, a_tiles)
           in_flight = (pv,) if last else (issue_s(j + 1), pv)
-        with jax.named_scope("turn"):
-          schedule.turn()
         with jax.named_scope("wait"):
           *s, acc = registers.wait_for(*in_flight)
         plgpu.barrier_arrive(v_consumed.at[slot])
@@ -472,8 +470,8 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
 
       def pipelined_steps(state, steps):
         """Steps [0, steps) as `pipelined_step`s, the last masked when causal."""
-        s = issue_s(jnp.int32(0))
-        schedule.turn()
+        with schedule.issuing():
+          s = issue_s(jnp.int32(0))
         s = registers.wait_for(s)
         plgpu.barrier_arrive(k_consumed.at[ring.slot(jnp.int32(0))])
         carry = lax.fori_loop(0, steps - 1, functools.partial(pipelined_step, masked=False),
@@ -489,11 +487,9 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
         P.V runs; then it waits for P.V and rescales. Nothing is in flight
         across the loop's back edge."""
         a_tiles, (acc, m, l, row_max), scales = carry  # scales: step j + 1's
-        with jax.named_scope("issue"):
+        with schedule.issuing(), jax.named_scope("issue"):
           s = issue_s(j + 1)
           pv = issue_pv(j, acc, a_tiles)
-        with jax.named_scope("turn"):
-          schedule.turn()
         with jax.named_scope("wait"):
           s = registers.wait_for(s, pending=1)
         plgpu.barrier_arrive(k_consumed.at[ring.slot(j + 1)])
@@ -511,8 +507,8 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
         """Steps [0, steps) with each chain but the first under the step
         before's P.V (`overlap_step`); the last chain masked when causal."""
         acc, m, l, row_max = state
-        s = issue_s(jnp.int32(0))
-        schedule.turn()
+        with schedule.issuing():
+          s = issue_s(jnp.int32(0))
         s = registers.wait_for(s)
         plgpu.barrier_arrive(k_consumed.at[ring.slot(jnp.int32(0))])
         # Masking a step the rows see whole changes nothing: step 0's chain is
@@ -531,9 +527,8 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
         def last_pv(carry):
           a_tiles, (acc, m, l, row_max), _ = carry
           last = jnp.asarray(steps - 1, jnp.int32)
-          with jax.named_scope("issue"):
+          with schedule.issuing(), jax.named_scope("issue"):
             pv = issue_pv(last, acc, a_tiles)
-          schedule.turn()
           (acc,) = registers.wait_for(pv)
           plgpu.barrier_arrive(v_consumed.at[ring.slot(last)])
           return acc, m, l, row_max
@@ -546,7 +541,7 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
                full_row(nm.NOTHING_SEEN), *(() if fp8 else (full_row(-jnp.inf),)),
                full_row(0.0), *((full_row(nm.NOTHING_SEEN),) if fp8 else ()))
       carry = (state, step_scales(0))
-      schedule.lead_in(wg)
+      schedule.lead_in()
       # With causality the last step holds the diagonal.
       steps = cta_steps if causal else num_steps
       if pipelined and tuning.overlap:
@@ -561,7 +556,7 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
           state, _ = kv_step(steps - 1, carry, masked=True)
       else:
         state, _ = lax.fori_loop(0, steps, functools.partial(kv_step, masked=False), carry)
-      schedule.lead_out(wg)
+      schedule.lead_out()
       if fp8:
         acc, m, l, row_max = state
         o, lse = _finalize_fp8(acc, m, l)
@@ -610,7 +605,7 @@ def _forward_call(q8, q_scale, k8, k_scale, v8_t, log2_v, inv_v, exact: _Exact, 
       (plgpu.Barrier(num_barriers=ring.slots), plgpu.Barrier(num_barriers=ring.slots),
        plgpu.Barrier(num_barriers=wgs)),
       (plgpu.Barrier(num_arrivals=wgs, num_barriers=ring.slots),) * 2,
-      plgpu.Barrier(num_arrivals=wgs),
+      pipeline.Schedule.barrier(tuning),
   )
   if exact_inputs:
     # A warpgroup's 64 rows of Q16, K16 and V16, as `_Exact` names them.

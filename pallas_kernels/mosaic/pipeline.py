@@ -15,10 +15,12 @@ elementwise work.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 import jax.experimental.pallas as pl
@@ -45,13 +47,19 @@ class Tuning:
   `overlap` too, the next step's first products go out before this step's
   last ones, and the warpgroup waits for the first alone: the next step's
   chain runs under this step's last products (FlashAttention-3's
-  intra-warpgroup overlap), in the warpgroup that issued them."""
+  intra-warpgroup overlap), in the warpgroup that issued them. With
+  `issue_turns` (pipelined, in place of the schedule barrier) the two
+  warpgroups issue their products in turn, as FlashAttention-3's
+  warp-scheduler barriers order them: each waits for the other's issue
+  before its own and passes the turn on right after, so its chain runs
+  while the other's products are queued behind its own."""
 
   compute_wgs: int = 2
   max_concurrent_steps: int = 2
   schedule_barrier: bool = True
   pipelined: bool = False
   overlap: bool = False
+  issue_turns: bool = False
 
   def __post_init__(self):
     # One or two 64-row blocks fit a 128-token step or CTA tile, so with
@@ -65,6 +73,11 @@ class Tuning:
       raise ValueError("schedule_barrier alternates two compute warpgroups")
     if self.overlap and not self.pipelined:
       raise ValueError("overlap orders a pipelined step's products: pass pipelined=True")
+    if self.issue_turns and (self.schedule_barrier or not self.pipelined
+                             or self.compute_wgs != 2):
+      raise ValueError("issue_turns orders the products of two compute warpgroups' pipelined "
+                       "steps, in place of the schedule barrier: pass compute_wgs=2, "
+                       "pipelined=True, schedule_barrier=False")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,12 +199,25 @@ def stream(ring: Ring, *, first, end, groups: Sequence[tuple[Callable, Sequence]
 
 
 class Schedule:
-  """The schedule barrier's operations, no-ops without one. A warpgroup
-  arrives when it has issued its wgmmas or finished its elementwise work,
-  then waits for the other one's turn."""
+  """The two compute warpgroups' order, no-ops without one.
 
-  def __init__(self, barrier, tuning: Tuning):
+  The schedule barrier (`Tuning.schedule_barrier`): a warpgroup arrives
+  when it has issued its wgmmas or finished its elementwise work, then waits
+  for the other one's turn. Issue turns (`Tuning.issue_turns`): one barrier
+  per warpgroup, which the other arrives at once it has issued; a
+  warpgroup waits at its own before issuing (`issuing`)."""
+
+  def __init__(self, barrier, tuning: Tuning, wg):
     self._barrier = barrier if tuning.schedule_barrier else None
+    self._turns = barrier if tuning.issue_turns else None
+    self._wg = wg
+
+  @staticmethod
+  def barrier(tuning: Tuning):
+    """The barrier a kernel allocates for `Schedule`."""
+    if tuning.issue_turns:
+      return plgpu.Barrier(num_barriers=2)
+    return plgpu.Barrier(num_arrivals=tuning.compute_wgs)
 
   def arrive(self):
     if self._barrier is not None:
@@ -205,16 +231,34 @@ class Schedule:
     self.arrive()
     self.wait()
 
-  def lead_in(self, wg):
-    """Before the loop: the second warpgroup takes one turn, so the two
-    alternate."""
-    if self._barrier is not None:
-      pl.when(wg == 1)(self.turn)
+  @contextlib.contextmanager
+  def issuing(self):
+    """Around a pipelined step's issue: with issue turns, first the
+    warpgroup's turn, passed on after; with the schedule barrier, a turn
+    after."""
+    if self._turns is not None:
+      with jax.named_scope("turn"):
+        plgpu.barrier_wait(self._turns.at[self._wg])
+    yield
+    if self._turns is not None:
+      plgpu.barrier_arrive(self._turns.at[1 - self._wg])
+    with jax.named_scope("turn"):
+      self.turn()
 
-  def lead_out(self, wg):
-    """After the loop: the first takes one, so both took as many."""
+  def lead_in(self):
+    """Before the loop: the second warpgroup takes one turn, so the two
+    alternate (with issue turns, it gives the first one its first)."""
     if self._barrier is not None:
-      pl.when(wg == 0)(self.turn)
+      pl.when(self._wg == 1)(self.turn)
+    if self._turns is not None:
+      pl.when(self._wg == 1)(lambda: plgpu.barrier_arrive(self._turns.at[0]))
+
+  def lead_out(self):
+    """After the loop: the first takes one, so both took as many. (The
+    second warpgroup's last issue turn passes to no one: that barrier's
+    phase ends with the kernel.)"""
+    if self._barrier is not None:
+      pl.when(self._wg == 0)(self.turn)
 
 
 def release(ring: Ring, first, end, *, bars: Sequence, consumed: Sequence,
