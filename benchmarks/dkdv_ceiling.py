@@ -22,10 +22,13 @@ the benchmark shape, D=128, not causal:
 Each runs with the stream read by every CTA from L2 (`cluster 1`, as the
 kernel does) and multicast to the two CTAs of neighbouring key blocks
 (`cluster 2`: a cluster of two along the key axis; each CTA loads half of
-every tile for both, so L2 serves half the bytes). The kernel itself
-(`mosaic_fp8_overlap_nosched` of `benchmarks.mosaic_backward`) runs in the
-same process for comparison. Writes dkdv_ceiling.csv to --out (default
-$OUT, else nothing).
+every tile for both, so L2 serves half the bytes). Then `products` and
+`both` again with the chain brought to the kernel's length (`--chain`
+multiply-adds per score), the warpgroups unordered and in issue turns
+(`pipeline.Tuning.issue_turns`): whether an order hides the chain under
+the products. The kernel itself (`mosaic_fp8_overlap_nosched` of
+`benchmarks.mosaic_backward`) runs in the same process for comparison.
+Writes dkdv_ceiling.csv to --out (default $OUT, else nothing).
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ MODES = ("stream", "products", "both")
 HEAD_DIM = 128
 WGS = 2
 COLUMNS = 3  # lse, Delta, dS^T's column factor
+# Multiply-adds per score that take the products' chain (5.4 instructions
+# per score) to the kernel's 16.1 (`benchmarks.sass`, 2026-12-07).
+KERNEL_CHAIN = 11
 
 
 def step_bytes(head_dim: int = HEAD_DIM) -> int:
@@ -61,9 +67,13 @@ def step_bytes(head_dim: int = HEAD_DIM) -> int:
   return BLOCK * head_dim * (1 + 1 + 2 + 1) + COLUMNS * BLOCK * 4
 
 
-def ceiling_call(mode: str, *, batch: int, heads: int, seq: int, slots: int, cluster: int):
+def ceiling_call(mode: str, *, batch: int, heads: int, seq: int, slots: int, cluster: int,
+                 chain: int = 0, issue_turns: bool = False):
   """The kernel of `mode` (see the module's docstring) on (B, H, T, D)
-  operands in the FP8 dK/dV kernel's layouts; returns a function of them."""
+  operands in the FP8 dK/dV kernel's layouts; returns a function of them.
+  `chain`: dependent multiply-adds per score added to the chain (each one
+  instruction per score); `issue_turns`: the warpgroups issue in turn
+  (`pipeline.Tuning.issue_turns`)."""
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
   if cluster not in (1, 2):
@@ -78,14 +88,16 @@ def ceiling_call(mode: str, *, batch: int, heads: int, seq: int, slots: int, clu
   v_transforms = smem_transforms(d, bf16)
   ring = pipeline.Ring(slots)
   tuning = pipeline.Tuning(compute_wgs=WGS, max_concurrent_steps=slots,
-                           schedule_barrier=False, pipelined=True, overlap=True)
+                           schedule_barrier=False, pipelined=True, overlap=True,
+                           issue_turns=issue_turns)
 
   def kernel(q_ref, q8_t_ref, do_ref, do8_t_ref, col_ref, k_ref, v_ref, out_ref, scoped):
-    smem, (k_bar, v_bar), ring_bars, (consumed, consumed_t) = scoped
+    smem, (k_bar, v_bar), ring_bars, (consumed, consumed_t), turns = scoped
     k_smem, v_smem, q_ring, q8_t_ring, do_ring, do8_t_ring, col_ring, out_smem = smem
     q_bars, do_bars, q8_t_bars, do8_t_bars, *col_bars = ring_bars
     b, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
     t = lax.axis_index("kv_seq") * cluster + (lax.axis_index("pair") if multicast else 0)
+    schedule = pipeline.Schedule(turns, tuning, wg)
 
     def load_first(i, slot):
       rows = pl.ds(i * BLOCK, BLOCK)
@@ -145,11 +157,14 @@ def ceiling_call(mode: str, *, batch: int, heads: int, seq: int, slots: int, clu
             (bc.zeros(bc.TILE), ((v_smem.at[wg], v_transforms),), (do_ring.at[slot],),
              v_transforms), wait=False)
 
-      def chain(i, s_dp):
+      def chain_of(i, s_dp):
         s, dp = registers.wait_for(s_dp, pending=1 if i is not None else 0)
         if i is not None:
           release(consumed, ring.slot(i))
-        return registers.pack_e4m3(bc.as_float(s) * dp), registers.pack_e4m3(dp)
+        p = bc.as_float(s) * dp
+        for _ in range(chain):
+          p = p * 0.5 + dp
+        return registers.pack_e4m3(p), registers.pack_e4m3(dp)
 
       def issue_dv_dk(i, dk, dv, p8, ds8):
         slot = ring.slot(i)
@@ -160,20 +175,25 @@ def ceiling_call(mode: str, *, batch: int, heads: int, seq: int, slots: int, clu
 
       def step(i, carry):  # the overlap's order: step i + 1's S^T and dP^T first
         p8, ds8, dk, dv = carry
-        s_dp = issue_s_dp(i + 1)
-        dv_dk = issue_dv_dk(i, dk, dv, p8, ds8)
-        p8, ds8 = chain(i + 1, s_dp)
+        with schedule.issuing():
+          s_dp = issue_s_dp(i + 1)
+          dv_dk = issue_dv_dk(i, dk, dv, p8, ds8)
+        p8, ds8 = chain_of(i + 1, s_dp)
         dv, dk = registers.wait_for(dv_dk)
         release(consumed_t, ring.slot(i))
         return p8, ds8, dk, dv
 
-      first = issue_s_dp(jnp.int32(0))
-      p8, ds8 = chain(None, first)
+      schedule.lead_in()
+      with schedule.issuing():
+        first = issue_s_dp(jnp.int32(0))
+      p8, ds8 = chain_of(None, first)
       release(consumed, 0)
       zeros = bc.zeros((BLOCK, d))
       p8, ds8, dk, dv = lax.fori_loop(0, n_q - 1, step, (p8, ds8, zeros, zeros))
       last = jnp.int32(n_q - 1)
-      dv, dk = registers.wait_for(issue_dv_dk(last, dk, dv, p8, ds8))
+      with schedule.issuing():
+        dv_dk = issue_dv_dk(last, dk, dv, p8, ds8)
+      dv, dk = registers.wait_for(dv_dk)
       release(consumed_t, ring.slot(last))
       bc.write_tile((dk + dv).astype(bf16), out_smem.at[wg], out_ref.at[b, kv, h])
 
@@ -205,7 +225,8 @@ def ceiling_call(mode: str, *, batch: int, heads: int, seq: int, slots: int, clu
     release_bar = plgpu.Barrier(num_arrivals=WGS, num_barriers=slots)
   barriers = ((plgpu.Barrier(num_barriers=WGS),) * 2,
               (plgpu.Barrier(num_barriers=slots),) * (4 + COLUMNS),
-              (release_bar,) * 2)
+              (release_bar,) * 2,
+              pipeline.Schedule.barrier(tuning))
 
   def entry(*refs):
     pl.run_scoped(lambda *scoped: kernel(*refs, scoped), scratch, *barriers,
@@ -257,6 +278,9 @@ def main():
   parser.add_argument("--seq", type=int, default=4096, help="T (default 4096)")
   parser.add_argument("--heads", type=int, default=16, help="H (default 16)")
   parser.add_argument("--slots", type=int, default=2, help="ring slots (default 2, the kernel's)")
+  parser.add_argument("--chain", type=int, default=KERNEL_CHAIN,
+                      help=f"multiply-adds per score that bring the chain to the kernel's "
+                           f"length (default {KERNEL_CHAIN})")
   parser.add_argument("--out", default=os.environ.get("OUT"),
                       help="folder for the CSV (default $OUT, else none)")
   args = parser.parse_args()
@@ -266,19 +290,25 @@ def main():
   print(f"the FP8 dK/dV kernel (overlap): {kernel:.3f} ms", flush=True)
   inputs = operands(b, h, t)
   steps = b * h * (t // (WGS * BLOCK)) * (t // BLOCK)  # CTA steps per call
+  # (mode, cluster, chain, issue turns): the parts alone and together, from
+  # L2 and multicast; then with the kernel's chain length, unordered and in
+  # turns.
+  runs = [(mode, cluster, 0, False) for cluster in (1, 2) for mode in MODES]
+  runs += [(mode, 1, args.chain, turns) for turns in (False, True)
+           for mode in ("products", "both")]
   rows = []
-  for cluster in (1, 2):
-    for mode in MODES:
-      fn = jax.jit(ceiling_call(mode, batch=b, heads=h, seq=t, slots=args.slots,
-                                cluster=cluster))
-      ms = time_call(fn, *inputs) * 1e3
-      # Bytes landed in shared memory per second; L2 serves 1 / cluster of them.
-      smem_rate = steps * step_bytes() / ms / 1e9 if mode != "products" else float("nan")
-      row = dict(mode=mode, cluster=cluster, slots=args.slots, ms=round(ms, 3),
-                 smem_tb_s=round(smem_rate, 2), l2_tb_s=round(smem_rate / cluster, 2),
-                 kernel_ms=round(kernel, 3), B=b, H=h, T=t, D=HEAD_DIM)
-      print(row, flush=True)
-      rows.append(row)
+  for mode, cluster, chain, turns in runs:
+    fn = jax.jit(ceiling_call(mode, batch=b, heads=h, seq=t, slots=args.slots,
+                              cluster=cluster, chain=chain, issue_turns=turns))
+    ms = time_call(fn, *inputs) * 1e3
+    # Bytes landed in shared memory per second; L2 serves 1 / cluster of them.
+    smem_rate = steps * step_bytes() / ms / 1e9 if mode != "products" else float("nan")
+    row = dict(mode=mode, cluster=cluster, chain=chain, issue_turns=turns, slots=args.slots,
+               ms=round(ms, 3), smem_tb_s=round(smem_rate, 2),
+               l2_tb_s=round(smem_rate / cluster, 2), kernel_ms=round(kernel, 3), B=b, H=h,
+               T=t, D=HEAD_DIM)
+    print(row, flush=True)
+    rows.append(row)
   if args.out:
     write_csv(rows, args.out, "dkdv_ceiling.csv")
 
