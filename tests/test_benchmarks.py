@@ -382,3 +382,23 @@ def test_mosaic_ptx_builds_each_fp8_kernel_on_abstract_inputs():
   assert qkv.v8_t.dtype == jnp.float8_e4m3fn
   with pytest.raises(KeyError):
     mosaic_ptx.forward_kernels("mosaic_fp8_nope", shapes, causal=False)
+
+
+def test_dkdv_ceiling_streams_the_kernels_step_and_lowers_each_part():
+  """`benchmarks.dkdv_ceiling`'s step: Q8, Q8^T, dO8^T (a byte each), dO (two)
+  and three fp32 row vectors per 64 queries at D=128; its CTA lowers for
+  CUDA with each part, multicast, a longer chain and issue turns, and
+  refuses an unknown part or cluster."""
+  from benchmarks import dkdv_ceiling
+  from conftest import assert_lowers_to_mosaic_gpu
+  assert dkdv_ceiling.step_bytes() == 64 * 128 * 5 + 3 * 64 * 4 == 40.75 * 1024
+  operands = jax.eval_shape(lambda: dkdv_ceiling.operands(1, 2, 512))
+  for mode, cluster, chain, turns in [("stream", 1, 0, False), ("products", 1, 0, False),
+                                      ("both", 2, 0, False), ("both", 1, 3, True)]:
+    assert_lowers_to_mosaic_gpu(dkdv_ceiling.ceiling_call(
+        mode, batch=1, heads=2, seq=512, slots=2, cluster=cluster, chain=chain,
+        issue_turns=turns), *operands)
+  with pytest.raises(ValueError, match="mode"):
+    dkdv_ceiling.ceiling_call("chain", batch=1, heads=2, seq=512, slots=2, cluster=1)
+  with pytest.raises(ValueError, match="cluster"):
+    dkdv_ceiling.ceiling_call("both", batch=1, heads=2, seq=512, slots=2, cluster=4)

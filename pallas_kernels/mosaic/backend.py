@@ -65,8 +65,8 @@ def launches(config: Config) -> Launches:
   if not config.fp8 or config.exact_edges:
     return Launches(forward.ForwardTuning(), BackwardTuning(), BackwardTuning())
   overlap = dict(pipelined=True, overlap=True, schedule_barrier=False)
-  return Launches(forward.ForwardTuning(**overlap), BackwardTuning(**overlap),
-                  BackwardTuning(**overlap))
+  backward = BackwardTuning(**overlap)
+  return Launches(forward.ForwardTuning(**overlap), backward, backward)
 
 
 def backward_takes(masks: Masks, config: Config, q_len: int, kv_len: int, head_dim: int,

@@ -10,7 +10,7 @@ arrives on the slot's `consumed` barrier once done with it (`release` for
 tiles a warpgroup skips), which lets the producer load the tile `slots`
 steps later into it. With the schedule barrier (`Schedule`) two compute
 warpgroups take turns: one issues its products while the other runs its
-elementwise work.
+elementwise work; with issue turns they issue their products in turn.
 """
 
 from __future__ import annotations
