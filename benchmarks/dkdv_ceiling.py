@@ -56,9 +56,9 @@ MODES = ("stream", "products", "both")
 HEAD_DIM = 128
 WGS = 2
 COLUMNS = 3  # lse, Delta, dS^T's column factor
-# Multiply-adds per score that take the products' chain (5.4 instructions
-# per score) to the kernel's 16.1 (`benchmarks.sass`, 2026-12-07).
-KERNEL_CHAIN = 11
+# Multiply-adds per score that take the products' chain (7.3 instructions
+# per score) to the kernel's 13.5 (`benchmarks.sass`, 2026-12-07).
+KERNEL_CHAIN = 6
 
 
 def step_bytes(head_dim: int = HEAD_DIM) -> int:
@@ -153,15 +153,15 @@ def ceiling_call(mode: str, *, batch: int, heads: int, seq: int, slots: int, clu
         if streamed:
           wait_first(slot)
         return registers.dots(
-            (bc.magic(), ((k_smem.at[wg], k_transforms),), (q_ring.at[slot],), k_transforms),
-            (bc.zeros(bc.TILE), ((v_smem.at[wg], v_transforms),), (do_ring.at[slot],),
-             v_transforms), wait=False)
+            (None, ((k_smem.at[wg], k_transforms),), (q_ring.at[slot],), k_transforms),
+            (None, ((v_smem.at[wg], v_transforms),), (do_ring.at[slot],), v_transforms),
+            wait=False)
 
       def chain_of(i, s_dp):
         s, dp = registers.wait_for(s_dp, pending=1 if i is not None else 0)
         if i is not None:
           release(consumed, ring.slot(i))
-        p = bc.as_float(s) * dp
+        p = bc.scores(s, biased=False) * dp
         for _ in range(chain):
           p = p * 0.5 + dp
         return registers.pack_e4m3(p), registers.pack_e4m3(dp)

@@ -2,13 +2,16 @@
 settings and the per-score chain of a 64 x 64 tile (their pipeline is
 `pipeline`'s).
 
-Both kernels recompute S from int8 Q and K in an int32 accumulator that starts
-at 0x4B400000, so its bits read as fp32 are 1.5 * 2**23 + S exactly, and form
-the exp2 argument of P = exp2(S * q_scale * k_scale - lse) by one add and one
-FMA (`exponent`; c = q_scale * k_scale is one scalar per tile: both are block
-scales). dP = dO.V^T runs in 16 bits (the one product never quantized) in an
-accumulator that starts at -Delta; dQ issues it with S under one wait, dK/dV
-after forming P^T (registers). The int8
+Both kernels recompute S from int8 Q and K in an int32 accumulator and form
+the exp2 argument of P = exp2(S * q_scale * k_scale - lse) by one FMA
+(`exponent`; c = q_scale * k_scale is one scalar per tile: both are block
+scales) from S in fp32 (`scores`): INT8's accumulator starts at 0x4B400000,
+so its bits read as fp32 are 1.5 * 2**23 + S exactly (one add), FP8's starts
+fresh where the schedule issues it by `registers.dots` (one conversion, and
+no move to set the start). dP = dO.V^T runs in 16 bits (the one product
+never quantized) in an accumulator that starts at -Delta (FP8 dK/dV: fresh,
+Delta folded into dS^T's multiply); dQ issues it with S under one wait,
+dK/dV after forming P^T (registers). The int8
 products (P^T.dO, dS^T.Q, dS.K) take their 8-bit operand straight from
 registers (`registers.dots`; the B operands arrive REGISTER_B,
 `types.TransposedLayout`), rounded by one add each, into int32
@@ -68,7 +71,7 @@ def products(pairs, starts, schedule: pipeline.Schedule | None = None):
   into accumulators that start at `starts`, issued back to back; the
   warpgroup takes its turn at `schedule`'s barrier, then one wait covers them.
 
-  S starts at `magic()` (read its result as fp32: 1.5 * 2**23 + S), dP at
+  INT8's S starts at `magic()` (`scores` reads 1.5 * 2**23 + S), dP at
   -Delta broadcast to the tile, so the subtraction costs nothing per score.
   """
   def issue(accs):
@@ -80,20 +83,25 @@ def products(pairs, starts, schedule: pipeline.Schedule | None = None):
   return pl.run_state(issue)(tuple(plgpu.ACC.init(x) for x in starts))
 
 
-def as_float(biased_scores):
-  return lax.bitcast_convert_type(biased_scores, jnp.float32)
+def scores(acc, *, biased: bool):
+  """S in fp32, exact, from its int32 accumulator: one that started at
+  `magic()` (`biased`: its bits read as fp32 are 1.5 * 2**23 + S; an add)
+  or from zero (a conversion, I2FP).
+  Folding the bias into `exponent`'s FMA instead would round -lse - 1.5 *
+  2**23 * c, an error of ~c in the exponent that nothing cancels here (the
+  forward's row maximum does cancel it)."""
+  if biased:
+    return lax.bitcast_convert_type(acc, jnp.float32) - nm.ROUND_MAGIC_F32
+  return acc.astype(jnp.float32)
 
 
-def exponent(f, c, lse, *, along: int, cap=None):
+def exponent(s, c, lse, *, along: int, cap=None):
   """The base-2 exponent of P = exp2(S * q_scale * k_scale - lse), capped at 0
-  (`numerics.log2_p`), from the biased scores f = 1.5 * 2**23 + S: an add
-  (exact), an FMA and a minimum.
-  Folding the bias into the FMA's addend would round -lse - 1.5 * 2**23 * c,
-  an error of ~c in the exponent that nothing cancels here (the forward's
-  row maximum does cancel it). `lse` has one value per row (`along`=0) or
-  per column (`along`=1). The FP8 products take P times a factor: `lse`
-  less its log2, and `cap` (a scalar, or a vector as `lse`) that log2."""
-  x = (f - nm.ROUND_MAGIC_F32) * positive_scale(c) - lax.broadcast_in_dim(lse, f.shape, [along])
+  (`numerics.log2_p`), from S in fp32 (`scores`): an FMA and a minimum.
+  `lse` has one value per row (`along`=0) or per column (`along`=1). The FP8
+  products take P times a factor: `lse` less its log2, and `cap` (a scalar,
+  or a vector as `lse`) that log2."""
+  x = s * positive_scale(c) - lax.broadcast_in_dim(lse, s.shape, [along])
   return _capped(x, cap, along)
 
 

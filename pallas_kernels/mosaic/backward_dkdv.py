@@ -20,10 +20,11 @@ step (a block's), so they fold into the row scales of the merges.
 With FP8 products (`Config.fp8`; the operands and factors of
 `types.Fp8Operands`) dP^T is issued with S^T, and
 
-  P'^T = P^T * p_factor: exp2 of the exponent less log2 p_factor (a scalar
-        per step), capped there;
-  dS'^T = P'^T * ((dP^T - Delta) * c), c = 448 q_fold / (b * p_factor) per
-        query (a column);
+  P'^T = P^T * p_factor: exp2 of the exponent less log2 p_factor (per
+        query, in the lse column), capped at its step's (a scalar);
+  dS'^T = P'^T * (dP^T * c - Delta * c), c = 448 q_fold / (b * p_factor) per
+        query (a column), from S^T and dP^T started at zero (fresh where
+        the pipelined schedules issue them: no move sets them);
   dV += P'^T.dO8, dK += dS'^T.Q'8      E4M3 from registers, into fp32 dV and
         dK across the loop; their group scales multiply them at the end.
 
@@ -74,7 +75,8 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
   products (`out_scales` given) E4M3 (`types.TransposedLayout`); scales per
   token (B, H, T). `step_scale` (B, H, Tq): dO's block scale, or with FP8
   log2 of `Fp8Operands.p_factor`; `columns`: the query rows' vectors each
-  step reads, (lse, Delta) or with FP8 (lse, Delta, dS^T's column factor);
+  step reads, (lse, Delta) or with FP8 (lse less log2 p_factor, -Delta * c,
+  c: dS^T's column factor);
   `out_scales`: dK's and dV's factors after the loop (B, Hkv), or None;
   `edge_operands`: the edge tiles' operands (`Config.exact_edges`), whose scores
   `multiplier` scales, or None."""
@@ -157,7 +159,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         """The exponent of P^T of step i from S^T (less `shift`, capped
         there); with `edge`, the diagonal's fp32 S^T. `lse`: the ring's
         column, if read already."""
-        f = s if edge else bc.as_float(s)
+        f = s if edge else bc.scores(s, biased=not fp8)
         if masked:
           f = bc.causal_mask(f, row_start=j * BLOCK, col_start=i * BLOCK, rows_are_keys=True)
         if lse is None:
@@ -165,9 +167,8 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         if edge:  # the rows' own lse: the ring's lacks their q_i . m
           lse = edge_lse if shift is None else edge_lse - shift
           return bc.edge_exponent(f, multiplier, lse, along=1, cap=shift)
-        if shift is None:
-          return bc.exponent(f, q_scale * k_scale, lse, along=1)
-        return bc.exponent(f, q_scale * k_scale, lse - shift, along=1, cap=shift)
+        # FP8: the ring's lse column is less the shift already.
+        return bc.exponent(f, q_scale * k_scale, lse, along=1, cap=shift)
 
       def scalars(i):
         """Step i's Q block scale and step scale, loaded from global memory:
@@ -175,17 +176,18 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         loads' latency hides behind it."""
         return qs_ref[b, h, i * BLOCK], step_ref[b, h, i * BLOCK]
 
-      def fp8_chain(i, s, dp, q_scale, step, *, masked: bool, edge: bool = False,
-                    columns=None):
+      def scaled_dp(slot, dp):
+        """(dP^T - Delta) * c from dP^T started at zero: one FMA a score, and
+        the two column vectors it reads free before P^T's chain."""
+        col = lambda c: lax.broadcast_in_dim(column(slot, c), bc.TILE, [1])
+        return dp * col(2) + col(1)
+
+      def fp8_chain(i, s, dp_c, q_scale, step, *, masked: bool, edge: bool = False, lse=None):
         """P'^T = P^T * p_factor (the exponent shifted by its log2, capped
-        there) and dS'^T of step i, in E4M3. `columns`: the ring's lse and
-        dS^T factor, if read already."""
-        lse, ds_col = columns or (None, None)
+        there) and dS'^T = P'^T * `dp_c` (`scaled_dp`) of step i, in E4M3.
+        `lse`: the ring's column, if read already."""
         p = jnp.exp2(exponent(i, s, q_scale, masked=masked, shift=step, edge=edge, lse=lse))
-        if ds_col is None:
-          ds_col = column(ring.slot(i), 2)
-        ds_t = p * (dp * lax.broadcast_in_dim(ds_col, bc.TILE, [1]))
-        return registers.pack_e4m3(p), registers.pack_e4m3(ds_t)
+        return registers.pack_e4m3(p), registers.pack_e4m3(p * dp_c)
 
       def q_step(i, carry, *, masked: bool, edge: bool = False):
         dk, dv = carry
@@ -193,12 +195,14 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         q_scale, step = scalars(i)
         with jax.named_scope("wait_q"):
           plgpu.barrier_wait(q_bars.at[slot])
-        s_product = edge_scores() if edge else ((k_smem, q_ring.at[slot]), bc.magic())
+        s_start = bc.zeros(bc.TILE, jnp.int32) if fp8 else bc.magic()
+        s_product = edge_scores() if edge else ((k_smem, q_ring.at[slot]), s_start)
 
         def dp_product():
-          minus_delta = -lax.broadcast_in_dim(column(slot, 1), bc.TILE, [1])
+          start = (bc.zeros(bc.TILE) if fp8
+                   else -lax.broadcast_in_dim(column(slot, 1), bc.TILE, [1]))
           plgpu.barrier_wait(do_bars.at[slot])
-          return (v_smem, do_ring.at[slot]), minus_delta
+          return (v_smem, do_ring.at[slot]), start
 
         if fp8:  # dP^T with S^T under one wait: -10% (docs/performance-log.md)
           with jax.named_scope("s_dp"):
@@ -208,7 +212,8 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
             (s,) = bc.products(*zip(s_product), schedule)
         with jax.named_scope("elementwise"):
           if fp8:
-            p8, ds8 = fp8_chain(i, s, dp, q_scale, step, masked=masked, edge=edge)
+            p8, ds8 = fp8_chain(i, s, scaled_dp(slot, dp), q_scale, step, masked=masked,
+                                edge=edge)
           else:
             pq, top = nm.unsigned_rows(exponent(i, s, q_scale, masked=masked, edge=edge))
             # dP^T only now: with S^T, P^T and the int32 products of dK and dV
@@ -236,31 +241,30 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         return dk, dv
 
       def issue_s_dp(i, *, edge: bool = False):
-        """S^T and dP^T of step i, issued and left in flight (the diagonal's
-        waited for: K16, their A operand, is in registers)."""
+        """S^T and dP^T of step i, issued fresh and left in flight (the
+        diagonal's waited for: K16, their A operand, is in registers)."""
         slot = ring.slot(i)
         with jax.named_scope("tiles_s_dp"):
           plgpu.barrier_wait(q_bars.at[slot])
-          minus_delta = -lax.broadcast_in_dim(column(slot, 1), bc.TILE, [1])
           plgpu.barrier_wait(do_bars.at[slot])
         if edge:
           return registers.InFlight(
-              bc.products(*zip(edge_scores(), ((v_smem, do_ring.at[slot]), minus_delta))), ())
+              bc.products(*zip(edge_scores(), ((v_smem, do_ring.at[slot]), bc.zeros(bc.TILE)))),
+              ())
         return registers.dots(
-            (bc.magic(), ((k_smem, k_transforms),), (q_ring.at[slot],), k_transforms),
-            (minus_delta, ((v_smem, v_transforms),), (do_ring.at[slot],), v_transforms),
-            wait=False)
+            (None, ((k_smem, k_transforms),), (q_ring.at[slot],), k_transforms),
+            (None, ((v_smem, v_transforms),), (do_ring.at[slot],), v_transforms), wait=False)
 
       def released_chain(i, s, dp, step_scalars, *, masked: bool, edge: bool = False):
         """`fp8_chain` of step i from its finished S^T and dP^T, the chain's
-        columns read into registers first, so that the tiles S^T and dP^T read
-        (Q8, dO, the rows' vectors) go back to the producer a chain before
-        the next step's S^T and dP^T need their successors."""
+        columns read first (dP^T scaled, then lse), so that the tiles S^T and
+        dP^T read (Q8, dO, the rows' vectors) go back to the producer a chain
+        before the next step's S^T and dP^T need their successors."""
         slot = ring.slot(i)
-        columns = (column(slot, 0), column(slot, 2))
+        dp_c, lse = scaled_dp(slot, dp), column(slot, 0)
         plgpu.barrier_arrive(consumed.at[slot])
         q_scale, step = step_scalars
-        return fp8_chain(i, s, dp, q_scale, step, masked=masked, edge=edge, columns=columns)
+        return fp8_chain(i, s, dp_c, q_scale, step, masked=masked, edge=edge, lse=lse)
 
       def issue_dv_dk(i, dk, dv, p8, ds8):
         """(dV + P'^T.dO8, dK + dS'^T.Q'8) of step i, left in flight."""
@@ -484,7 +488,8 @@ def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
     positive = fp8.p_factor > 0
     ds_col = jnp.where(positive, nm.inverse_scale(fp8.ds_bound, nm.E4M3_MAX) * fp8.q_fold
                        / jnp.where(positive, fp8.p_factor, 1.0), 0.0)
-    step_scale, columns = jnp.log2(fp8.p_factor), (lse, delta, ds_col)
+    step_scale = jnp.log2(fp8.p_factor)
+    columns = (lse - step_scale, -delta * ds_col, ds_col)
     out_scales = (fp8.dk_scale * nm.LN_2, fp8.dv_scale)
   dk, dv = _dkdv_call(qkv.q8, q8_t, qkv.q_scale, qkv.k8, qkv.k_scale, v, do, do8_t,
                       step_scale, columns, out_scales, edge_operands, causal=config.causal,

@@ -4,8 +4,8 @@ Each CTA owns `compute_wgs` blocks of 64 queries, one per compute warpgroup,
 and a producer warpgroup streams the key side (K8, K8^T, V of one 64-key
 block a step) by TMA through a ring. Per step a warpgroup computes
 
-  S, dP - Delta = Q8.K8^T (int8, biased accumulator), dO.V^T (16-bit, from
-        -Delta), one wait;
+  S, dP - Delta = Q8.K8^T (int8, biased accumulator; FP8: from zero),
+        dO.V^T (16-bit, from -Delta), one wait;
   P = exp2(S * q_scale * k_scale - lse)        (`backward_common.exponent`);
   dS = P * (dP - Delta), quantized per query row, from registers into
   dQ += dS's scale * K's scale * (dS8.K8)      K8^T REGISTER_B.
@@ -165,7 +165,9 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
 
       tile = (BLOCK, step_keys)
       minus_delta = lambda: -lax.broadcast_in_dim(delta, tile, [0])
-      starts = lambda: (bc.magic(tile), minus_delta())
+      # FP8's S from zero, read by a conversion (fresh where `issue_s_dp`
+      # issues it: no move sets it).
+      starts = lambda: (bc.zeros(tile, jnp.int32) if fp8 else bc.magic(tile), minus_delta())
 
       def edge_scores():
         """The diagonal tile's S = Q16.K16^T pair, fp32 from 0."""
@@ -213,7 +215,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         (FP8), of the step's keys before the block's diagonal only."""
         if edge:  # no product reads Q8 any more
           fetch_q16()
-        f = bc.as_float(s)
+        f = bc.scores(s, biased=not fp8)
         if edge:
           f = bc.keys_before(f, i * BLOCK, col_start=j * step_keys)
         elif masked:
@@ -277,15 +279,14 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         return dq, dq_edge
 
       def issue_s_dp(j):
-        """S and dP of step j, issued and left in flight."""
+        """S (fresh) and dP of step j, issued and left in flight."""
         slot = ring.slot(j)
         with jax.named_scope("tiles_s_dp"):
           plgpu.barrier_wait(k_bars.at[slot])
           plgpu.barrier_wait(v_bars.at[slot])
-        start_s, start_dp = starts()
         return registers.dots(
-            (start_s, ((q_smem, q_transforms),), (k_ring.at[slot],), q_transforms),
-            (start_dp, ((do_smem, do_transforms),), (v_ring.at[slot],), do_transforms),
+            (None, ((q_smem, q_transforms),), (k_ring.at[slot],), q_transforms),
+            (minus_delta(), ((do_smem, do_transforms),), (v_ring.at[slot],), do_transforms),
             wait=False)
 
       def issue_dq(j, dq, ds8s):
