@@ -159,7 +159,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         """The exponent of P^T of step i from S^T (less `shift`, capped
         there); with `edge`, the diagonal's fp32 S^T. `lse`: the ring's
         column, if read already."""
-        f = s if edge else bc.scores(s, biased=not fp8)
+        f = s if edge else bc.scores(s, biased=not pipelined)
         if masked:
           f = bc.causal_mask(f, row_start=j * BLOCK, col_start=i * BLOCK, rows_are_keys=True)
         if lse is None:
@@ -195,8 +195,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         q_scale, step = scalars(i)
         with jax.named_scope("wait_q"):
           plgpu.barrier_wait(q_bars.at[slot])
-        s_start = bc.zeros(bc.TILE, jnp.int32) if fp8 else bc.magic()
-        s_product = edge_scores() if edge else ((k_smem, q_ring.at[slot]), s_start)
+        s_product = edge_scores() if edge else ((k_smem, q_ring.at[slot]), bc.magic())
 
         def dp_product():
           start = (bc.zeros(bc.TILE) if fp8

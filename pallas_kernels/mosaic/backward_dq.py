@@ -165,9 +165,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
 
       tile = (BLOCK, step_keys)
       minus_delta = lambda: -lax.broadcast_in_dim(delta, tile, [0])
-      # FP8's S from zero, read by a conversion (fresh where `issue_s_dp`
-      # issues it: no move sets it).
-      starts = lambda: (bc.zeros(tile, jnp.int32) if fp8 else bc.magic(tile), minus_delta())
+      starts = lambda: (bc.magic(tile), minus_delta())
 
       def edge_scores():
         """The diagonal tile's S = Q16.K16^T pair, fp32 from 0."""
@@ -215,7 +213,7 @@ def _dq_call(q8, q_scale, lse, delta, do, k8, k8_t, k_scale, v, step_scale, fp8_
         (FP8), of the step's keys before the block's diagonal only."""
         if edge:  # no product reads Q8 any more
           fetch_q16()
-        f = bc.scores(s, biased=not fp8)
+        f = bc.scores(s, biased=not pipelined)
         if edge:
           f = bc.keys_before(f, i * BLOCK, col_start=j * step_keys)
         elif masked:
