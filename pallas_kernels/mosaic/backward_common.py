@@ -5,10 +5,10 @@ settings and the per-score chain of a 64 x 64 tile (their pipeline is
 Both kernels recompute S from int8 Q and K in an int32 accumulator and form
 the exp2 argument of P = exp2(S * q_scale * k_scale - lse) by one FMA
 (`exponent`; c = q_scale * k_scale is one scalar per tile: both are block
-scales) from S in fp32 (`scores`): INT8's accumulator starts at 0x4B400000,
-so its bits read as fp32 are 1.5 * 2**23 + S exactly (one add), FP8's starts
-fresh where the schedule issues it by `registers.dots` (one conversion, and
-no move to set the start). dP = dO.V^T runs in 16 bits (the one product
+scales) from S in fp32 (`scores`): where `products` issues it the
+accumulator starts at 0x4B400000, so its bits read as fp32 are 1.5 * 2**23 +
+S exactly (one add); where the pipelined FP8 schedules issue it by
+`registers.dots` it starts fresh (one conversion, and no move sets it). dP = dO.V^T runs in 16 bits (the one product
 never quantized) in an accumulator that starts at -Delta (FP8 dK/dV: fresh,
 Delta folded into dS^T's multiply); dQ issues it with S under one wait,
 dK/dV after forming P^T (registers). The int8
@@ -71,8 +71,9 @@ def products(pairs, starts, schedule: pipeline.Schedule | None = None):
   into accumulators that start at `starts`, issued back to back; the
   warpgroup takes its turn at `schedule`'s barrier, then one wait covers them.
 
-  INT8's S starts at `magic()` (`scores` reads 1.5 * 2**23 + S), dP at
-  -Delta broadcast to the tile, so the subtraction costs nothing per score.
+  S starts at `magic()` (`scores` reads 1.5 * 2**23 + S), dP at -Delta
+  broadcast to the tile (FP8 dK/dV: at zero), so the subtraction costs
+  nothing per score.
   """
   def issue(accs):
     for acc, (a, b) in zip(accs, pairs):

@@ -23,8 +23,8 @@ With FP8 products (`Config.fp8`; the operands and factors of
   P'^T = P^T * p_factor: exp2 of the exponent less log2 p_factor (per
         query, in the lse column), capped at its step's (a scalar);
   dS'^T = P'^T * (dP^T * c - Delta * c), c = 448 q_fold / (b * p_factor) per
-        query (a column), from S^T and dP^T started at zero (fresh where
-        the pipelined schedules issue them: no move sets them);
+        query (a column), from dP^T started at zero (fresh where the
+        pipelined schedules issue it, with S^T: no move sets them);
   dV += P'^T.dO8, dK += dS'^T.Q'8      E4M3 from registers, into fp32 dV and
         dK across the loop; their group scales multiply them at the end.
 
