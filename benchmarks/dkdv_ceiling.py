@@ -1,6 +1,6 @@
 """What bounds the FP8 dK/dV loop: its CTA with parts taken away.
 
-    python -m benchmarks.dkdv_ceiling [--batch 4 --seq 4096 --heads 16] [--slots 2] [--chain 6]
+    python -m benchmarks.dkdv_ceiling [--batch 4 --seq 4096 --heads 16] [--slots 2] [--chain 11]
 
 The FP8 dK/dV kernel (`pallas_kernels.mosaic.backward_dkdv`, the overlap
 schedule `backend.launches` picks) runs a CTA of two compute warpgroups of
@@ -18,11 +18,6 @@ the benchmark shape, D=128, not causal:
   tiles that a two-instruction chain makes of them, in the overlap's order
   (step i + 1's S^T and dP^T, then step i's dV and dK).
 - `both`: the products on the streamed tiles.
-- `reduce`: what a dQ taken inside this kernel would add to its traffic,
-  alone: per step each compute warpgroup adds its half (64 queries x 64
-  columns, fp32) of the CTA's 64 x 128 dQ partial into a (B, T, H, D) fp32
-  accumulator by a TMA reduce-add from shared memory (two in flight), 32
-  KB a CTA step.
 
 Each runs with the stream read by every CTA from L2 (`cluster 1`, as the
 kernel does) and multicast to the two CTAs of neighbouring key blocks
@@ -31,9 +26,7 @@ every tile for both, so L2 serves half the bytes). Then `products` and
 `both` again with the chain brought to the kernel's length (`--chain`
 multiply-adds per score), the warpgroups unordered and in issue turns
 (`pipeline.Tuning.issue_turns`): whether an order hides the chain under
-the products; then `stream` and `both` with the reduce-adds too (the
-tile's contents are not written: the traffic is what is timed). The
-kernel itself (`mosaic_fp8_overlap_nosched` of
+the products. The kernel itself (`mosaic_fp8_overlap_nosched` of
 `benchmarks.mosaic_backward`) runs in the same process for comparison.
 Writes dkdv_ceiling.csv to --out (default $OUT, else nothing).
 """
@@ -59,17 +52,13 @@ from pallas_kernels.mosaic import pipeline, registers
 from pallas_kernels.mosaic.common import BLOCK, smem_transforms
 from pallas_kernels.types import Config
 
-MODES = ("stream", "products", "both", "reduce")
+MODES = ("stream", "products", "both")
 HEAD_DIM = 128
 WGS = 2
 COLUMNS = 3  # lse, Delta, dS^T's column factor
 # Multiply-adds per score that take the products' chain (7.3 instructions
 # per score) to the kernel's 13.5 (`benchmarks.sass`, 2026-12-07).
 KERNEL_CHAIN = 6
-
-
-# A CTA step's dQ partial, 64 queries x D in fp32, that a fused dQ would add.
-DQ_TILE_BYTES = BLOCK * HEAD_DIM * 4
 
 
 def step_bytes(head_dim: int = HEAD_DIM) -> int:
@@ -79,14 +68,12 @@ def step_bytes(head_dim: int = HEAD_DIM) -> int:
 
 
 def ceiling_call(mode: str, *, batch: int, heads: int, seq: int, slots: int, cluster: int,
-                 chain: int = 0, issue_turns: bool = False, dq_reduce: bool = False):
+                 chain: int = 0, issue_turns: bool = False):
   """The kernel of `mode` (see the module's docstring) on (B, H, T, D)
-  operands in the FP8 dK/dV kernel's layouts; returns a function of them,
-  which returns dK + dV (bf16) and the dQ accumulator (fp32, B T H D).
+  operands in the FP8 dK/dV kernel's layouts; returns a function of them.
   `chain`: dependent multiply-adds per score added to the chain (each one
   instruction per score); `issue_turns`: the warpgroups issue in turn
-  (`pipeline.Tuning.issue_turns`); `dq_reduce`: each step also adds the
-  `reduce` mode's dQ tiles (implied by `reduce`)."""
+  (`pipeline.Tuning.issue_turns`)."""
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
   if cluster not in (1, 2):
@@ -95,8 +82,7 @@ def ceiling_call(mode: str, *, batch: int, heads: int, seq: int, slots: int, clu
   n_q, ctas = seq // BLOCK, seq // (WGS * BLOCK)
   if ctas % cluster:
     raise ValueError(f"{ctas} key CTAs do not split into clusters of {cluster}")
-  streamed, products = mode in ("stream", "both"), mode in ("products", "both")
-  dq_reduce = dq_reduce or mode == "reduce"
+  streamed, products = mode != "products", mode != "stream"
   multicast = "pair" if cluster == 2 else None
   t_transforms, k_transforms = smem_transforms(BLOCK, f8), smem_transforms(d, i8)
   v_transforms = smem_transforms(d, bf16)
@@ -105,10 +91,9 @@ def ceiling_call(mode: str, *, batch: int, heads: int, seq: int, slots: int, clu
                            schedule_barrier=False, pipelined=True, overlap=True,
                            issue_turns=issue_turns)
 
-  def kernel(q_ref, q8_t_ref, do_ref, do8_t_ref, col_ref, k_ref, v_ref, out_ref, dq_ref,
-             scoped):
+  def kernel(q_ref, q8_t_ref, do_ref, do8_t_ref, col_ref, k_ref, v_ref, out_ref, scoped):
     smem, (k_bar, v_bar), ring_bars, (consumed, consumed_t), turns = scoped
-    k_smem, v_smem, q_ring, q8_t_ring, do_ring, do8_t_ring, col_ring, out_smem, *dq_smem = smem
+    k_smem, v_smem, q_ring, q8_t_ring, do_ring, do8_t_ring, col_ring, out_smem = smem
     q_bars, do_bars, q8_t_bars, do8_t_bars, *col_bars = ring_bars
     b, h, wg = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("wg")
     t = lax.axis_index("kv_seq") * cluster + (lax.axis_index("pair") if multicast else 0)
@@ -140,7 +125,6 @@ def ceiling_call(mode: str, *, batch: int, heads: int, seq: int, slots: int, clu
 
     def compute():
       kv = pl.ds((t * WGS + wg) * BLOCK, BLOCK)
-      kv_half = pl.ds(wg * BLOCK, BLOCK)  # this warpgroup's columns of dQ
       plgpu.copy_gmem_to_smem(k_ref.at[b, h, kv], k_smem.at[wg], k_bar.at[wg])
       plgpu.copy_gmem_to_smem(v_ref.at[b, kv, h], v_smem.at[wg], v_bar.at[wg])
       plgpu.barrier_wait(k_bar.at[wg])
@@ -154,27 +138,14 @@ def ceiling_call(mode: str, *, batch: int, heads: int, seq: int, slots: int, clu
         if streamed:
           plgpu.barrier_arrive(consumed_bars.at[slot])
 
-      def reduce_dq(i):
-        """Step i's dQ half into the accumulator, once the reduce-add two
-        steps back has read the tile (a kernel would rewrite it)."""
-        if dq_reduce:
-          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-          plgpu.copy_smem_to_gmem(dq_smem[0].at[wg],
-                                  dq_ref.at[b, pl.ds(i * BLOCK, BLOCK), h, kv_half],
-                                  reduction_op="add")
-
       if not products:
         @pl.loop(0, n_q)
         def _stream(i):
-          if streamed:
-            slot = ring.slot(i)
-            wait_first(slot)
-            wait_last(slot)
-            release(consumed, slot)
-            release(consumed_t, slot)
-          reduce_dq(i)
-
-        plgpu.wait_smem_to_gmem(0)
+          slot = ring.slot(i)
+          wait_first(slot)
+          wait_last(slot)
+          release(consumed, slot)
+          release(consumed_t, slot)
         return
 
       def issue_s_dp(i):
@@ -207,7 +178,6 @@ def ceiling_call(mode: str, *, batch: int, heads: int, seq: int, slots: int, clu
         with schedule.issuing():
           s_dp = issue_s_dp(i + 1)
           dv_dk = issue_dv_dk(i, dk, dv, p8, ds8)
-        reduce_dq(i)
         p8, ds8 = chain_of(i + 1, s_dp)
         dv, dk = registers.wait_for(dv_dk)
         release(consumed_t, ring.slot(i))
@@ -223,7 +193,6 @@ def ceiling_call(mode: str, *, batch: int, heads: int, seq: int, slots: int, clu
       last = jnp.int32(n_q - 1)
       with schedule.issuing():
         dv_dk = issue_dv_dk(last, dk, dv, p8, ds8)
-      reduce_dq(last)
       dv, dk = registers.wait_for(dv_dk)
       release(consumed_t, ring.slot(last))
       bc.write_tile((dk + dv).astype(bf16), out_smem.at[wg], out_ref.at[b, kv, h])
@@ -249,8 +218,6 @@ def ceiling_call(mode: str, *, batch: int, heads: int, seq: int, slots: int, clu
       plgpu.SMEM((slots, COLUMNS, BLOCK), jnp.float32),  # lse, Delta, dS^T's factor
       plgpu.SMEM((WGS, BLOCK, d), bf16, transforms=v_transforms),  # the output's staging
   )
-  if dq_reduce:
-    scratch += (plgpu.SMEM((WGS, BLOCK, BLOCK), jnp.float32),)  # dQ's halves
   if multicast:
     release_bar = plgpu.ClusterBarrier(collective_axes=(multicast,), num_arrivals=WGS,
                                        num_barriers=slots)
@@ -266,8 +233,7 @@ def ceiling_call(mode: str, *, batch: int, heads: int, seq: int, slots: int, clu
                   collective_axes="wg")
 
   return plgpu.kernel(
-      entry, out_type=(jax.ShapeDtypeStruct((batch, seq, heads, d), bf16),
-                       jax.ShapeDtypeStruct((batch, seq, heads, d), jnp.float32)),
+      entry, out_type=jax.ShapeDtypeStruct((batch, seq, heads, d), bf16),
       grid=(heads, ctas // cluster, batch), grid_names=("heads", "kv_seq", "batch"),
       cluster=(1, cluster, 1) if multicast else (),
       cluster_names=("heads_pair", multicast, "batch_pair") if multicast else (),
@@ -324,29 +290,22 @@ def main():
   print(f"the FP8 dK/dV kernel (overlap): {kernel:.3f} ms", flush=True)
   inputs = operands(b, h, t)
   steps = b * h * (t // (WGS * BLOCK)) * (t // BLOCK)  # CTA steps per call
-  # (mode, cluster, chain, issue turns, dQ's reduce-adds): the parts alone
-  # and together, from L2 and multicast; with the kernel's chain length,
-  # unordered and in turns; the reduce-adds beside the stream and both.
-  runs = [(mode, cluster, 0, False, False) for cluster in (1, 2) for mode in MODES
-          if cluster == 1 or mode != "reduce"]
-  runs += [(mode, 1, args.chain, turns, False) for turns in (False, True)
+  # (mode, cluster, chain, issue turns): the parts alone and together, from
+  # L2 and multicast; then with the kernel's chain length, unordered and in
+  # turns.
+  runs = [(mode, cluster, 0, False) for cluster in (1, 2) for mode in MODES]
+  runs += [(mode, 1, args.chain, turns) for turns in (False, True)
            for mode in ("products", "both")]
-  runs += [("stream", 1, 0, False, True), ("both", 1, args.chain, False, True)]
   rows = []
-  for mode, cluster, chain, turns, dq_reduce in runs:
+  for mode, cluster, chain, turns in runs:
     fn = jax.jit(ceiling_call(mode, batch=b, heads=h, seq=t, slots=args.slots,
-                              cluster=cluster, chain=chain, issue_turns=turns,
-                              dq_reduce=dq_reduce))
+                              cluster=cluster, chain=chain, issue_turns=turns))
     ms = time_call(fn, *inputs) * 1e3
     # Bytes landed in shared memory per second; L2 serves 1 / cluster of them.
-    streamed = mode in ("stream", "both")
-    smem_rate = steps * step_bytes() / ms / 1e9 if streamed else float("nan")
-    reduced = dq_reduce or mode == "reduce"
-    reduce_rate = steps * DQ_TILE_BYTES / ms / 1e9 if reduced else float("nan")
-    row = dict(mode=mode, cluster=cluster, chain=chain, issue_turns=turns,
-               dq_reduce=reduced, slots=args.slots, ms=round(ms, 3),
-               smem_tb_s=round(smem_rate, 2), l2_tb_s=round(smem_rate / cluster, 2),
-               reduce_tb_s=round(reduce_rate, 2), kernel_ms=round(kernel, 3), B=b, H=h,
+    smem_rate = steps * step_bytes() / ms / 1e9 if mode != "products" else float("nan")
+    row = dict(mode=mode, cluster=cluster, chain=chain, issue_turns=turns, slots=args.slots,
+               ms=round(ms, 3), smem_tb_s=round(smem_rate, 2),
+               l2_tb_s=round(smem_rate / cluster, 2), kernel_ms=round(kernel, 3), B=b, H=h,
                T=t, D=HEAD_DIM)
     print(row, flush=True)
     rows.append(row)

@@ -386,22 +386,18 @@ def test_mosaic_ptx_builds_each_fp8_kernel_on_abstract_inputs():
 
 def test_dkdv_ceiling_streams_the_kernels_step_and_lowers_each_part():
   """`benchmarks.dkdv_ceiling`'s step: Q8, Q8^T, dO8^T (a byte each), dO (two)
-  and three fp32 row vectors per 64 queries at D=128, and a dQ partial of
-  64 x 128 fp32; its CTA lowers for CUDA with each part, multicast, a
-  longer chain, issue turns and dQ's reduce-adds, and refuses an unknown
-  part or cluster."""
+  and three fp32 row vectors per 64 queries at D=128; its CTA lowers for
+  CUDA with each part, multicast, a longer chain and issue turns, and
+  refuses an unknown part or cluster."""
   from benchmarks import dkdv_ceiling
   from conftest import assert_lowers_to_mosaic_gpu
   assert dkdv_ceiling.step_bytes() == 64 * 128 * 5 + 3 * 64 * 4 == 40.75 * 1024
-  assert dkdv_ceiling.DQ_TILE_BYTES == 32 * 1024
   operands = jax.eval_shape(lambda: dkdv_ceiling.operands(1, 2, 512))
-  for mode, cluster, chain, turns, dq_reduce in [
-      ("stream", 1, 0, False, False), ("products", 1, 0, False, False),
-      ("both", 2, 0, False, False), ("both", 1, 3, True, False), ("reduce", 1, 0, False, False),
-      ("stream", 1, 0, False, True), ("both", 1, 3, False, True)]:
+  for mode, cluster, chain, turns in [("stream", 1, 0, False), ("products", 1, 0, False),
+                                      ("both", 2, 0, False), ("both", 1, 3, True)]:
     assert_lowers_to_mosaic_gpu(dkdv_ceiling.ceiling_call(
         mode, batch=1, heads=2, seq=512, slots=2, cluster=cluster, chain=chain,
-        issue_turns=turns, dq_reduce=dq_reduce), *operands)
+        issue_turns=turns), *operands)
   with pytest.raises(ValueError, match="mode"):
     dkdv_ceiling.ceiling_call("chain", batch=1, heads=2, seq=512, slots=2, cluster=1)
   with pytest.raises(ValueError, match="cluster"):
