@@ -1,6 +1,6 @@
 """What bounds the FP8 dK/dV loop: its CTA with parts taken away.
 
-    python -m benchmarks.dkdv_ceiling [--batch 4 --seq 4096 --heads 16] [--slots 2] [--chain 11]
+    python -m benchmarks.dkdv_ceiling [--batch 4 --seq 4096 --heads 16] [--slots 2] [--chain 6]
 
 The FP8 dK/dV kernel (`pallas_kernels.mosaic.backward_dkdv`, the overlap
 schedule `backend.launches` picks) runs a CTA of two compute warpgroups of
