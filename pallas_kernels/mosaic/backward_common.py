@@ -8,10 +8,11 @@ the exp2 argument of P = exp2(S * q_scale * k_scale - lse) by one FMA
 scales) from S in fp32 (`scores`): where `products` issues it the
 accumulator starts at 0x4B400000, so its bits read as fp32 are 1.5 * 2**23 +
 S exactly (one add); where the pipelined FP8 schedules issue it by
-`registers.dots` it starts fresh (one conversion, and no move sets it). dP = dO.V^T runs in 16 bits (the one product
-never quantized) in an accumulator that starts at -Delta (FP8 dK/dV: at zero,
-Delta folded into dS^T's multiply); dQ issues it with S under one wait,
-dK/dV after forming P^T (registers). The int8
+`registers.dots` it starts fresh (one conversion, and no move sets it).
+dP = dO.V^T runs in 16 bits (the one product never quantized) in an
+accumulator that starts at -Delta (FP8 dK/dV: at zero, Delta folded into
+dS^T's multiply); dQ issues it with S under one wait, dK/dV after forming
+P^T (registers). The int8
 products (P^T.dO, dS^T.Q, dS.K) take their 8-bit operand straight from
 registers (`registers.dots`; the B operands arrive REGISTER_B,
 `types.TransposedLayout`), rounded by one add each, into int32
