@@ -199,6 +199,21 @@ def _exact_kernels(config, tuning, qkv, v, lse, pre, do):
   return dq, dk, dv
 
 
+def test_scores_read_both_accumulator_starts_exactly():
+  """`backward_common.scores`: an int32 S accumulator that started at
+  0x4B400000 (its bits 1.5 * 2**23 + S as fp32) and one that started from
+  zero give the same fp32 S, exactly, over the range an int8 Q.K^T reaches
+  at D=128 (|S| <= 128 * 127 * 128)."""
+  s = jnp.array([0, 1, -1, 127 * 128, -127 * 128, 128 * 127 * 128, -128 * 127 * 128, 12345],
+                jnp.int32)
+  biased = s + np.int32(0x4B400000)
+  expected = np.asarray(s, np.float64)
+  np.testing.assert_array_equal(np.asarray(backward_common.scores(biased, biased=True)),
+                                expected)
+  np.testing.assert_array_equal(np.asarray(backward_common.scores(s, biased=False)), expected)
+  assert backward_common.scores(s, biased=False).dtype == jnp.float32
+
+
 @pytest.mark.parametrize("dtype,dtype16", [(jnp.int8, jnp.bfloat16), (jnp.float32, jnp.bfloat16),
                                            (jnp.bfloat16, jnp.float16)])
 def test_shared_tiles_give_each_warpgroup_the_same_bytes_in_both_views(dtype, dtype16):
