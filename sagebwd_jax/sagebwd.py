@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from pallas_kernels import causal_blocks
 from pallas_kernels import numerics as nm
 from pallas_kernels.layouts import layout_of
-from pallas_kernels.types import Backend, Config, Masks, Prepass, QuantizedQKV
+from pallas_kernels.types import Backend, Config, Fp8Operands, Masks, Prepass, QuantizedQKV
 from sagebwd_jax.reference import ReferenceBackend
 
 
@@ -221,29 +221,47 @@ def _backward(config, backend, smooth_k, residuals, do):
   pre = prepass(qkv, o, do, config, backend)
   new_delta, lse = backend.saturated_rows(qkv, v, lse, do, pre.delta, masks, config)
   pre = pre._replace(delta=new_delta)
+  nan_kv, nan_q = _nan_head_groups(qkv, lse, pre.do_scale)
   if config.fp8:
-    pre = pre._replace(fp8=backend.fp8_operands(qkv, v, do, pre, row_max, lse, masks, config))
+    fp8 = backend.fp8_operands(qkv, v, do, pre, row_max, lse, masks, config)
+    pre = pre._replace(fp8=_nan_factors(fp8, nan_kv, nan_q))
   dq, dk, dv = backend.backward(qkv, v, lse, do, pre, masks, config)
-  dq, dk, dv = _head_group_nan(qkv, lse, do, dq, dk, dv)
+  if not config.fp8:
+    nan = lambda x, bad: jnp.where(bad[..., None], jnp.nan, x)
+    dq, dk, dv = nan(dq, _per_query_head(nan_kv, dq.shape[2])), nan(dk, nan_q), nan(dv, nan_q)
   # q, k and v share one dtype (the op checks it), which o carries too.
   return dq.astype(o.dtype), dk.astype(o.dtype), dv.astype(o.dtype), None
 
 
-def _head_group_nan(qkv: QuantizedQKV, lse, do, dq, dk, dv):
-  """dQ, dK, dV NaN on the head group of a NaN input, as jax.nn's 0 x NaN
-  (nearly) has them. No kernel pairs a NaN row with the blocks that block
-  skipping leaves out (the keys past a window, or no query's reach), and
-  the kernels' row maxima (Triton's max skips NaN) can miss a NaN column of a
-  dS or P^T tile: a key or value (their scales) makes dQ, dK and dV NaN; a
-  query, its lse or a cotangent row dK and dV."""
-  batch, kv_heads = dk.shape[0], dk.shape[2]
-  group = lambda bad: jnp.any(bad.reshape(batch, kv_heads, -1), axis=-1)[:, None, :, None]
-  bad_kv = group(jnp.isnan(qkv.k_scale)) | group(jnp.isnan(qkv.v_scale))
-  bad_do = ~jnp.all(jnp.isfinite(jnp.swapaxes(do, 1, 2)), axis=-1)
-  bad_q = bad_kv | group(jnp.isnan(qkv.q_scale) | jnp.isnan(lse) | bad_do)
+def _nan_head_groups(qkv: QuantizedQKV, lse, do_scale):
+  """(B, 1, Hkv) bool each: the head groups whose dQ, and whose dK and dV,
+  are NaN, as jax.nn's 0 x NaN (nearly) has them. No kernel pairs a NaN row
+  with the blocks that block skipping leaves out (the keys past a window, or
+  no query's reach), and the kernels' row maxima (Triton's max skips NaN)
+  can miss a NaN column of a dS or P^T tile: a key or value (their scales)
+  makes dQ, dK and dV NaN; a query, its lse or a cotangent row (its block's
+  scale, `numerics.abs_max`) dK and dV."""
+  batch, kv_heads = qkv.k_scale.shape[:2]
+  group = lambda bad: jnp.any(bad.reshape(batch, kv_heads, -1), axis=-1)[:, None, :]
+  nan_kv = group(jnp.isnan(qkv.k_scale)) | group(jnp.isnan(qkv.v_scale))
+  nan_q = nan_kv | group(jnp.isnan(qkv.q_scale) | jnp.isnan(lse) | jnp.isnan(do_scale))
+  return nan_kv, nan_q
+
+
+def _per_query_head(bad, heads: int):
+  """(B, 1, Hkv) flags of head groups as (B, 1, H), one per query head."""
+  return jnp.repeat(bad, heads // bad.shape[2], axis=2)
+
+
+def _nan_factors(fp8: Fp8Operands, nan_kv, nan_q) -> Fp8Operands:
+  """`_nan_head_groups` carried by the factors that every FP8 backward
+  multiplies its sums by after the loop (dK's and dV's, and b_i k_top_i for
+  dQ's rows), where x * NaN is NaN: no pass over the gradients."""
+  heads = fp8.k_top.shape[1]
   nan = lambda x, bad: jnp.where(bad, jnp.nan, x)
-  return (nan(dq, jnp.repeat(bad_kv, dq.shape[2] // kv_heads, axis=2)), nan(dk, bad_q),
-          nan(dv, bad_q))
+  return fp8._replace(k_top=nan(fp8.k_top, _per_query_head(nan_kv, heads)[:, 0, :, None]),
+                      dk_scale=nan(fp8.dk_scale, nan_q[:, 0]),
+                      dv_scale=nan(fp8.dv_scale, nan_q[:, 0]))
 
 
 sagebwd_attention.defvjp(_forward, _backward)

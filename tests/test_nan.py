@@ -39,14 +39,14 @@ def _flat(out):
 
 
 def _check(implementation, where, index, value, kv_len=T, *, seq=T, head_dim=D, block=BLOCK,
-           dtype=jnp.float32, **kw):
+           dtype=jnp.float32, quantization="int8", **kw):
   q, k, v, do = gaussian_qkv(jax.random.key(0), B, seq, kv_len, H, HKV, head_dim, dtype=dtype)
   arrays = dict(q=q, k=k, v=v, do=do)
   arrays[where] = arrays[where].at[index].set(value)
   q, k, v, do = arrays["q"], arrays["k"], arrays["v"], arrays["do"]
   want = _flat(_jax_nn(q, k, v, do, **kw))
   got = _flat(sage(q, k, v, do, implementation=implementation, block_q=block,
-                   block_kv=block, **kw))
+                   block_kv=block, quantization=quantization, **kw))
   group = index[2] // (H // HKV) if where in ("q", "do") else index[2]
   for name, a, b in zip(NAMES, got, want):
     missing = ~np.isfinite(b) & ~np.isnan(a)
@@ -71,6 +71,21 @@ def test_nan_in_is_nan_out(implementation, mask, where, index):
   _check(implementation, where, index, np.nan, **MASKS[mask])
 
 
+@pytest.mark.parametrize("mask", sorted(MASKS))
+@pytest.mark.parametrize("where,index", [
+    ("q", (0, 40, 1, 3)), ("k", (0, 70, 0, 5)), ("v", (0, 70, 1, 2)), ("do", (0, 40, 2, 7))])
+def test_fp8_nan_in_is_nan_out(mask, where, index):
+  """quantization="int8_fp8" on the reference."""
+  _check("reference", where, index, np.nan, quantization="int8_fp8", **MASKS[mask])
+
+
+@pytest.mark.parametrize("where", ["q", "do"])
+def test_fp8_nan_reaches_keys_no_query_sees(where):
+  """As `test_nan_reaches_keys_no_query_sees`, with quantization="int8_fp8"."""
+  _check("reference", where, (0, 20, 1, 3), np.nan, kv_len=T + 2 * BLOCK, is_causal=True,
+         quantization="int8_fp8")
+
+
 @pytest.mark.parametrize("implementation", IMPLS)
 @pytest.mark.parametrize("where,value", [("q", np.inf), ("k", -np.inf), ("v", np.inf)])
 def test_infinity_in_is_nan_out(implementation, where, value):
@@ -86,14 +101,16 @@ def test_nan_reaches_keys_no_query_sees(implementation, where):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("quantization", ["int8", "int8_fp8"])
 @pytest.mark.parametrize("mask", ["none", "causal"])
 @pytest.mark.parametrize("where,index", [
     ("q", (0, 140, 1, 3)), ("k", (0, 70, 0, 5)), ("v", (0, 200, 1, 2)), ("do", (0, 40, 2, 7))])
-def test_mosaic_nan_in_is_nan_out(mask, where, index):
+def test_mosaic_nan_in_is_nan_out(quantization, mask, where, index):
   """The Hopper kernels (a shape and dtype they take: bf16, D=64, whole
-  128-token tiles, 64-token blocks)."""
+  128-token tiles, 64-token blocks); with FP8 products the head groups' NaN
+  rides on the gradients' factors (`sagebwd._nan_factors`)."""
   _check("mosaic", where, index, np.nan, kv_len=256, seq=256, head_dim=64, block=64,
-         dtype=jnp.bfloat16, **MASKS[mask])
+         dtype=jnp.bfloat16, quantization=quantization, **MASKS[mask])
 
 
 # --- finite inputs at saturating logits (docs/algorithm.md, "Saturating logits") ---
@@ -152,3 +169,28 @@ def test_one_hot_rows_give_near_zero_query_and_key_gradients(impl, dtype):
   _, (dq, dk, _) = out
   assert float(jnp.max(jnp.abs(dq.astype(jnp.float32)))) <= 1e3
   assert float(jnp.max(jnp.abs(dk.astype(jnp.float32)))) <= 1e3
+
+
+def test_fp8_factors_carry_the_head_groups_nan():
+  """`sagebwd._nan_factors`: dQ's row factor k_top is NaN on every query head
+  of a flagged key/value head's group, dK's and dV's on flagged groups;
+  every other factor is unchanged, bit for bit."""
+  from pallas_kernels.types import Fp8Operands
+  from sagebwd_jax.sagebwd import _nan_factors
+  batch, heads, kv_heads, t = 2, 4, 2, 8
+  key = jax.random.key(3)
+  k_top, dk_scale, dv_scale = (jax.random.uniform(k, shape) for k, shape in zip(
+      jax.random.split(key, 3), [(batch, heads, t), (batch, kv_heads), (batch, kv_heads)]))
+  fp8 = Fp8Operands(*(None,) * len(Fp8Operands._fields))._replace(
+      k_top=k_top, dk_scale=dk_scale, dv_scale=dv_scale)
+  nan_kv = jnp.zeros((batch, 1, kv_heads), bool).at[1, 0, 0].set(True)
+  nan_q = nan_kv.at[0, 0, 1].set(True)
+  got = _nan_factors(fp8, nan_kv, nan_q)
+  want_k_top = np.zeros((batch, heads, t), bool)
+  want_k_top[1, :2] = True  # query heads 0 and 1 share key/value head 0
+  for name, x, want_nan in (("k_top", got.k_top, want_k_top),
+                            ("dk_scale", got.dk_scale, np.asarray(nan_q[:, 0])),
+                            ("dv_scale", got.dv_scale, np.asarray(nan_q[:, 0]))):
+    x, before = np.asarray(x), np.asarray(getattr(fp8, name))
+    np.testing.assert_array_equal(np.isnan(x), want_nan, err_msg=name)
+    np.testing.assert_array_equal(x[~want_nan], before[~want_nan], err_msg=name)
