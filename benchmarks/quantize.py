@@ -19,7 +19,9 @@ over the pass's launches) and that rate as a share of the copy's:
   quantize_fp8_fwd  quantization="int8_fp8"'s pass of a forward alone, V8^T
                     E4M3 per 64-key block REGISTER_B (the Mosaic FP8
                     forward's): one launch, as the INT8 pass
-  quantize_fp8_fwd_bwd  the same with K8^T REGISTER_B (no Q8^T in FP8)
+  quantize_fp8_fwd_bwd  the same with K8^T REGISTER_B (no Q8^T in FP8) and
+                    the FP8 backward's key side (K'^T REGISTER_B, its scales,
+                    V's block norms: `types.Fp8Keys`)
   quantize_fp8_xla  the same in XLA: the reference's pass, which the Hopper
                     backend ran for the mode before the Triton one
   prepass           the backward pre-pass, dO8^T REGISTER_B
@@ -28,7 +30,8 @@ over the pass's launches) and that rate as a share of the copy's:
                     REGISTER_B, b_i, the factors) from Q, the smoothed K, V,
                     dO and the forward's and pre-pass's rows: the XLA pass
                     (`pallas_kernels.fp8_operands`)
-  fp8_operands      the same in two Triton launches (jax_triton/fp8_operands.py)
+  fp8_operands      the same in one Triton launch (jax_triton/fp8_operands.py),
+                    the key side from quantize_fp8_fwd_bwd
   forward_total     k_mean + quantize_fwd_bwd: what the op's forward runs
                     before its kernel, K read twice
   forward_total_fp8 k_mean + quantize_fp8_fwd_bwd, the same in the FP8 mode
@@ -40,7 +43,6 @@ Issue 31's bar: every pass at >= 0.70 of the copy. Writes quantize.csv to
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 
 import jax
@@ -110,18 +112,28 @@ def passes(batch: int, seq: int, heads: int, head_dim: int) -> dict:
   def prepass(layout):
     return jax.jit(lambda o, do: triton.prepass(o, do, config, layout))
 
-  # Only what the pass reads: Q and the smoothed K in 16 bits, V, dO, dO's
-  # scales, the forward's row maxima and lse and Delta (B, H, T).
+  # Only what each pass reads: Q, and the smoothed K in 16 bits and V (XLA)
+  # or the key side's scales and norms, which the quantization pass formed
+  # (Triton), dO, dO's scales, the forward's row maxima and lse and Delta
+  # (B, H, T).
   rows = [jax.random.normal(key, (batch, heads, seq), jnp.float32)
           for key in jax.random.split(jax.random.key(1), 4)]
-  fp8_args = (q, k, v, do, jnp.abs(rows[0]), *rows[1:])
+  rows = (jnp.abs(rows[0]), *rows[1:])
+  fp8_keys = quantize(True, Layouts(REGISTER_B, REGISTER_B), fp8_config)(
+      q, k, v, k_mean).fp8_keys
+  v_shape = jax.ShapeDtypeStruct(v.shape, v.dtype)  # the Triton pass reads V's shape alone
 
-  def fp8_operands(pass_fn):
-    def run(q16, k16, v, do, do_scale, row_max, lse, delta):
-      qkv = QuantizedQKV(*[None] * 9, q16=q16, k16=k16)
-      return pass_fn(qkv, v, do, do_scale, row_max, lse, delta, Masks(), fp8_config,
-                     REGISTER_B)
-    return jax.jit(run)
+  def xla_operands(q16, k16, v, do, *rows):
+    qkv = QuantizedQKV(*[None] * 9, q16=q16, k16=k16)
+    return xla_fp8.fp8_operands(qkv, v, do, *rows, Masks(), fp8_config, REGISTER_B)
+
+  def triton_operands(q16, k_scale, v_norm, do, *rows):
+    # K'^T passes through untouched: not among what the pass reads or writes.
+    k8_t = jnp.zeros(fp8_keys.k8_t.shape, fp8_keys.k8_t.dtype)
+    qkv = QuantizedQKV(*[None] * 9, q16=q16, fp8_keys=fp8_keys._replace(
+        k8_t=k8_t, k_scale=k_scale, v_norm=v_norm))
+    return triton_fp8.fp8_operands(qkv, v_shape, do, *rows, Masks(), fp8_config, REGISTER_B,
+                                   triton.dq_launch)._replace(k8_t=None)
 
   return {
       "k_mean": (jax.jit(lambda k: key_mean(k, None)), (k,)),
@@ -137,9 +149,9 @@ def passes(batch: int, seq: int, heads: int, head_dim: int) -> dict:
                                     ReferenceBackend()), (q, k, v, k_mean)),
       "prepass": (prepass(REGISTER_B), (o, do)),
       "prepass_tokens": (prepass(TOKENS), (o, do)),
-      "fp8_operands_xla": (fp8_operands(xla_fp8.fp8_operands), fp8_args),
-      "fp8_operands": (fp8_operands(functools.partial(triton_fp8.fp8_operands,
-                                                      launch=triton.dq_launch)), fp8_args),
+      "fp8_operands_xla": (jax.jit(xla_operands), (q, k, v, do, *rows)),
+      "fp8_operands": (jax.jit(triton_operands),
+                       (q, fp8_keys.k_scale, fp8_keys.v_norm, do, *rows)),
   }
 
 

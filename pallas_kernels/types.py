@@ -173,6 +173,19 @@ class Numerics:
   unsigned_p_t: bool = False
 
 
+class Fp8Keys(NamedTuple):
+  """The FP8 backward's key side (`Config.fp8`), which the Triton quantization
+  pass forms for a backward while it holds each key and value block
+  (`Fp8Operands` takes it from there): K' (the smoothed K rounded to the
+  inputs' dtype, `QuantizedQKV.k16`'s values) in E4M3 per block_kv rows,
+  transposed (Layouts.backward); its block scales per token (B, Hkv, Tk);
+  and each block's largest ||V_j|| (B, Hkv, Tk // block_kv)."""
+
+  k8_t: jax.Array
+  k_scale: jax.Array
+  v_norm: jax.Array
+
+
 class QuantizedQKV(NamedTuple):
   """Output of the quantization pass; head-major layout (B, H, T, D).
 
@@ -222,6 +235,8 @@ class QuantizedQKV(NamedTuple):
   # the Triton quantization pass forms it while it holds each block, where V8^T
   # is written TOKENS; None elsewhere (the portable forward then forms it).
   v_start: jax.Array | None = None
+  # `Config.fp8`, for a backward, where the Triton pass quantized: `Fp8Keys`.
+  fp8_keys: Fp8Keys | None = None
 
 
 class Prepass(NamedTuple):

@@ -1,7 +1,8 @@
-"""The Triton FP8 operand pass (pallas_kernels/jax_triton/fp8_operands.py)
-against the XLA one (`pallas_kernels.fp8_operands.fp8_operands`), in Triton's
-interpreter, on the tensors the op hands it: the reference's quantization,
-forward and pre-pass with quantization="int8_fp8".
+"""The Triton FP8 operand pass (pallas_kernels/jax_triton/fp8_operands.py,
+its key side from the Triton quantization pass) against the XLA one
+(`pallas_kernels.fp8_operands.fp8_operands`), in Triton's interpreter, on
+the tensors the op hands it: the reference's quantization, forward and
+pre-pass with quantization="int8_fp8".
 
 b_i's fp32 sums run in another order (Triton's, not numerics.ordered_sum's),
 so b_i may differ in the last bit, and an E4M3 value of Q' where that bit
@@ -24,8 +25,9 @@ from conftest import gaussian_qkv, mosaic_config
 from pallas_kernels import fp8_operands as xla
 from pallas_kernels.jax_triton import fp8_operands as triton_pass
 from pallas_kernels.jax_triton.launch import LaunchConfig
+from pallas_kernels.jax_triton.quantize import quantize_qkv
 from pallas_kernels.layouts import REGISTER_B, TOKENS
-from pallas_kernels.types import Masks
+from pallas_kernels.types import Layouts, Masks
 from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import key_mean
 
@@ -36,9 +38,9 @@ DIFFERING_E4M3 = 1e-4
 
 
 @functools.cache
-def _case(batch, seq, heads, kv_heads, head_dim, causal):
+def _case(batch, seq, heads, kv_heads, head_dim, causal, layout=TOKENS):
   """The pass's arguments as the op forms them (tests/test_fp8.py's
-  `_fp8_backward_case`), and the config."""
+  `_fp8_backward_case`; the key side in `layout`), and the config."""
   q, k, v, do = gaussian_qkv(jax.random.key(3), batch, seq, seq, heads, kv_heads, head_dim,
                              sigma=2.0)
   config = mosaic_config(head_dim, causal, quantization="int8_fp8")
@@ -47,8 +49,10 @@ def _case(batch, seq, heads, kv_heads, head_dim, causal):
   @jax.jit
   def inputs(q, k, v, do):
     k_mean = key_mean(k, None)
+    keys = quantize_qkv(q, k, v, k_mean, config, INTERPRET, True, Layouts(backward=layout))
     qkv = reference.quantize(q, k, v, k_mean, config)._replace(
-        q16=q, k16=(k.astype(jnp.float32) - k_mean[:, None]).astype(k.dtype))
+        q16=q, k16=(k.astype(jnp.float32) - k_mean[:, None]).astype(k.dtype),
+        fp8_keys=keys.fp8_keys)
     o, lse, row_max = reference.forward(qkv, Masks(), config, jnp.bfloat16)
     pre = reference.prepass(o, do, config)
     return qkv, v, do, pre.do_scale, row_max, lse, pre.delta
@@ -72,7 +76,7 @@ def _e4m3_steps(got, want):
                                   (2, 256, 4, 1, 128, True), (2, 256, 4, 1, 64, False)],
                          ids=str)
 def test_triton_fp8_operands_match_xla(case, layout):
-  args, config = _case(*case)
+  args, config = _case(*case, layout)
   want = jax.jit(lambda *a: xla.fp8_operands(*a, Masks(), config, layout))(*args)
   got = jax.jit(lambda *a: triton_pass.fp8_operands(*a, Masks(), config, layout, INTERPRET))(
       *args)
@@ -96,14 +100,13 @@ def test_triton_fp8_operands_refuse_masks():
 
 @pytest.mark.parametrize("layout", [TOKENS, REGISTER_B], ids=lambda x: x.name)
 def test_triton_fp8_operands_compile_for_hopper(layout):
-  """Triton compiles both launches for sm_90, as jax_triton would on a GPU
+  """Triton compiles the launch for sm_90, as jax_triton would on a GPU
   (the compiled path's only check here), converting to E4M3 with the
   instruction whose rounding the interpreter's conversion follows."""
-  args, config = _case(2, 256, 4, 2, 128, True)
+  args, config = _case(2, 256, 4, 2, 128, True, layout)
   launches = sass.triton_launches(
       lambda *a: triton_pass.fp8_operands(*a, Masks(), config, layout, LaunchConfig()), *args)
-  assert [launch.name for launch in launches] == ["sagebwd_triton_fp8_keys",
-                                                  "sagebwd_triton_fp8_queries"]
+  assert [launch.name for launch in launches] == ["sagebwd_triton_fp8_queries"]
   for launch in launches:
     assert "cvt.rn.satfinite.e4m3x2.f32" in launch.compiled(90).asm["ptx"], launch.name
 

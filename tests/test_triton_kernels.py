@@ -75,12 +75,30 @@ def test_fp8_quantization_pass_forms_the_reference_tensors(kv_heads, head_dim, l
   """quantization="int8_fp8": Q8 and K8 as in INT8, V8^T E4M3 per 64-key
   block equal to the reference's bit for bit, its scales (B, Hkv, Tk) to an
   ulp (the pass divides amax by 448 correctly rounded, XLA multiplies by
-  1 / 448: tiles.quantize_e4m3); no Q8^T and no accumulator start."""
+  1 / 448: tiles.quantize_e4m3); no Q8^T and no accumulator start. For a
+  backward, the FP8 backward's key side (`types.Fp8Keys`) as the XLA
+  operand pass forms it: K' (the smoothed K rounded to bf16) in E4M3 per
+  block, bit for bit, its scales to an ulp, V's largest row norm per block
+  to fp32 rounding (another sum order)."""
   ours, ref = check_quantization_pass(
       TRITON, REFERENCE, head_dim, False, True, layouts=layouts, quantization="int8_fp8",
       for_backward=for_backward, shape=(2, 256, 256, 4, kv_heads))
   assert ours.v_start is None and ours.q8_t is None
   assert ours.v8_t.dtype == jnp.float8_e4m3fn and ours.v_scale.shape == (2, kv_heads, 256)
+  assert (ours.fp8_keys is not None) == for_backward
+  if not for_backward:
+    return
+  from pallas_kernels import fp8_operands
+  q, k, v, _ = gaussian_qkv(jax.random.key(0), 2, 256, 256, 4, kv_heads, head_dim, sigma=2.0)
+  k16 = (k.astype(jnp.float32) - key_mean(k, None)[:, None]).astype(k.dtype)
+  k8, k_scale = fp8_operands._e4m3_blocks(jnp.swapaxes(k16, 1, 2).astype(jnp.float32), 64)
+  got_k8 = jnp.swapaxes(to_layout(ours.fp8_keys.k8_t, TOKENS), -1, -2)
+  np.testing.assert_array_equal(np.asarray(got_k8).view(np.uint8),
+                                np.asarray(k8).view(np.uint8))
+  np.testing.assert_allclose(ours.fp8_keys.k_scale, k_scale, rtol=1e-6)
+  v_rows = jnp.sqrt(jnp.sum(jnp.square(jnp.swapaxes(v, 1, 2).astype(jnp.float32)), axis=-1))
+  np.testing.assert_allclose(ours.fp8_keys.v_norm,
+                             v_rows.reshape(2, kv_heads, -1, 64).max(axis=-1), rtol=1e-6)
 
 
 def test_fp8_mode_quantizes_in_triton_and_its_kernels_refuse_it():

@@ -94,12 +94,14 @@ class TritonBackend:
 
   def fp8_operands(self, qkv: QuantizedQKV, v, do, prepass: Prepass, row_max, lse,
                    masks: Masks, config: Config) -> Fp8Operands:
-    """Two kernels (`jax_triton.fp8_operands`) without masks, XLA's pass with
-    them or with `Config.causal_exact` (K' less its first block's mean, the
-    bounds over what each row sees); the Mosaic backend borrows it."""
+    """One kernel (`jax_triton.fp8_operands`) after this backend's
+    quantization pass, which formed the key side (`QuantizedQKV.fp8_keys`),
+    without masks; XLA's pass with them, with `Config.causal_exact` (K' less
+    its first block's mean, the bounds over what each row sees) or after
+    another backend's quantization. The Mosaic backend borrows it."""
     args = (qkv, v, do, prepass.do_scale, row_max, lse, prepass.delta, masks, config,
             layout_of(qkv.k8_t))
-    if masks.q_ids is not None or config.causal_exact:
+    if masks.q_ids is not None or config.causal_exact or qkv.fp8_keys is None:
       return xla_fp8_operands(*args)
     return triton_fp8_operands(*args, self.dq_launch)
 

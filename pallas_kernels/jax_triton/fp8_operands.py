@@ -1,10 +1,11 @@
 """The FP8 backward's operands (`pallas_kernels.fp8_operands`, `Config.fp8`)
-in two Triton launches, each 16-bit input read once, each large output
-written once, in the layout the backward's kernels read:
+in one Triton launch beside the quantization pass, each 16-bit input read
+once, each large output written once, in the layout the backward's kernels
+read:
 
-1. keys, one program per (key block, batch, kv head): K' (the smoothed K,
-   `qkv.k16`) in E4M3 transposed, its block scale per token, and the block's
-   largest ||V_j||;
+1. keys: the Triton quantization pass formed them for the backward
+   (`types.Fp8Keys`: K' in E4M3 transposed, its block scale per token, each
+   block's largest ||V_j||);
 2. XLA on small arrays: each query block's largest ||V_j|| over the key
    blocks it sees (the bound b_i needs it before Q' can be scaled);
 3. queries, one program per (query block, batch, head): b_i from the
@@ -29,21 +30,8 @@ from pallas_kernels.fp8_operands import assemble, max_over_seen, seen_key_blocks
 from pallas_kernels.jax_triton import tiles
 from pallas_kernels.jax_triton.launch import LaunchConfig
 from pallas_kernels.jax_triton.quantize import check_register_blocks, transposed_shape
+from pallas_kernels.layouts import check_layout
 from pallas_kernels.types import Config, Fp8Operands, Masks, QuantizedQKV, TransposedLayout
-
-
-@triton.jit
-def _key_kernel(k_ptr, v_ptr, k8_t_ptr, k_scale_ptr, v_norm_ptr, T: tl.constexpr,
-                H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-                REGISTER_B: tl.constexpr):
-  t, head, rows, tokens = tiles.program_block(T, H, D, BLOCK, REGISTER_B)
-  k8, scale = tiles.quantize_e4m3(tl.load(k_ptr + tokens).to(tl.float32))
-  tiles.store_transposed(k8_t_ptr, k8, rows, head, t, T, D, BLOCK, REGISTER_B)
-  tl.store(k_scale_ptr + head * T + rows, tl.full((BLOCK,), scale, tl.float32))
-  # A maximum of norms, so V's rows may come in the block's stored order; on
-  # the bits, so a NaN norm carries as the XLA pass's maximum carries it.
-  v_norm = tiles.abs_max(tiles.row_norms(tl.load(v_ptr + tokens)), None)
-  tl.store(v_norm_ptr + head * (T // BLOCK) + t, v_norm)
 
 
 @triton.jit
@@ -70,10 +58,11 @@ def fp8_operands(qkv: QuantizedQKV, v: jax.Array, do: jax.Array, do_scale: jax.A
                  config: Config, layout: TransposedLayout,
                  launch: LaunchConfig) -> Fp8Operands:
   """`pallas_kernels.fp8_operands.fp8_operands` (its arguments, and `launch`)
-  without masks. The values are the XLA pass's but for the last bit of b_i
-  (Triton's sum order, the platform's exp2), of the scales amax / 448 (XLA
-  under jit multiplies by 1 / 448; these divide) and the few E4M3 values of
-  Q' that b_i's last bit moves by one step (tests/test_fp8_operands.py)."""
+  without masks, the key side from `qkv.fp8_keys`. The values are the XLA
+  pass's but for the last bit of b_i (Triton's sum order, the platform's
+  exp2), of the scales amax / 448 (XLA under jit multiplies by 1 / 448;
+  these divide) and the few E4M3 values of Q' that b_i's last bit moves by
+  one step (tests/test_fp8_operands.py)."""
   if masks.q_ids is not None or masks.kv_ids is not None:
     raise NotImplementedError(
         "masks: the Triton FP8 operand pass takes no sequence ids (masks.q_ids, "
@@ -83,24 +72,13 @@ def fp8_operands(qkv: QuantizedQKV, v: jax.Array, do: jax.Array, do_scale: jax.A
         "causal_exact: the Triton FP8 operand pass neither takes K's first block mean off "
         "K' nor leaves the edge blocks out of its bounds; "
         "pallas_kernels.fp8_operands.fp8_operands forms them")
-  if qkv.q16 is None or qkv.k16 is None:
-    raise ValueError("qkv.q16 and qkv.k16 are None: the FP8 operands are formed from Q and "
-                     "the smoothed K in the inputs' dtype (Config.keeps_qk16)")
+  if qkv.q16 is None or qkv.fp8_keys is None:
+    raise ValueError("qkv.q16 or qkv.fp8_keys is None: the Triton FP8 operands are formed "
+                     "from Q in the inputs' dtype (Config.keeps_qk16) and the key side the "
+                     "Triton quantization pass forms for a backward (types.Fp8Keys)")
   check_register_blocks(layout, config.block_q, config.block_kv)
   register_b = layout is TransposedLayout.REGISTER_B
   f32 = jnp.float32
-
-  def keys(k, v):
-    batch, kv_len, kv_heads, head_dim = k.shape
-    out_shape = [
-        jax.ShapeDtypeStruct(transposed_shape(batch, kv_heads, head_dim, kv_len, layout),
-                             jnp.float8_e4m3fn),
-        jax.ShapeDtypeStruct((batch, kv_heads, kv_len), f32),
-        jax.ShapeDtypeStruct((batch, kv_heads, kv_len // config.block_kv), f32)]
-    return tuple(launch.call(
-        _key_kernel, [k, v], out_shape, grid=(kv_len // config.block_kv, batch, kv_heads),
-        name="sagebwd_triton_fp8_keys", T=kv_len, H=kv_heads, D=head_dim,
-        BLOCK=config.block_kv, REGISTER_B=register_b))
 
   def queries(q, do, row_max, lse, delta, v_max):
     batch, q_len, heads, head_dim = q.shape
@@ -115,7 +93,8 @@ def fp8_operands(qkv: QuantizedQKV, v: jax.Array, do: jax.Array, do_scale: jax.A
         T=q_len, H=heads, D=head_dim, BLOCK=config.block_q,
         MULTIPLIER=config.scale * nm.LOG2_E, REGISTER_B=register_b))
 
-  k8_t, k_scale, v_norm = batch_folded(keys)(qkv.k16, v)
+  k8_t, k_scale, v_norm = qkv.fp8_keys
+  check_layout("qkv.fp8_keys.k8_t", k8_t, layout)
   seen = seen_key_blocks(masks, config, do.shape[1], v.shape[1])
   v_max = max_over_seen(v_norm, seen, do.shape[2], config.block_q)
   q8_t, q_scale, ds_bound = batch_folded(queries)(qkv.q16, do, row_max, lse, delta, v_max)

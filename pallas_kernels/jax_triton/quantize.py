@@ -11,7 +11,10 @@ arrives computed (`sagebwd.key_mean`; with `Config.causal_exact`
 
 With quantization="int8_fp8" (`Config.fp8`) V goes to E4M3 with one scale
 per `block_kv` rows (numerics.quantize_e4m3 over the block), in the same
-launch and read.
+launch and read; for a backward the pass also forms the FP8 backward's key
+side from the blocks it holds (`types.Fp8Keys`: K' in E4M3, transposed, and
+each block's largest ||V_j||), which would otherwise cost a copy of the
+smoothed K and a second read of it and of V.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pallas_kernels.jax_triton.interpreter import device_function
 from pallas_kernels.batching import batch_folded
 from pallas_kernels.jax_triton.launch import LaunchConfig, placeholder
 from pallas_kernels.layouts import REGISTER_BLOCK
-from pallas_kernels.types import Config, Layouts, QuantizedQKV, TransposedLayout
+from pallas_kernels.types import Config, Fp8Keys, Layouts, QuantizedQKV, TransposedLayout
 
 
 @device_function
@@ -67,9 +70,11 @@ def _quantize_q(q_ptr, q8_ptr, q8_t_ptr, q_scale_ptr, q_mean_ptr, i, T: tl.const
 
 @device_function
 def _quantize_kv(k_ptr, v_ptr, k_mean_ptr, k8_ptr, k8_t_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr,
-                 v_start_ptr, i, T: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                 BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr, K_TRANSPOSED: tl.constexpr,
-                 K_REGISTER_B: tl.constexpr, V_REGISTER_B: tl.constexpr, FP8: tl.constexpr):
+                 v_start_ptr, kf8_t_ptr, kf8_scale_ptr, v_norm_ptr, i, T: tl.constexpr,
+                 H: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                 HAS_MEAN: tl.constexpr, K_TRANSPOSED: tl.constexpr,
+                 K_REGISTER_B: tl.constexpr, V_REGISTER_B: tl.constexpr, FP8: tl.constexpr,
+                 FP8_KEYS: tl.constexpr, INPUTS: tl.constexpr):
   t, head, b, h = _block(i, T, H, BLOCK)
   dims = tl.arange(0, D)
   rows = tiles.block_tokens(t, BLOCK, K_REGISTER_B)
@@ -81,6 +86,10 @@ def _quantize_kv(k_ptr, v_ptr, k_mean_ptr, k8_ptr, k8_t_ptr, k_scale_ptr, v8_t_p
   if K_TRANSPOSED:
     tiles.store_transposed(k8_t_ptr, x8, rows, head, t, T, D, BLOCK, K_REGISTER_B)
   tl.store(k_scale_ptr + head * T + rows, tl.full((BLOCK,), scale, tl.float32))
+  if FP8_KEYS:  # K' from the smoothed K in the inputs' dtype, as sagebwd's k16
+    kf8, scale = tiles.quantize_e4m3(tiles.sixteen_bit(x, INPUTS))
+    tiles.store_transposed(kf8_t_ptr, kf8, rows, head, t, T, D, BLOCK, K_REGISTER_B)
+    tl.store(kf8_scale_ptr + head * T + rows, tl.full((BLOCK,), scale, tl.float32))
 
   rows = tiles.block_tokens(t, BLOCK, V_REGISTER_B)
   y = tl.load(v_ptr + tiles.token_offsets(b, rows, h, T, H, D)).to(tl.float32)
@@ -92,18 +101,22 @@ def _quantize_kv(k_ptr, v_ptr, k_mean_ptr, k8_ptr, k8_t_ptr, k_scale_ptr, v8_t_p
   tiles.store_transposed(v8_t_ptr, y8, rows, head, t, T, D, BLOCK, V_REGISTER_B)
   if not V_REGISTER_B and not FP8:
     tl.store(v_start_ptr + (head * (T // BLOCK) + t) * D + dims, tiles.block_start(y8))
+  if FP8_KEYS:
+    # A maximum of norms, so the rows' order is free; on the bits, so a NaN
+    # norm carries as the XLA pass's maximum carries it.
+    tl.store(v_norm_ptr + head * (T // BLOCK) + t, tiles.abs_max(tiles.row_norms(y), None))
 
 
 @triton.jit
 def _quantize_kernel(q_ptr, k_ptr, v_ptr, k_mean_ptr, q8_ptr, q8_t_ptr, q_scale_ptr, q_mean_ptr,
                      k8_ptr, k8_t_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr, v_start_ptr,
-                     B: tl.constexpr, H: tl.constexpr,
+                     kf8_t_ptr, kf8_scale_ptr, v_norm_ptr, B: tl.constexpr, H: tl.constexpr,
                      HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr,
                      BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, MULTIPLIER: tl.constexpr,
                      SMOOTH_Q: tl.constexpr, PER_ROW: tl.constexpr, HAS_MEAN: tl.constexpr,
                      Q_TRANSPOSED: tl.constexpr, K_TRANSPOSED: tl.constexpr,
                      BACKWARD_REGISTER_B: tl.constexpr, FORWARD_REGISTER_B: tl.constexpr,
-                     FP8: tl.constexpr):
+                     FP8: tl.constexpr, FP8_KEYS: tl.constexpr, INPUTS: tl.constexpr):
   # One program per block: Q's blocks first, then K's and V's, a block of each.
   i = tl.program_id(0)
   q_blocks: tl.constexpr = B * H * (TQ // BLOCK_Q)
@@ -112,8 +125,9 @@ def _quantize_kernel(q_ptr, k_ptr, v_ptr, k_mean_ptr, q8_ptr, q8_t_ptr, q_scale_
                 MULTIPLIER, SMOOTH_Q, PER_ROW, Q_TRANSPOSED, BACKWARD_REGISTER_B)
   else:
     _quantize_kv(k_ptr, v_ptr, k_mean_ptr, k8_ptr, k8_t_ptr, k_scale_ptr, v8_t_ptr, v_scale_ptr,
-                 v_start_ptr, i - q_blocks, TK, HKV, D, BLOCK_KV, HAS_MEAN, K_TRANSPOSED,
-                 BACKWARD_REGISTER_B, FORWARD_REGISTER_B, FP8)
+                 v_start_ptr, kf8_t_ptr, kf8_scale_ptr, v_norm_ptr, i - q_blocks, TK, HKV, D,
+                 BLOCK_KV, HAS_MEAN, K_TRANSPOSED, BACKWARD_REGISTER_B, FORWARD_REGISTER_B,
+                 FP8, FP8_KEYS, INPUTS)
 
 
 def transposed_shape(batch: int, heads: int, head_dim: int, length: int,
@@ -139,12 +153,15 @@ def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig, for_back
   Q's and K's transposed layouts, which only the backward reads, if
   `for_backward`; each transposed tensor in its `layouts`. With `Config.fp8`,
   V8^T is E4M3; no Q8^T (the FP8 dS^T.Q takes an FP8 copy of Q) and no
-  accumulator start."""
+  accumulator start; for a backward, `QuantizedQKV.fp8_keys` (not with
+  `Config.causal_exact`)."""
   check_register_blocks(layouts.backward, config.block_q, config.block_kv,
                         smooth_q=config.smooth_q)
   check_register_blocks(layouts.forward, config.block_kv)
   # Per-token Q goes with 16-bit dS: no int8 dK product reads Q8 transposed.
   q_transposed = for_backward and not config.q_per_token and not config.fp8
+  # causal_exact's K' is K less its first block's mean, unrounded: XLA's pass forms it.
+  fp8_keys = for_backward and config.fp8 and not config.causal_exact
   backward_b = layouts.backward is TransposedLayout.REGISTER_B
   forward_b = layouts.forward is TransposedLayout.REGISTER_B
 
@@ -166,6 +183,10 @@ def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig, for_back
         (True, (batch, kv_heads, kv_len), f32),
         (not forward_b and not config.fp8,
          (batch, kv_heads, kv_len // config.block_kv, head_dim), jnp.int32),
+        (fp8_keys, transposed_shape(batch, kv_heads, head_dim, kv_len, layouts.backward),
+         jnp.float8_e4m3fn),
+        (fp8_keys, (batch, kv_heads, kv_len), f32),
+        (fp8_keys, (batch, kv_heads, kv_len // config.block_kv), f32),
     ]
     # Outputs not asked for get one element, never written.
     out_shape = [jax.ShapeDtypeStruct(shape if wanted else (1,), dtype)
@@ -180,10 +201,12 @@ def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig, for_back
         MULTIPLIER=config.scale * nm.LOG2_E, SMOOTH_Q=config.smooth_q,
         PER_ROW=config.q_per_token, HAS_MEAN=k_mean is not None, Q_TRANSPOSED=q_transposed,
         K_TRANSPOSED=for_backward, BACKWARD_REGISTER_B=backward_b,
-        FORWARD_REGISTER_B=forward_b, FP8=config.fp8)
+        FORWARD_REGISTER_B=forward_b, FP8=config.fp8, FP8_KEYS=fp8_keys,
+        INPUTS=jnp.dtype(k.dtype).name)
     return tuple(y if wanted else None for (wanted, _, _), y in zip(outputs, outs))
 
-  q8, q8_t, q_scale, q_mean, k8, k8_t, k_scale, v8_t, v_scale, v_start = batch_folded(run)(
-      q, k, v, k_mean)
+  (q8, q8_t, q_scale, q_mean, k8, k8_t, k_scale, v8_t, v_scale, v_start,
+   *keys) = batch_folded(run)(q, k, v, k_mean)
   return QuantizedQKV(q8=q8, q8_t=q8_t, q_scale=q_scale, q_mean=q_mean, k8=k8, k8_t=k8_t,
-                      k_scale=k_scale, v8_t=v8_t, v_scale=v_scale, v_start=v_start)
+                      k_scale=k_scale, v8_t=v8_t, v_scale=v_scale, v_start=v_start,
+                      fp8_keys=Fp8Keys(*keys) if fp8_keys else None)
