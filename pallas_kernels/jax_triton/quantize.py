@@ -81,15 +81,17 @@ def _quantize_kv(k_ptr, v_ptr, k_mean_ptr, k8_ptr, k8_t_ptr, k_scale_ptr, v8_t_p
   x = tl.load(k_ptr + tiles.token_offsets(b, rows, h, T, H, D)).to(tl.float32)
   if HAS_MEAN:
     x = x - tl.load(k_mean_ptr + head * D + dims)[None, :]
+  # K' (the smoothed K in the inputs' dtype, as sagebwd's k16) before K8, so
+  # that x dies with K8's stores (registers: docs/performance-log.md).
+  if FP8_KEYS:
+    kf8, scale = tiles.quantize_e4m3(tiles.sixteen_bit(x, INPUTS))
+    tiles.store_transposed(kf8_t_ptr, kf8, rows, head, t, T, D, BLOCK, K_REGISTER_B)
+    tl.store(kf8_scale_ptr + head * T + rows, tl.full((BLOCK,), scale, tl.float32))
   x8, scale = tiles.quantize_tile(x)
   tl.store(k8_ptr + head * T * D + rows[:, None] * D + dims[None, :], x8)
   if K_TRANSPOSED:
     tiles.store_transposed(k8_t_ptr, x8, rows, head, t, T, D, BLOCK, K_REGISTER_B)
   tl.store(k_scale_ptr + head * T + rows, tl.full((BLOCK,), scale, tl.float32))
-  if FP8_KEYS:  # K' from the smoothed K in the inputs' dtype, as sagebwd's k16
-    kf8, scale = tiles.quantize_e4m3(tiles.sixteen_bit(x, INPUTS))
-    tiles.store_transposed(kf8_t_ptr, kf8, rows, head, t, T, D, BLOCK, K_REGISTER_B)
-    tl.store(kf8_scale_ptr + head * T + rows, tl.full((BLOCK,), scale, tl.float32))
 
   rows = tiles.block_tokens(t, BLOCK, V_REGISTER_B)
   y = tl.load(v_ptr + tiles.token_offsets(b, rows, h, T, H, D)).to(tl.float32)
