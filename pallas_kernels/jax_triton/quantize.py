@@ -185,8 +185,9 @@ def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig, for_back
         (True, (batch, kv_heads, kv_len), f32),
         (not forward_b and not config.fp8,
          (batch, kv_heads, kv_len // config.block_kv, head_dim), jnp.int32),
+        # int8 where unused: sm_80 takes no E4M3 pointer.
         (fp8_keys, transposed_shape(batch, kv_heads, head_dim, kv_len, layouts.backward),
-         jnp.float8_e4m3fn),
+         jnp.float8_e4m3fn if fp8_keys else i8),
         (fp8_keys, (batch, kv_heads, kv_len), f32),
         (fp8_keys, (batch, kv_heads, kv_len // config.block_kv), f32),
     ]
