@@ -98,6 +98,18 @@ def test_triton_fp8_operands_refuse_masks():
     triton_pass.fp8_operands(*args, Masks(ids, ids), config, TOKENS, INTERPRET)
 
 
+def test_triton_fp8_operands_refuse_a_missing_or_misplaced_key_side():
+  """Without the quantization pass's key side, or with it in another layout
+  than the call's, the pass says so (`TritonBackend.fp8_operands` sends the
+  first case to XLA's pass)."""
+  (qkv, *rest), config = _case(2, 256, 4, 1, 64, False, TOKENS)
+  with pytest.raises(ValueError, match="fp8_keys"):
+    triton_pass.fp8_operands(qkv._replace(fp8_keys=None), *rest, Masks(), config, TOKENS,
+                             INTERPRET)
+  with pytest.raises(ValueError, match="fp8_keys.k8_t is TOKENS"):
+    triton_pass.fp8_operands(qkv, *rest, Masks(), config, REGISTER_B, INTERPRET)
+
+
 @pytest.mark.parametrize("layout", [TOKENS, REGISTER_B], ids=lambda x: x.name)
 def test_triton_fp8_operands_compile_for_hopper(layout):
   """Triton compiles the launch for sm_90, as jax_triton would on a GPU
