@@ -141,3 +141,13 @@ def test_vmap_keeps_one_cond_over_the_whole_batch():
       np.testing.assert_array_equal(np.asarray(x[n]), np.asarray(y))
   jaxpr = str(jax.make_jaxpr(jax.vmap(fn))(*args))
   assert jaxpr.count("cond[") == 1 and "scan[" in jaxpr
+
+
+@pytest.mark.parametrize("q_len, block_q, rows", [(4096, 64, 1024), (128, 64, 128),
+                                                  (192, 64, 64), (384, 64, 128),
+                                                  (3072, 128, 1024), (64, 64, 64)])
+def test_a_program_checks_whole_query_blocks(q_len, block_q, rows):
+  """Each Triton program takes a power-of-two count of whole query blocks,
+  up to CHECK_ROWS rows, that divides the queries."""
+  from pallas_kernels.jax_triton.saturated_rows import rows_per_program
+  assert rows_per_program(q_len, block_q) == rows

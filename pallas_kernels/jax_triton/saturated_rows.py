@@ -1,11 +1,12 @@
 """The saturated rows' Delta and lse (`sagebwd_jax.saturated_rows` states the
-rule) in one launch: a program per (query block, batch, query head) reads its
-rows' lse and returns at once unless one of them saturates, so training pays
-one near-empty launch per backward where a `lax.cond` would block the host on
-its predicate (docs/performance-log.md). A program with a saturated row walks
-the key blocks its queries see, as dQ does, with the online maximum and sum
-of the forward and the 16-bit dP = dO.V^T of the backward, and replaces
-those rows' Delta and lse; it copies the others as given."""
+rule) in one launch: a program per `CHECK_ROWS` rows of a (batch, query head)
+reads their lse and copies them and their Delta unless one of them
+saturates, so training pays one near-empty launch per backward where a
+`lax.cond` would block the host on its predicate (docs/performance-log.md).
+A query block with a saturated row walks the key blocks its queries see, as
+dQ does, with the online maximum and sum of the forward and the 16-bit dP =
+dO.V^T of the backward, and replaces those rows' Delta and lse; it copies
+the others as given."""
 
 from __future__ import annotations
 
@@ -19,24 +20,27 @@ from pallas_kernels import numerics as nm
 from pallas_kernels.batching import batch_folded
 from pallas_kernels.jax_triton import tiles
 from pallas_kernels.jax_triton.backward_dq import dot_precision
+from pallas_kernels.jax_triton.interpreter import device_function
 from pallas_kernels.jax_triton.launch import LaunchConfig, placeholder
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
+# Rows one program checks (a power of two, whole query blocks): B4 T4096 H16
+# then runs 256 programs, where one per query block ran 4096.
+CHECK_ROWS = 1024
 
-@triton.jit
-def _saturated_rows_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr,
-                           q_ids_ptr, k8_ptr, k_scale_ptr, v_ptr, q16_ptr, k16_ptr, k_mean_ptr,
-                           kv_ids_ptr, delta_out_ptr, lse_out_ptr, H: tl.constexpr,
-                           HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr,
-                           BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, LEFT: tl.constexpr,
-                           RIGHT: tl.constexpr, IDS: tl.constexpr, SMOOTH_Q: tl.constexpr,
-                           MEANS: tl.constexpr, EXACT_EDGES: tl.constexpr,
-                           MULTIPLIER: tl.constexpr, CONVERT: tl.constexpr,
-                           DOT_PRECISION: tl.constexpr, SATURATED: tl.constexpr,
-                           MARGIN: tl.constexpr, NOTHING_SEEN: tl.constexpr):
-  i = tl.program_id(0)
-  b = tl.program_id(1).to(tl.int64)
-  h = tl.program_id(2)
+
+@device_function
+def _query_block(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_ids_ptr, k8_ptr,
+                 k_scale_ptr, v_ptr, q16_ptr, k16_ptr, k_mean_ptr, kv_ids_ptr, delta_out_ptr,
+                 lse_out_ptr, i, b, h, H: tl.constexpr, HKV: tl.constexpr, TQ: tl.constexpr,
+                 TK: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
+                 BLOCK_KV: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+                 IDS: tl.constexpr, SMOOTH_Q: tl.constexpr, MEANS: tl.constexpr,
+                 EXACT_EDGES: tl.constexpr, MULTIPLIER: tl.constexpr, CONVERT: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, SATURATED: tl.constexpr, MARGIN: tl.constexpr,
+                 NOTHING_SEEN: tl.constexpr):
+  """Query block i of head (b, h): its rows' Delta and lse, recomputed where
+  a row saturates, else as given."""
   kvh = h // (H // HKV)
   q_head = b * H + h
   rows = i * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -94,6 +98,48 @@ def _saturated_rows_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, 
   tl.store(lse_out_ptr + q_head * TQ + rows, lse)
 
 
+@triton.jit
+def _saturated_rows_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr,
+                           q_ids_ptr, k8_ptr, k_scale_ptr, v_ptr, q16_ptr, k16_ptr, k_mean_ptr,
+                           kv_ids_ptr, delta_out_ptr, lse_out_ptr, H: tl.constexpr,
+                           HKV: tl.constexpr, TQ: tl.constexpr, TK: tl.constexpr, D: tl.constexpr,
+                           BLOCK_Q: tl.constexpr, BLOCK_KV: tl.constexpr, ROWS: tl.constexpr,
+                           LEFT: tl.constexpr, RIGHT: tl.constexpr, IDS: tl.constexpr,
+                           SMOOTH_Q: tl.constexpr, MEANS: tl.constexpr,
+                           EXACT_EDGES: tl.constexpr, MULTIPLIER: tl.constexpr,
+                           CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                           SATURATED: tl.constexpr, MARGIN: tl.constexpr,
+                           NOTHING_SEEN: tl.constexpr):
+  # One program per ROWS rows of a head: one wave of programs copies the rows
+  # (one program per query block took 35-74 us for 4 MB,
+  # docs/performance-log.md); a query block with a saturated row is redone.
+  c = tl.program_id(0)
+  b = tl.program_id(1).to(tl.int64)
+  h = tl.program_id(2)
+  rows = (b * H + h) * TQ + c * ROWS + tl.arange(0, ROWS)
+  lse = tl.load(lse_ptr + rows)
+  saturated = (tl.abs(lse) > SATURATED) & (tl.abs(lse) < float("inf"))
+  if tl.max(saturated.to(tl.int32), axis=0) > 0:
+    for i in range(c * (ROWS // BLOCK_Q), (c + 1) * (ROWS // BLOCK_Q)):
+      _query_block(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, do_ptr, q_ids_ptr, k8_ptr,
+                   k_scale_ptr, v_ptr, q16_ptr, k16_ptr, k_mean_ptr, kv_ids_ptr, delta_out_ptr,
+                   lse_out_ptr, i, b, h, H, HKV, TQ, TK, D, BLOCK_Q, BLOCK_KV, LEFT, RIGHT, IDS,
+                   SMOOTH_Q, MEANS, EXACT_EDGES, MULTIPLIER, CONVERT, DOT_PRECISION, SATURATED,
+                   MARGIN, NOTHING_SEEN)
+  else:
+    tl.store(delta_out_ptr + rows, tl.load(delta_ptr + rows))
+    tl.store(lse_out_ptr + rows, lse)
+
+
+def rows_per_program(q_len: int, block_q: int) -> int:
+  """The rows one program checks: `block_q` times the largest power of two
+  that divides the query blocks, up to `CHECK_ROWS`."""
+  rows = block_q
+  while rows * 2 <= CHECK_ROWS and q_len % (rows * 2) == 0:
+    rows *= 2
+  return rows
+
+
 def saturated_rows(qkv: QuantizedQKV, v, lse, do, delta, masks: Masks, config: Config,
                    launch: LaunchConfig) -> tuple[jax.Array, jax.Array]:
   """Delta and lse (B, H, Tq) fp32, the saturated rows' recomputed
@@ -109,14 +155,16 @@ def saturated_rows(qkv: QuantizedQKV, v, lse, do, delta, masks: Masks, config: C
             placeholder(kv_ids, jnp.int32)]
     left, right = causal_blocks.band(config.causal, config.window)
     rows = jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)
+    per_program = rows_per_program(q_len, config.block_q)
     # Kept: the query block's Q8 and dO; per stage, a key block's K8 and V.
     size = v.dtype.itemsize
     fitted = launch.fitted(fixed_bytes=config.block_q * head_dim * (1 + size),
                            stage_bytes=config.block_kv * head_dim * (1 + size))
     new_delta, new_lse = fitted.call(
-        _saturated_rows_kernel, args, [rows, rows], grid=(q_len // config.block_q, batch, heads),
+        _saturated_rows_kernel, args, [rows, rows], grid=(q_len // per_program, batch, heads),
         name="sagebwd_triton_saturated_rows", H=heads, HKV=kv_heads, TQ=q_len, TK=kv_len,
-        D=head_dim, BLOCK_Q=config.block_q, BLOCK_KV=config.block_kv, LEFT=left, RIGHT=right,
+        D=head_dim, BLOCK_Q=config.block_q, BLOCK_KV=config.block_kv, ROWS=per_program,
+        LEFT=left, RIGHT=right,
         IDS=q_ids is not None, SMOOTH_Q=q_mean is not None, MEANS=k_mean is not None,
         EXACT_EDGES=config.exact_edges, MULTIPLIER=config.scale * nm.LOG2_E,
         CONVERT=launch.convert,
