@@ -90,7 +90,7 @@ def fp8_inputs(q, k, v, do, config: Config):
       q16=q, k16=(k.astype(jnp.float32) - k_mean[:, None]).astype(k.dtype))
   o, lse, row_max = reference.forward(qkv, Masks(), config, jnp.bfloat16)
   pre = reference.prepass(o, do, config, REGISTER_B)
-  pre = pre._replace(fp8=operands(qkv, v, do, pre, row_max, lse, config))
+  pre = pre._replace(fp8=operands(qkv, v, pre, row_max, lse, config))
   want = reference.backward(qkv, v, lse, do, pre, Masks(), config)
   return (qkv, v, lse, pre, do), row_max, want
 
@@ -109,8 +109,8 @@ def fp8_kernels(name: str, config: Config):
           lambda *a: backward_dq_mosaic(*a[:-1], Masks(), config, dq_tuning, fp8=a[-1]))
 
 
-def operands(qkv, v, do, pre, row_max, lse, config: Config):
-  return fp8_operands(qkv, v, do, pre.do_scale, row_max, lse, pre.delta, Masks(), config,
+def operands(qkv, v, pre, row_max, lse, config: Config):
+  return fp8_operands(qkv, v, pre, row_max, lse, Masks(), config,
                       REGISTER_B)
 
 

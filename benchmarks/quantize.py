@@ -27,8 +27,8 @@ over the pass's launches) and that rate as a share of the copy's:
   prepass           the backward pre-pass, dO8^T REGISTER_B
   prepass_tokens    the same, TOKENS
   fp8_operands_xla  quantization="int8_fp8"'s backward operands (Q'^T, K'^T
-                    REGISTER_B, b_i, the factors) from Q, the smoothed K, V,
-                    dO and the forward's and pre-pass's rows: the XLA pass
+                    REGISTER_B, b_i, the factors) from Q, the smoothed K, V
+                    and the forward's and pre-pass's rows: the XLA pass
                     (`pallas_kernels.fp8_operands`)
   fp8_operands      the same in one Triton launch (jax_triton/fp8_operands.py),
                     the key side from quantize_fp8_fwd_bwd
@@ -55,7 +55,7 @@ from pallas_kernels import fp8_operands as xla_fp8
 from pallas_kernels.jax_triton import fp8_operands as triton_fp8
 from pallas_kernels.jax_triton.backend import TritonBackend
 from pallas_kernels.layouts import REGISTER_B, TOKENS
-from pallas_kernels.types import Config, Layouts, Masks, QuantizedQKV
+from pallas_kernels.types import Config, Layouts, Masks, Prepass, QuantizedQKV
 from sagebwd_jax.reference import ReferenceBackend
 from sagebwd_jax.sagebwd import key_mean
 
@@ -114,26 +114,28 @@ def passes(batch: int, seq: int, heads: int, head_dim: int) -> dict:
 
   # Only what each pass reads: Q, and the smoothed K in 16 bits and V (XLA)
   # or the key side's scales and norms, which the quantization pass formed
-  # (Triton), dO, dO's scales, the forward's row maxima and lse and Delta
-  # (B, H, T).
+  # (Triton); dO's scales and norms, the forward's row maxima and lse and
+  # Delta (B, H, T).
   rows = [jax.random.normal(key, (batch, heads, seq), jnp.float32)
-          for key in jax.random.split(jax.random.key(1), 4)]
-  rows = (jnp.abs(rows[0]), *rows[1:])
+          for key in jax.random.split(jax.random.key(1), 5)]
+  rows = (jnp.abs(rows[0]), jnp.abs(rows[1]), *rows[2:])
+  prepass_rows = lambda do_scale, do_norm, row_max, lse, delta: (
+      Prepass(delta=delta, do8_t=None, do_scale=do_scale, do_norm=do_norm), row_max, lse)
   fp8_keys = quantize(True, Layouts(REGISTER_B, REGISTER_B), fp8_config)(
       q, k, v, k_mean).fp8_keys
   v_shape = jax.ShapeDtypeStruct(v.shape, v.dtype)  # the Triton pass reads V's shape alone
 
-  def xla_operands(q16, k16, v, do, *rows):
+  def xla_operands(q16, k16, v, *rows):
     qkv = QuantizedQKV(*[None] * 9, q16=q16, k16=k16)
-    return xla_fp8.fp8_operands(qkv, v, do, *rows, Masks(), fp8_config, REGISTER_B)
+    return xla_fp8.fp8_operands(qkv, v, *prepass_rows(*rows), Masks(), fp8_config, REGISTER_B)
 
-  def triton_operands(q16, k_scale, v_norm, do, *rows):
+  def triton_operands(q16, k_scale, v_norm, *rows):
     # K'^T passes through untouched: not among what the pass reads or writes.
     k8_t = jnp.zeros(fp8_keys.k8_t.shape, fp8_keys.k8_t.dtype)
     qkv = QuantizedQKV(*[None] * 9, q16=q16, fp8_keys=fp8_keys._replace(
         k8_t=k8_t, k_scale=k_scale, v_norm=v_norm))
-    return triton_fp8.fp8_operands(qkv, v_shape, do, *rows, Masks(), fp8_config, REGISTER_B,
-                                   triton.dq_launch)._replace(k8_t=None)
+    return triton_fp8.fp8_operands(qkv, v_shape, *prepass_rows(*rows), Masks(), fp8_config,
+                                   REGISTER_B, triton.dq_launch)._replace(k8_t=None)
 
   return {
       "k_mean": (jax.jit(lambda k: key_mean(k, None)), (k,)),
@@ -149,9 +151,9 @@ def passes(batch: int, seq: int, heads: int, head_dim: int) -> dict:
                                     ReferenceBackend()), (q, k, v, k_mean)),
       "prepass": (prepass(REGISTER_B), (o, do)),
       "prepass_tokens": (prepass(TOKENS), (o, do)),
-      "fp8_operands_xla": (jax.jit(xla_operands), (q, k, v, do, *rows)),
+      "fp8_operands_xla": (jax.jit(xla_operands), (q, k, v, *rows)),
       "fp8_operands": (jax.jit(triton_operands),
-                       (q, fp8_keys.k_scale, fp8_keys.v_norm, do, *rows)),
+                       (q, fp8_keys.k_scale, fp8_keys.v_norm, *rows)),
   }
 
 

@@ -21,9 +21,17 @@ import jax.numpy as jnp
 from pallas_kernels import causal_blocks
 from pallas_kernels import numerics as nm
 from pallas_kernels.layouts import to_layout
-from pallas_kernels.types import Config, Fp8Operands, Masks, QuantizedQKV, TransposedLayout
+from pallas_kernels.types import (Config, Fp8Operands, Masks, Prepass, QuantizedQKV,
+                                  TransposedLayout)
 
 _f32 = jnp.float32
+
+
+def check_norms(prepass: Prepass) -> None:
+  """Raises unless the pre-pass formed ||dO_i|| (`Prepass.do_norm`)."""
+  if prepass.do_norm is None:
+    raise ValueError("prepass.do_norm is None: the FP8 operands take ||dO_i|| from a pre-pass "
+                     "run with quantization='int8_fp8' (Config.fp8)")
 
 
 def seen_key_blocks(masks: Masks, config: Config, q_len: int, kv_len: int) -> jax.Array:
@@ -103,15 +111,16 @@ def _e4m3_blocks(x: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
   return x8.reshape(x.shape), jnp.repeat(scale[..., 0, 0], block, axis=-1)
 
 
-def fp8_operands(qkv: QuantizedQKV, v: jax.Array, do: jax.Array, do_scale: jax.Array,
-                 row_max: jax.Array, lse: jax.Array, delta: jax.Array, masks: Masks,
-                 config: Config, layout: TransposedLayout) -> Fp8Operands:
+def fp8_operands(qkv: QuantizedQKV, v: jax.Array, prepass: Prepass, row_max: jax.Array,
+                 lse: jax.Array, masks: Masks, config: Config,
+                 layout: TransposedLayout) -> Fp8Operands:
   """The operands from the forward's row maxima and lse, the pre-pass's
-  Delta and dO block scales (B, H, Tq), Q and the smoothed K in the inputs'
-  dtype (`qkv.q16`, `qkv.k16`), V (B, Tk, Hkv, D) and dO (B, Tq, H, D); the
+  Delta, dO block scales and ||dO_i|| (B, H, Tq), Q and the smoothed K in
+  the inputs' dtype (`qkv.q16`, `qkv.k16`) and V (B, Tk, Hkv, D); the
   transposed E4M3 tensors in `layout` (the call's `Layouts.backward`).
-  jax_triton/fp8_operands.py forms the same in two Triton launches."""
-  batch, q_len, heads, _ = do.shape
+  jax_triton/fp8_operands.py forms the same in a Triton launch."""
+  check_norms(prepass)
+  batch, heads, q_len = prepass.delta.shape
   kv_heads, kv_len = v.shape[2], v.shape[1]
   seen = seen_key_blocks(masks, config, q_len, kv_len)
   edge = edge_key_blocks(config, q_len, kv_len)
@@ -119,13 +128,13 @@ def fp8_operands(qkv: QuantizedQKV, v: jax.Array, do: jax.Array, do_scale: jax.A
     seen = seen & ~edge
   if masks.kv_ids is not None:  # padding's values bound nothing
     v = jnp.where((masks.kv_ids != nm.KV_INVALID_ID)[:, :, None, None], v, 0)
-  v_key_norm = jnp.sqrt(nm.ordered_sum(jnp.square(jnp.swapaxes(v, 1, 2).astype(_f32))))
+  v_key_norm = nm.token_norms(v)
   v_norm = jnp.max(v_key_norm.reshape(batch, kv_heads, -1, config.block_kv), axis=-1)
   v_norm = max_over_seen(v_norm, seen, heads, config.block_q)
   if edge is not None:
     v_norm = jnp.maximum(v_norm, jnp.repeat(_max_over_edges(v_key_norm, edge, config, q_len),
                                             heads // kv_heads, axis=1))
-  ds_bound = nm.ds_row_bound(row_max, lse, delta, do, v_norm)
+  ds_bound = nm.ds_row_bound(row_max, lse, prepass.delta, prepass.do_norm, v_norm)
 
   q = jnp.swapaxes(qkv.q16, 1, 2).astype(_f32) * (config.scale * nm.LOG2_E)
   q8, q_scale = _e4m3_blocks(q * ds_bound[..., None], config.block_q)
@@ -134,8 +143,8 @@ def fp8_operands(qkv: QuantizedQKV, v: jax.Array, do: jax.Array, do_scale: jax.A
     k = k - qkv.k_mean[:, :, None, :]
   k8, k_scale = _e4m3_blocks(k, config.block_kv)
   transposed = lambda x8: to_layout(jnp.swapaxes(x8, -1, -2), layout)
-  return assemble(transposed(q8), q_scale, transposed(k8), k_scale, do_scale, ds_bound, seen,
-                  config)
+  return assemble(transposed(q8), q_scale, transposed(k8), k_scale, prepass.do_scale, ds_bound,
+                  seen, config)
 
 
 def assemble(q8_t: jax.Array, q_scale: jax.Array, k8_t: jax.Array, k_scale: jax.Array,

@@ -128,7 +128,13 @@ def quantize_e4m3(x: jax.Array, axis: int | tuple[int, ...]) -> tuple[jax.Array,
   return to_e4m3(x * inverse_scale(amax, E4M3_MAX)), amax / E4M3_MAX
 
 
-def ds_row_bound(row_max: jax.Array, lse: jax.Array, delta: jax.Array, do: jax.Array,
+def token_norms(x: jax.Array) -> jax.Array:
+  """||x_t|| of each token of (B, T, H, D) as (B, H, T) fp32, the sum over
+  channels in `ordered_sum`'s order."""
+  return jnp.sqrt(ordered_sum(jnp.square(jnp.swapaxes(x, 1, 2).astype(jnp.float32))))
+
+
+def ds_row_bound(row_max: jax.Array, lse: jax.Array, delta: jax.Array, do_norm: jax.Array,
                  v_norm: jax.Array) -> jax.Array:
   """b_i >= max_j |dS_ij|, per query row (B, H, Tq), from what the forward
   and the pre-pass know: b_i = m_i * (||dO_i|| * max_j ||V_j|| + |Delta_i|).
@@ -138,12 +144,12 @@ def ds_row_bound(row_max: jax.Array, lse: jax.Array, delta: jax.Array, do: jax.A
   largest probability (capped at 1 as `log2_p` caps P). So the FP8 dS
   operands, dS / b_i scaled to E4M3_MAX, need no per-step maximum; without
   m_i the bound is loose by 1 / m_i, which doubles dQ's and dK's error at
-  sigma 1 (docs/algorithm.md). `do` (B, Tq, H, D) as the backward's dP takes
-  it; `v_norm` (B, H, Tq) the largest ||V_j|| over the keys the row may see
+  sigma 1 (docs/algorithm.md). `do_norm` (B, H, Tq): ||dO_i|| of dO as the
+  backward's dP takes it (the pre-pass's `Prepass.do_norm`); `v_norm` (B, H,
+  Tq) the largest ||V_j|| over the keys the row may see
   (`fp8_operands.max_over_seen`); rows that see no key get 0 (lse = +inf).
   """
   m = jnp.exp2(log2_p(row_max - lse))
-  do_norm = jnp.sqrt(ordered_sum(jnp.square(jnp.swapaxes(do, 1, 2).astype(jnp.float32))))
   return m * (do_norm * v_norm + jnp.abs(delta))
 
 

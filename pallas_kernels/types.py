@@ -249,6 +249,9 @@ class Prepass(NamedTuple):
   do_scale: jax.Array  # (B, H, Tq) fp32, per token
   # As `QuantizedQKV.v_start`, for the portable dK/dV's P^T.dO; TOKENS only.
   do_start: jax.Array | None = None
+  # `Config.fp8` only: ||dO_i|| (B, H, Tq) fp32, dS's row bound's
+  # (`numerics.ds_row_bound`), formed while the pre-pass holds each dO row.
+  do_norm: jax.Array | None = None
   # `Config.fp8` only: the FP8 backward's operands (`fp8_operands`), formed
   # after the pre-pass from its Delta and dO scales.
   fp8: "Fp8Operands | None" = None
@@ -329,12 +332,12 @@ class Backend(Protocol):
     dP (`sagebwd_jax.saturated_rows` states the rule); the other rows as given."""
     ...
 
-  def fp8_operands(self, qkv: QuantizedQKV, v: jax.Array, do: jax.Array, prepass: Prepass,
+  def fp8_operands(self, qkv: QuantizedQKV, v: jax.Array, prepass: Prepass,
                    row_max: jax.Array, lse: jax.Array, masks: Masks,
                    config: Config) -> Fp8Operands:
     """`Config.fp8` only: the FP8 backward's operands (`Fp8Operands`) from the
     forward's row maxima and lse and the pre-pass's Delta (as
-    `saturated_rows` left it) and dO scales, the transposed E4M3 tensors in
+    `saturated_rows` left it), dO scales and norms, the transposed E4M3 tensors in
     the layout of `qkv.k8_t` (`Layouts.backward`)."""
     ...
 

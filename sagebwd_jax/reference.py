@@ -238,16 +238,16 @@ class ReferenceBackend:
       do8, do_scale = _quantize_blocks(do_blocks)
     do8_t = _transposed(_unblock(do8))
     return Prepass(delta=delta, do8_t=to_layout(do8_t, layout),
-                   do_scale=_per_token(do_scale, config.block_q))
+                   do_scale=_per_token(do_scale, config.block_q),
+                   do_norm=nm.token_norms(do) if config.fp8 else None)
 
   def saturated_rows(self, qkv: QuantizedQKV, v, lse, do, delta, masks: Masks,
                      config: Config):
     return where_saturated(qkv, v, lse, do, delta, masks, config)
 
-  def fp8_operands(self, qkv: QuantizedQKV, v, do, prepass: Prepass, row_max, lse,
+  def fp8_operands(self, qkv: QuantizedQKV, v, prepass: Prepass, row_max, lse,
                    masks: Masks, config: Config) -> Fp8Operands:
-    return fp8_operands(qkv, v, do, prepass.do_scale, row_max, lse, prepass.delta, masks,
-                        config, layout_of(qkv.k8_t))
+    return fp8_operands(qkv, v, prepass, row_max, lse, masks, config, layout_of(qkv.k8_t))
 
   def backward(self, qkv: QuantizedQKV, v, lse, do, prepass: Prepass, masks: Masks,
                config: Config):

@@ -56,8 +56,8 @@ def _backward(config, backend, smooth_k, residuals, cotangent):
   (do,) = opaque((g * query.astype(jnp.float32)).astype(query.dtype))
   pre = prepass(qkv, jnp.zeros_like(query), do, config, backend)
   if config.fp8:  # dS = 0 here (V = 0): its operands only have to be given
-    pre = pre._replace(fp8=backend.fp8_operands(qkv, jnp.zeros_like(key), do, pre, row_max,
-                                                lse_2, masks, config))
+    pre = pre._replace(fp8=backend.fp8_operands(qkv, jnp.zeros_like(key), pre, row_max, lse_2,
+                                                masks, config))
   dk = backend.backward(qkv, jnp.zeros_like(key), lse_2, do, pre, masks, config)[2]
   return dq.astype(query.dtype), dk.astype(key.dtype), jnp.zeros_like(value), None
 

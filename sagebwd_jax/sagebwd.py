@@ -223,7 +223,7 @@ def _backward(config, backend, smooth_k, residuals, do):
   pre = pre._replace(delta=new_delta)
   nan_kv, nan_q = _nan_head_groups(qkv, lse, pre.do_scale)
   if config.fp8:
-    fp8 = backend.fp8_operands(qkv, v, do, pre, row_max, lse, masks, config)
+    fp8 = backend.fp8_operands(qkv, v, pre, row_max, lse, masks, config)
     pre = pre._replace(fp8=_nan_factors(fp8, nan_kv, nan_q))
   dq, dk, dv = backend.backward(qkv, v, lse, do, pre, masks, config)
   if not config.fp8:

@@ -251,9 +251,8 @@ def test_fp8_ds_bound_bounds_every_score_gradient_with_edges():
   qkv = quantize(q, k, v, Masks(), config, backend, True)
   o, lse, row_max = backend.forward(qkv, Masks(), config, q.dtype)
   pre = backend.prepass(o, do, config)
-  bound = np.asarray(fp8_operands.fp8_operands(qkv, v, do, pre.do_scale, row_max, lse,
-                                               pre.delta, Masks(), config, TOKENS).ds_bound,
-                     np.float64)[0]  # (H, T)
+  bound = np.asarray(fp8_operands.fp8_operands(qkv, v, pre, row_max, lse, Masks(), config,
+                                               TOKENS).ds_bound, np.float64)[0]  # (H, T)
   qf, kf, vf, dof = (np.asarray(x, np.float64)[0].transpose(1, 0, 2) for x in (q, k, v, do))
   kf, vf = np.repeat(kf, 2, axis=0), np.repeat(vf, 2, axis=0)
   s = np.einsum("hqd,hkd->hqk", qf, kf) * 0.125 * np.log2(np.e)

@@ -130,8 +130,8 @@ def test_ds_row_bound_bounds_every_score_gradient():
   o, lse, row_max = backend.forward(qkv, Masks(), config, q.dtype)
   pre = backend.prepass(o, do, config)
   delta = pre.delta
-  bound = np.asarray(fp8_operands(qkv._replace(q16=q, k16=k), v, do, pre.do_scale, row_max,
-                                  lse, delta, Masks(), config, TOKENS).ds_bound, np.float64)
+  bound = np.asarray(fp8_operands(qkv._replace(q16=q, k16=k), v, pre, row_max, lse, Masks(),
+                                  config, TOKENS).ds_bound, np.float64)
   q8, k8 = (np.asarray(x, np.float64) for x in (qkv.q8, qkv.k8))
   k8 = np.repeat(k8, 2, axis=1)
   s = np.einsum("bhqd,bhkd->bhqk", q8, k8) * np.asarray(qkv.q_scale, np.float64)[
@@ -361,8 +361,8 @@ def _fp8_backward_case(batch, seq, heads, kv_heads, head_dim, causal, *, seed=0,
         q16=q, k16=(k.astype(jnp.float32) - k_mean[:, None]).astype(k.dtype))
     o, lse, row_max = reference.forward(qkv, Masks(), config, jnp.bfloat16)
     pre = reference.prepass(o, do, config, REGISTER_B)
-    pre = pre._replace(fp8=fp8_operands(qkv, v, do, pre.do_scale, row_max, lse, pre.delta,
-                                        Masks(), config, REGISTER_B))
+    pre = pre._replace(fp8=fp8_operands(qkv, v, pre, row_max, lse, Masks(), config,
+                                        REGISTER_B))
     return qkv, v, lse, pre, do
 
   return inputs, (q, k, v, do), config

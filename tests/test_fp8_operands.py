@@ -55,7 +55,7 @@ def _case(batch, seq, heads, kv_heads, head_dim, causal, layout=TOKENS):
         fp8_keys=keys.fp8_keys)
     o, lse, row_max = reference.forward(qkv, Masks(), config, jnp.bfloat16)
     pre = reference.prepass(o, do, config)
-    return qkv, v, do, pre.do_scale, row_max, lse, pre.delta
+    return qkv, v, pre, row_max, lse
 
   return inputs(q, k, v, do), config
 
@@ -127,8 +127,8 @@ def test_triton_fp8_operands_compile_for_hopper(layout):
 def test_fp8_prepass_is_the_references(layout):
   """The Triton pre-pass with FP8 products (the Hopper FP8 backward's):
   Delta, dO in E4M3 per block, transposed in `layout`, and its scales, as the
-  reference's pre-pass forms them (Delta's sum in another order: fp32
-  rounding; the E4M3 values equal)."""
+  reference's pre-pass forms them, and ||dO_i|| (Delta's and the norms'
+  sums in another order: fp32 rounding; the E4M3 values equal)."""
   from pallas_kernels.jax_triton.backward_prepass import backward_prepass
   o, do = gaussian_qkv(jax.random.key(4), 2, 256, 256, 2, 2, 128)[::3]
   config = mosaic_config(128, False, quantization="int8_fp8")
@@ -139,3 +139,4 @@ def test_fp8_prepass_is_the_references(layout):
                                 np.asarray(want.do8_t, np.float32))
   np.testing.assert_allclose(got.do_scale, want.do_scale, rtol=1e-6)
   np.testing.assert_allclose(got.delta, want.delta, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got.do_norm, want.do_norm, rtol=1e-6)

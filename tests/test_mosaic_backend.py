@@ -146,8 +146,8 @@ def test_fp8_causal_exact_passes_run_where_they_are_formed():
   reference = ReferenceBackend()
   o, lse, row_max = reference.forward(qkv, Masks(), config, q.dtype)
   pre = reference.prepass(o, do, config, REGISTER_B)
-  got = triton.fp8_operands(qkv, v, do, pre, row_max, lse, Masks(), config)
-  for name, x, y in zip(got._fields, got, reference.fp8_operands(qkv, v, do, pre, row_max, lse,
+  got = triton.fp8_operands(qkv, v, pre, row_max, lse, Masks(), config)
+  for name, x, y in zip(got._fields, got, reference.fp8_operands(qkv, v, pre, row_max, lse,
                                                                  Masks(), config)):
     np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32), name)
 

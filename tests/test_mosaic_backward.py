@@ -185,7 +185,7 @@ def _exact_inputs(config, smooth_k: bool = True):
     o, lse, row_max = HOPPER.forward(qkv, Masks(), config, jnp.bfloat16)
     pre = HOPPER.prepass(o, do, config, REGISTER_B)
     if config.fp8:
-      pre = pre._replace(fp8=HOPPER.fp8_operands(qkv, v, do, pre, row_max, lse, Masks(), config))
+      pre = pre._replace(fp8=HOPPER.fp8_operands(qkv, v, pre, row_max, lse, Masks(), config))
     return qkv, v, lse, pre, do
   return inputs
 

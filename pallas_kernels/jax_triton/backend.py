@@ -92,15 +92,14 @@ class TritonBackend:
     _check_blocks(config)
     return saturated_rows(qkv, v, lse, do, delta, masks, config, self.dq_launch)
 
-  def fp8_operands(self, qkv: QuantizedQKV, v, do, prepass: Prepass, row_max, lse,
+  def fp8_operands(self, qkv: QuantizedQKV, v, prepass: Prepass, row_max, lse,
                    masks: Masks, config: Config) -> Fp8Operands:
     """One kernel (`jax_triton.fp8_operands`) after this backend's
     quantization pass, which formed the key side (`QuantizedQKV.fp8_keys`),
     without masks; XLA's pass with them, with `Config.causal_exact` (K' less
     its first block's mean, the bounds over what each row sees) or after
     another backend's quantization. The Mosaic backend borrows it."""
-    args = (qkv, v, do, prepass.do_scale, row_max, lse, prepass.delta, masks, config,
-            layout_of(qkv.k8_t))
+    args = (qkv, v, prepass, row_max, lse, masks, config, layout_of(qkv.k8_t))
     if masks.q_ids is not None or config.causal_exact or qkv.fp8_keys is None:
       return xla_fp8_operands(*args)
     return triton_fp8_operands(*args, self.dq_launch)

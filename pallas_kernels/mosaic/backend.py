@@ -186,10 +186,10 @@ class MosaicBackend:
     return self._backward_stages(qkv, v, masks, config).saturated_rows(
         qkv, v, lse, do, delta, masks, config)
 
-  def fp8_operands(self, qkv: QuantizedQKV, v, do, prepass: Prepass, row_max, lse,
+  def fp8_operands(self, qkv: QuantizedQKV, v, prepass: Prepass, row_max, lse,
                    masks: Masks, config: Config) -> Fp8Operands:
     return self._backward_stages(qkv, v, masks, config).fp8_operands(
-        qkv, v, do, prepass, row_max, lse, masks, config)
+        qkv, v, prepass, row_max, lse, masks, config)
 
   def backward(self, qkv: QuantizedQKV, v, lse, do, prepass: Prepass, masks: Masks,
                config: Config):
