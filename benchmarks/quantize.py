@@ -1,6 +1,7 @@
 """The passes around the attention kernels against the GPU's copy bandwidth.
 
-    python -m benchmarks.quantize [--shapes 4x4096x16x128,16x1024x16x128] [--out DIR]
+    python -m benchmarks.quantize [--shapes 4x4096x16x128,16x1024x16x128] [--warps 8]
+        [--out DIR]
 
 For each shape (B x T x H x D, bf16; H = Hkv), in one process: first a
 device-to-device copy of a 1 GiB buffer, as an XLA copy and as an elementwise
@@ -94,14 +95,19 @@ def key_mean_by_blocks(k: jax.Array) -> jax.Array:
   return blocks.sum(axis=1) / seq
 
 
-def passes(batch: int, seq: int, heads: int, head_dim: int) -> dict:
-  """{name: (jitted fn, args)} for each pass the module docstring lists."""
+def passes(batch: int, seq: int, heads: int, head_dim: int,
+           quantize_warps: int | None = None) -> dict:
+  """{name: (jitted fn, args)} for each pass the module docstring lists; the
+  Triton quantization passes at `quantize_warps` warps (None: the backend's)."""
   keys = jax.random.split(jax.random.key(0), 5)
   q, k, v, o, do = (jax.random.normal(key, (batch, seq, heads, head_dim), jnp.bfloat16)
                     for key in keys)
   config = Config(scale=head_dim**-0.5, causal=False, smooth_q=False, block_q=64, block_kv=64)
   fp8_config = dataclasses.replace(config, quantization="int8_fp8")
   triton = TritonBackend.tuned(causal=False)
+  if quantize_warps is not None:
+    triton = dataclasses.replace(triton, quantize_launch=dataclasses.replace(
+        triton.quantize_launch, num_warps=quantize_warps))
   k_mean = key_mean(k, None)
 
   def quantize(for_backward: bool, layouts: Layouts, config: Config = config,
@@ -168,6 +174,9 @@ def main():
   parser.add_argument("--shapes", default="4x4096x16x128,16x1024x16x128",
                       help="B x T x H x D, comma-separated")
   parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--warps", default="",
+                      help="also time the Triton quantization passes at these num_warps "
+                           "(comma-separated), as quantize_*@<warps>")
   parser.add_argument("--out", default=os.environ.get("OUT"))
   args = parser.parse_args()
   benchmarks.require_gpu("benchmarks.quantize")
@@ -189,6 +198,11 @@ def main():
                                  ("forward_total_fp8", "quantize_fp8_fwd_bwd")):
       parts = [totals[name] for name in ("k_mean", quantize_pass)]
       rows.append(row(shape, total, *map(sum, zip(*parts)), copy))
+    for warps in filter(None, args.warps.split(",")):
+      for name, (fn, fn_args) in passes(batch, seq, heads, head_dim, int(warps)).items():
+        if name.startswith("quantize") and not name.endswith("_xla"):
+          timed = (*moved_bytes(fn, *fn_args), device_seconds(fn, fn_args, args.iters))
+          rows.append(row(shape, f"{name}@{warps}", *timed, copy))
 
   print(f"\n| shape | pass | MB read | MB written | us | TB/s | x copy ({copy / 1e12:.2f} TB/s) |")
   print("|---|---|---|---|---|---|---|")

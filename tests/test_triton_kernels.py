@@ -211,7 +211,7 @@ def test_other_launches_match_reference(causal, window, smooth_q, ids, seq, conv
   window's edges off the 64-token grid cross three blocks of a 128-row tile
   (tiles.edge_blocks)."""
   launch = LaunchConfig(interpret=not ON_GPU, num_warps=8, tile_rows=128, convert=convert)
-  backend = TritonBackend(launch, launch, launch)
+  backend = TritonBackend(launch, launch, launch, launch)
   q, k, v, do = gaussian_qkv(jax.random.key(10), 2, seq, seq, 4, 2, 64, dtype=jnp.float32)
   config = kernel_config(causal=causal, smooth_q=smooth_q, window=window)
   masks = _masks(seq, seq) if ids else Masks()

@@ -30,14 +30,16 @@ class TritonBackend:
 
   P and the backward's P^T are quantized as `NUMERICS` says (0..255 per row
   of each key block, V's scale folded in; 0..255 per key row); the rest is
-  the reference's arithmetic. `forward_launch` runs the
-  quantization pass and the forward, `dq_launch` the backward pre-pass, the
-  saturated rows and dQ, `dkdv_launch` dK/dV.
+  the reference's arithmetic. `forward_launch` runs the forward,
+  `dq_launch` the backward pre-pass, the saturated rows, the FP8 operands and
+  dQ, `dkdv_launch` dK/dV, `quantize_launch` the quantization pass (which
+  the Hopper backend borrows).
   """
 
   forward_launch: LaunchConfig = LaunchConfig(num_stages=3)
   dq_launch: LaunchConfig = LaunchConfig()
   dkdv_launch: LaunchConfig = LaunchConfig(num_warps=8, num_stages=3, tile_rows=128)
+  quantize_launch: LaunchConfig = LaunchConfig()
 
   NUMERICS: ClassVar[Numerics] = Numerics(unsigned_p=True, unsigned_p_t=True)
 
@@ -55,7 +57,8 @@ class TritonBackend:
     if causal:
       forward_launch = dataclasses.replace(forward_launch, num_stages=2)
     return cls(*(dataclasses.replace(launch, interpret=interpret) for launch in
-                 (forward_launch, default.dq_launch, default.dkdv_launch)))
+                 (forward_launch, default.dq_launch, default.dkdv_launch,
+                  default.quantize_launch)))
 
   def layouts(self, q, k, masks: Masks, config: Config) -> Layouts:
     """Its kernels read every transposed tensor TOKENS."""
@@ -73,7 +76,7 @@ class TritonBackend:
     where its forward runs); the kernels after it refuse
     quantization='int8_fp8'."""
     _check_blocks(config)
-    return quantize_qkv(q, k, v, k_mean, config, self.forward_launch, for_backward, layouts)
+    return quantize_qkv(q, k, v, k_mean, config, self.quantize_launch, for_backward, layouts)
 
   def forward(self, qkv: QuantizedQKV, masks: Masks, config: Config, out_dtype):
     _check_config(config)
