@@ -39,6 +39,16 @@ def layout_of(x8_t: jax.Array) -> TransposedLayout:
   return _RANKS[x8_t.ndim]
 
 
+def backward_layout(qkv: QuantizedQKV) -> TransposedLayout:
+  """`Layouts.backward` of the call `qkv` was quantized for, off the
+  transposed keys its backward reads: K8^T, or where the quantization pass
+  formed the FP8 key side in its place, K'^T (`QuantizedQKV.fp8_keys`)."""
+  if qkv.k8_t is None and qkv.fp8_keys is None:
+    raise ValueError("qkv has no transposed keys (k8_t, fp8_keys): it was quantized for a "
+                     "forward alone (for_backward=False)")
+  return layout_of(qkv.k8_t if qkv.k8_t is not None else qkv.fp8_keys.k8_t)
+
+
 def check_layout(name: str, x8_t: jax.Array | None, layout: TransposedLayout) -> None:
   """Raises unless `x8_t` (None passes) is in `layout`: a kernel's guard
   against tensors quantized for another kernel (`types.Layouts`)."""

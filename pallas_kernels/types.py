@@ -205,7 +205,9 @@ class QuantizedQKV(NamedTuple):
   q_scale: jax.Array  # (B, H, Tq) fp32: each row's, or its block's (`Config.q_per_token`)
   q_mean: jax.Array | None  # (B, H, Tq // block_q, D) fp32, Q-smoothing only
   k8: jax.Array  # (B, Hkv, Tk, D) int8
-  k8_t: jax.Array | None  # Layouts.backward
+  # Layouts.backward; None where unused: with FP8 products where `fp8_keys`
+  # holds K'^T, which the FP8 dS.K reads in its place.
+  k8_t: jax.Array | None
   k_scale: jax.Array  # (B, Hkv, Tk) fp32
   # 8-bit V^T per block_kv rows: int8, or with `Config.fp8` float8_e4m3fn.
   v8_t: jax.Array  # Layouts.forward
@@ -318,9 +320,8 @@ class Backend(Protocol):
   def prepass(self, o: jax.Array, do: jax.Array, config: Config,
               layout: TransposedLayout = TransposedLayout.TOKENS) -> Prepass:
     """The backward's pre-pass: Delta = rowsum(dO * O) and psi(dO) per
-    `block_q` rows, dO8 stored transposed in `layout` (the layout of the
-    call's `QuantizedQKV.k8_t`: `Layouts.backward`), with its per-token
-    scales. A backend may borrow another's (the Mosaic backend, its
+    `block_q` rows, dO8 stored transposed in `layout` (the call's
+    `Layouts.backward`), with its per-token scales. A backend may borrow another's (the Mosaic backend, its
     fallback's)."""
     ...
 
@@ -337,8 +338,8 @@ class Backend(Protocol):
                    config: Config) -> Fp8Operands:
     """`Config.fp8` only: the FP8 backward's operands (`Fp8Operands`) from the
     forward's row maxima and lse and the pre-pass's Delta (as
-    `saturated_rows` left it), dO scales and norms, the transposed E4M3 tensors in
-    the layout of `qkv.k8_t` (`Layouts.backward`)."""
+    `saturated_rows` left it), dO scales and norms, the transposed E4M3
+    tensors in the layout of `prepass.do8_t` (`Layouts.backward`)."""
     ...
 
   def backward(self, qkv: QuantizedQKV, v: jax.Array, lse: jax.Array, do: jax.Array,

@@ -247,7 +247,7 @@ class ReferenceBackend:
 
   def fp8_operands(self, qkv: QuantizedQKV, v, prepass: Prepass, row_max, lse,
                    masks: Masks, config: Config) -> Fp8Operands:
-    return fp8_operands(qkv, v, prepass, row_max, lse, masks, config, layout_of(qkv.k8_t))
+    return fp8_operands(qkv, v, prepass, row_max, lse, masks, config, layout_of(prepass.do8_t))
 
   def backward(self, qkv: QuantizedQKV, v, lse, do, prepass: Prepass, masks: Masks,
                config: Config):

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import causal_blocks
 from pallas_kernels import numerics as nm
-from pallas_kernels.layouts import layout_of
+from pallas_kernels.layouts import backward_layout
 from pallas_kernels.types import Backend, Config, Fp8Operands, Masks, Prepass, QuantizedQKV
 from sagebwd_jax.reference import ReferenceBackend
 
@@ -201,13 +201,13 @@ def _forward(q, k, v, masks, config, backend, smooth_k, for_backward=True):
 
 def prepass(qkv: QuantizedQKV, o, do, config: Config, backend: Backend) -> Prepass:
   """The backward's pre-pass: Delta = rowsum(dO * O) and psi(dO), dO8^T in the
-  layout of the call's K8^T (`Layouts.backward`).
+  call's `Layouts.backward`.
 
   With causality or a window, a NaN in dO makes the scale of its whole head
   NaN: jax.nn's dV is then NaN for every key (0 x NaN), while the kernels
   pair a dO block only with the keys it sees.
   """
-  pre = backend.prepass(o, do, config, layout_of(qkv.k8_t))
+  pre = backend.prepass(o, do, config, backward_layout(qkv))
   if config.banded:
     pre = pre._replace(do_scale=nm.spread_nan(pre.do_scale))
   return pre

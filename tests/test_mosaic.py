@@ -127,6 +127,22 @@ def test_register_b_layout_holds_each_block_permuted():
     layouts.layout_of(tokens[0])
 
 
+def test_backward_layout_is_read_off_the_transposed_keys():
+  """K8^T's layout, or where the FP8 key side replaced it, K'^T's; a forward
+  alone's quantization has neither, and says so."""
+  from pallas_kernels.types import Fp8Keys, QuantizedQKV
+  tokens = jnp.zeros((1, 2, 64, 128), jnp.int8)
+  blocked = layouts.to_layout(tokens, layouts.REGISTER_B)
+  qkv = QuantizedQKV(*[None] * 9)
+  assert layouts.backward_layout(qkv._replace(k8_t=blocked)) is layouts.REGISTER_B
+  keys = Fp8Keys(k8_t=tokens, k_scale=None, v_norm=None)
+  assert layouts.backward_layout(qkv._replace(fp8_keys=keys)) is layouts.TOKENS
+  keys = keys._replace(k8_t=blocked)
+  assert layouts.backward_layout(qkv._replace(fp8_keys=keys)) is layouts.REGISTER_B
+  with pytest.raises(ValueError, match="for_backward=False"):
+    layouts.backward_layout(qkv)
+
+
 def test_takes():
   config = mosaic_config(128, True)
   ids = jnp.zeros((1, 128), jnp.int32)

@@ -75,15 +75,15 @@ def test_fp8_quantization_pass_forms_the_reference_tensors(kv_heads, head_dim, l
   """quantization="int8_fp8": Q8 and K8 as in INT8, V8^T E4M3 per 64-key
   block equal to the reference's bit for bit, its scales (B, Hkv, Tk) to an
   ulp (the pass divides amax by 448 correctly rounded, XLA multiplies by
-  1 / 448: tiles.quantize_e4m3); no Q8^T and no accumulator start. For a
-  backward, the FP8 backward's key side (`types.Fp8Keys`) as the XLA
+  1 / 448: tiles.quantize_e4m3); no Q8^T, no K8^T and no accumulator start.
+  For a backward, the FP8 backward's key side (`types.Fp8Keys`) as the XLA
   operand pass forms it: K' (the smoothed K rounded to bf16) in E4M3 per
   block, bit for bit, its scales to an ulp, V's largest row norm per block
   to fp32 rounding (another sum order)."""
   ours, ref = check_quantization_pass(
       TRITON, REFERENCE, head_dim, False, True, layouts=layouts, quantization="int8_fp8",
       for_backward=for_backward, shape=(2, 256, 256, 4, kv_heads))
-  assert ours.v_start is None and ours.q8_t is None
+  assert ours.v_start is None and ours.q8_t is None and ours.k8_t is None
   assert ours.v8_t.dtype == jnp.float8_e4m3fn and ours.v_scale.shape == (2, kv_heads, 256)
   assert (ours.fp8_keys is not None) == for_backward
   if not for_backward:

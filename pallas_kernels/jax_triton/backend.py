@@ -102,7 +102,7 @@ class TritonBackend:
     without masks; XLA's pass with them, with `Config.causal_exact` (K' less
     its first block's mean, the bounds over what each row sees) or after
     another backend's quantization. The Mosaic backend borrows it."""
-    args = (qkv, v, prepass, row_max, lse, masks, config, layout_of(qkv.k8_t))
+    args = (qkv, v, prepass, row_max, lse, masks, config, layout_of(prepass.do8_t))
     if masks.q_ids is not None or config.causal_exact or qkv.fp8_keys is None:
       return xla_fp8_operands(*args)
     return triton_fp8_operands(*args, self.dq_launch)

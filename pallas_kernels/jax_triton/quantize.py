@@ -14,7 +14,8 @@ per `block_kv` rows (numerics.quantize_e4m3 over the block), in the same
 launch and read; for a backward the pass also forms the FP8 backward's key
 side from the blocks it holds (`types.Fp8Keys`: K' in E4M3, transposed, and
 each block's largest ||V_j||), which would otherwise cost a copy of the
-smoothed K and a second read of it and of V.
+smoothed K and a second read of it and of V, and writes no K8^T, which only
+an INT8 dS.K reads.
 """
 
 from __future__ import annotations
@@ -155,8 +156,8 @@ def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig, for_back
   Q's and K's transposed layouts, which only the backward reads, if
   `for_backward`; each transposed tensor in its `layouts`. With `Config.fp8`,
   V8^T is E4M3; no Q8^T (the FP8 dS^T.Q takes an FP8 copy of Q) and no
-  accumulator start; for a backward, `QuantizedQKV.fp8_keys` (not with
-  `Config.causal_exact`)."""
+  accumulator start; for a backward, `QuantizedQKV.fp8_keys` in place of
+  K8^T (not with `Config.causal_exact`)."""
   check_register_blocks(layouts.backward, config.block_q, config.block_kv,
                         smooth_q=config.smooth_q)
   check_register_blocks(layouts.forward, config.block_kv)
@@ -164,6 +165,9 @@ def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig, for_back
   q_transposed = for_backward and not config.q_per_token and not config.fp8
   # causal_exact's K' is K less its first block's mean, unrounded: XLA's pass forms it.
   fp8_keys = for_backward and config.fp8 and not config.causal_exact
+  # The FP8 dS.K reads K'^T; only an INT8 one reads K8^T (which, without the
+  # key side, also tells the backward's layout: layouts.backward_layout).
+  k_transposed = for_backward and not fp8_keys
   backward_b = layouts.backward is TransposedLayout.REGISTER_B
   forward_b = layouts.forward is TransposedLayout.REGISTER_B
 
@@ -177,7 +181,7 @@ def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig, for_back
         (True, (batch, heads, q_len), f32),
         (config.smooth_q, (batch, heads, q_len // config.block_q, head_dim), f32),
         (True, (batch, kv_heads, kv_len, head_dim), i8),
-        (for_backward, transposed_shape(batch, kv_heads, head_dim, kv_len, layouts.backward),
+        (k_transposed, transposed_shape(batch, kv_heads, head_dim, kv_len, layouts.backward),
          i8),
         (True, (batch, kv_heads, kv_len), f32),
         (True, transposed_shape(batch, kv_heads, head_dim, kv_len, layouts.forward),
@@ -203,7 +207,7 @@ def quantize_qkv(q, k, v, k_mean, config: Config, launch: LaunchConfig, for_back
         D=head_dim, BLOCK_Q=config.block_q, BLOCK_KV=config.block_kv,
         MULTIPLIER=config.scale * nm.LOG2_E, SMOOTH_Q=config.smooth_q,
         PER_ROW=config.q_per_token, HAS_MEAN=k_mean is not None, Q_TRANSPOSED=q_transposed,
-        K_TRANSPOSED=for_backward, BACKWARD_REGISTER_B=backward_b,
+        K_TRANSPOSED=k_transposed, BACKWARD_REGISTER_B=backward_b,
         FORWARD_REGISTER_B=forward_b, FP8=config.fp8, FP8_KEYS=fp8_keys,
         INPUTS=jnp.dtype(k.dtype).name)
     return tuple(y if wanted else None for (wanted, _, _), y in zip(outputs, outs))
