@@ -4,6 +4,7 @@ without a GPU, for `benchmarks.sass` to read.
     pip download --no-deps jax-cuda13-pjrt==<jaxlib's version>   # then unzip it
     python -m benchmarks.mosaic_ptx --plugin .../xla_cuda13/xla_cuda_plugin.so \\
         --out dump [--variants mosaic_fp8,mosaic_fp8_overlap] [--forward] [--causal]
+        [--causal-exact]
     python -m benchmarks.sass dump/*/*.ptx
 
 jax lowers each kernel to a Mosaic GPU module here; the CUDA PJRT plugin's
@@ -22,6 +23,7 @@ with --forward, `benchmarks.mosaic_forward`'s (the FP8 ones).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ctypes
 import functools
 import io
@@ -121,15 +123,16 @@ def backward_kernels(name: str, shapes, causal: bool):
   return zip(mosaic_backward.fp8_kernels(name, config), mosaic_backward.fp8_arguments(*inputs))
 
 
-def forward_kernels(name: str, shapes, causal: bool):
+def forward_kernels(name: str, shapes, causal: bool, causal_exact: bool = False):
   """(function, abstract arguments) of a `benchmarks.mosaic_forward` FP8
-  variant's kernel on inputs of `shapes`."""
+  variant's kernel on inputs of `shapes` (with `causal_exact`, its
+  operands: the 16-bit diagonal step)."""
   from benchmarks import mosaic_forward
   from pallas_kernels.mosaic.forward import forward_mosaic
   from pallas_kernels.types import Masks
-  config = fp8_config(shapes, causal)
-  qkv = jax.eval_shape(functools.partial(mosaic_forward.quantize_fp8, config=config),
-                       *shapes[:3])
+  config = dataclasses.replace(fp8_config(shapes, causal), causal_exact=causal_exact)
+  quantize = mosaic_forward.exact_inputs if causal_exact else mosaic_forward.quantize_fp8
+  qkv = jax.eval_shape(functools.partial(quantize, config=config), *shapes[:3])
   tuning = mosaic_forward.VARIANTS[name]
   return [(lambda qkv: forward_mosaic(qkv, Masks(), config, jnp.bfloat16, tuning), (qkv,))]
 
@@ -151,11 +154,15 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--forward", action="store_true",
                       help="benchmarks.mosaic_forward's variants (default: the backward's)")
   parser.add_argument("--causal", action="store_true")
+  parser.add_argument("--causal-exact", action="store_true",
+                      help="with --forward --causal: causal_exact=True (its 16-bit diagonal)")
   parser.add_argument("--seq", type=int, default=1024)
   parser.add_argument("--head-dim", type=int, default=128)
   args = parser.parse_args(argv)
   if not os.path.isfile(args.plugin):
     raise SystemExit(f"--plugin: no file {args.plugin}")
+  if args.causal_exact and not (args.forward and args.causal):
+    parser.error("--causal-exact takes --forward and --causal")
   from benchmarks import mosaic_backward, mosaic_forward
   known = mosaic_forward.VARIANTS if args.forward else mosaic_backward.VARIANTS
   names = args.variants.split(",")
@@ -167,7 +174,8 @@ def main(argv: list[str] | None = None) -> None:
   os.environ.setdefault("MOSAIC_GPU_CUDA_ROOT",
                         os.path.dirname(os.path.dirname(ptxas)) if ptxas else "/usr/local/cuda")
   shapes = [jax.ShapeDtypeStruct((1, args.seq, 2, args.head_dim), jnp.bfloat16)] * 4
-  kernels = forward_kernels if args.forward else backward_kernels
+  kernels = (functools.partial(forward_kernels, causal_exact=args.causal_exact) if args.forward
+             else backward_kernels)
   with tempfile.TemporaryDirectory() as tmp:
     load_stub_driver(tmp)
     with compile_modules(args.plugin):
