@@ -24,8 +24,8 @@ from pallas_kernels.jax_triton.interpreter import device_function
 from pallas_kernels.jax_triton.launch import LaunchConfig, placeholder
 from pallas_kernels.types import Config, Masks, QuantizedQKV
 
-# Rows one program checks (a power of two, whole query blocks): B4 T4096 H16
-# then runs 256 programs, where one per query block ran 4096.
+# Rows one program checks (a power of two, whole query blocks): few enough
+# programs that the launch is one wave (docs/performance-log.md).
 CHECK_ROWS = 1024
 
 
@@ -110,14 +110,13 @@ def _saturated_rows_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, 
                            CONVERT: tl.constexpr, DOT_PRECISION: tl.constexpr,
                            SATURATED: tl.constexpr, MARGIN: tl.constexpr,
                            NOTHING_SEEN: tl.constexpr):
-  # One program per ROWS rows of a head: one wave of programs copies the rows
-  # (one program per query block took 35-74 us for 4 MB,
-  # docs/performance-log.md); a query block with a saturated row is redone.
+  # One program per ROWS rows of a head, which it copies unless one
+  # saturates; then each of its query blocks is redone.
   c = tl.program_id(0)
   b = tl.program_id(1).to(tl.int64)
   h = tl.program_id(2)
-  rows = (b * H + h) * TQ + c * ROWS + tl.arange(0, ROWS)
-  lse = tl.load(lse_ptr + rows)
+  offsets = (b * H + h) * TQ + c * ROWS + tl.arange(0, ROWS)
+  lse = tl.load(lse_ptr + offsets)
   saturated = (tl.abs(lse) > SATURATED) & (tl.abs(lse) < float("inf"))
   if tl.max(saturated.to(tl.int32), axis=0) > 0:
     for i in range(c * (ROWS // BLOCK_Q), (c + 1) * (ROWS // BLOCK_Q)):
@@ -127,8 +126,8 @@ def _saturated_rows_kernel(q8_ptr, q_scale_ptr, q_mean_ptr, lse_ptr, delta_ptr, 
                    SMOOTH_Q, MEANS, EXACT_EDGES, MULTIPLIER, CONVERT, DOT_PRECISION, SATURATED,
                    MARGIN, NOTHING_SEEN)
   else:
-    tl.store(delta_out_ptr + rows, tl.load(delta_ptr + rows))
-    tl.store(lse_out_ptr + rows, lse)
+    tl.store(delta_out_ptr + offsets, tl.load(delta_ptr + offsets))
+    tl.store(lse_out_ptr + offsets, lse)
 
 
 def rows_per_program(q_len: int, block_q: int) -> int:
