@@ -255,7 +255,7 @@ class Prepass(NamedTuple):
   # (`numerics.ds_row_bound`), formed while the pre-pass holds each dO row.
   do_norm: jax.Array | None = None
   # `Config.fp8` only: the FP8 backward's operands (`fp8_operands`), formed
-  # after the pre-pass from its Delta and dO scales.
+  # after the pre-pass from its Delta, dO scales and norms.
   fp8: "Fp8Operands | None" = None
 
 
@@ -321,7 +321,8 @@ class Backend(Protocol):
               layout: TransposedLayout = TransposedLayout.TOKENS) -> Prepass:
     """The backward's pre-pass: Delta = rowsum(dO * O) and psi(dO) per
     `block_q` rows, dO8 stored transposed in `layout` (the call's
-    `Layouts.backward`), with its per-token scales. A backend may borrow another's (the Mosaic backend, its
+    `Layouts.backward`), with its per-token scales (and with `Config.fp8`
+    ||dO_i||). A backend may borrow another's (the Mosaic backend, its
     fallback's)."""
     ...
 

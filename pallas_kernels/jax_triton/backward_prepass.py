@@ -22,8 +22,8 @@ from pallas_kernels.types import Prepass, TransposedLayout
 
 @triton.jit
 def _prepass_kernel(o_ptr, do_ptr, delta_ptr, do8_t_ptr, do_scale_ptr, do_start_ptr,
-                    do_norm_ptr, T: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
-                    REGISTER_B: tl.constexpr, FP8: tl.constexpr):
+                    do_norm_ptr, T: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                    BLOCK_Q: tl.constexpr, REGISTER_B: tl.constexpr, FP8: tl.constexpr):
   t, head, rows, tokens = tiles.program_block(T, H, D, BLOCK_Q, REGISTER_B)
   do = tl.load(do_ptr + tokens).to(tl.float32)
   o = tl.load(o_ptr + tokens).to(tl.float32)

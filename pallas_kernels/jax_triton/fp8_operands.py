@@ -60,9 +60,10 @@ def fp8_operands(qkv: QuantizedQKV, v: jax.Array, prepass: Prepass, row_max: jax
                  launch: LaunchConfig) -> Fp8Operands:
   """`pallas_kernels.fp8_operands.fp8_operands` (its arguments, and `launch`)
   without masks, the key side from `qkv.fp8_keys`. The values are the XLA
-  pass's but for the last bit of b_i (the platform's exp2), of the scales amax / 448 (XLA under jit multiplies by 1 / 448;
-  these divide) and the few E4M3 values of Q' that b_i's last bit moves by
-  one step (tests/test_fp8_operands.py)."""
+  pass's but for the last bit of b_i (the platform's exp2), of the scales
+  amax / 448 (XLA under jit multiplies by 1 / 448; these divide) and the few
+  E4M3 values of Q' that b_i's last bit moves by one step
+  (tests/test_fp8_operands.py)."""
   if masks.q_ids is not None or masks.kv_ids is not None:
     raise NotImplementedError(
         "masks: the Triton FP8 operand pass takes no sequence ids (masks.q_ids, "
