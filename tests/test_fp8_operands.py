@@ -114,6 +114,18 @@ def test_triton_fp8_operands_refuse_a_missing_or_misplaced_key_side():
     triton_pass.fp8_operands(qkv, *rest, Masks(), config, REGISTER_B, INTERPRET)
 
 
+def test_fp8_operands_refuse_a_prepass_without_norms():
+  """Both passes take ||dO_i|| from the pre-pass; one run without FP8
+  products (no `Prepass.do_norm`) is refused by name, not traced into a
+  None operand."""
+  (qkv, v, pre, *rest), config = _case(2, 256, 4, 1, 64, False, TOKENS)
+  args = (qkv, v, pre._replace(do_norm=None), *rest, Masks(), config, TOKENS)
+  with pytest.raises(ValueError, match="prepass.do_norm"):
+    xla.fp8_operands(*args)
+  with pytest.raises(ValueError, match="prepass.do_norm"):
+    triton_pass.fp8_operands(*args, INTERPRET)
+
+
 @pytest.mark.parametrize("layout", [TOKENS, REGISTER_B], ids=lambda x: x.name)
 def test_triton_fp8_operands_compile_for_hopper(layout):
   """Triton compiles the launch for sm_90, as jax_triton would on a GPU
