@@ -156,9 +156,10 @@ def quantize_e4m3(x):
 
 @device_function
 def row_norms(x):
-  """||x_i|| of each row of a tile, fp32 (numerics.ds_row_bound's ||dO_i||,
-  fp8_operands' ||V_j||): the square root correctly rounded, as XLA's; the
-  sum in Triton's order, within fp32 rounding of numerics.ordered_sum's."""
+  """||x_i|| of each row of a tile, fp32 (`numerics.token_norms`: the
+  pre-pass's ||dO_i||, the quantization pass's ||V_j||): the square root
+  correctly rounded, as XLA's; the sum in Triton's order, within fp32
+  rounding of numerics.ordered_sum's."""
   x = x.to(tl.float32)
   return tl.sqrt_rn(tl.sum(x * x, axis=1))
 
