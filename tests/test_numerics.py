@@ -380,3 +380,16 @@ def test_mean_scores_are_each_rows_product_with_its_kv_heads_mean():
   q64 = np.asarray(jnp.asarray(q, jnp.bfloat16).astype(jnp.float32), np.float64)
   want = np.einsum("bthd,bhd->bht", q64, np.repeat(m.astype(np.float64), 3, axis=1)) * 0.5
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_token_norms_are_float64_norms_per_token_and_head():
+  """(B, T, H, D) -> (B, H, T): each token's Euclidean norm over channels,
+  per head, to fp32 rounding of float64's; a NaN channel makes its token's
+  norm NaN."""
+  x = jax.random.normal(jax.random.key(3), (2, 48, 3, 64), jnp.bfloat16) * 5
+  x = x.at[1, 7, 2, 11].set(jnp.nan)
+  want = np.sqrt(np.sum(np.square(np.asarray(x, np.float64)), axis=-1)).transpose(0, 2, 1)
+  got = np.asarray(nm.token_norms(x))
+  assert got.shape == (2, 3, 48) and got.dtype == np.float32
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  assert np.isnan(got[1, 2, 7]) and np.isnan(want[1, 2, 7])
