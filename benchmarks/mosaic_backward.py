@@ -33,6 +33,7 @@ from pallas_kernels.jax_triton.backward_dq import backward_dq
 from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
 from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
+from pallas_kernels.mosaic.backward_dq_product import backward_dq_product
 from pallas_kernels.layouts import REGISTER_B, arrange, to_layout
 from pallas_kernels.fp8_operands import fp8_operands
 from pallas_kernels.types import Config, Layouts, Masks
@@ -59,6 +60,9 @@ VARIANTS = {
                                 BackwardTuning(pipelined=True)),
     "mosaic_fp8_overlap": BackwardTuning(pipelined=True, overlap=True),
     "mosaic_fp8_overlap_nosched": BackwardTuning(pipelined=True, overlap=True,
+                                                 schedule_barrier=False),
+    # dK/dV (the overlap) writes dS'' and dQ is its one product (`backward_dq_product`).
+    "mosaic_fp8_overlap_product": BackwardTuning(pipelined=True, overlap=True,
                                                  schedule_barrier=False),
     "mosaic_fp8_overlap_turns": BackwardTuning(pipelined=True, overlap=True,
                                                schedule_barrier=False, issue_turns=True),
@@ -103,10 +107,21 @@ def fp8_arguments(qkv, v, lse, pre, do):
 
 
 def fp8_kernels(name: str, config: Config):
-  """A variant's FP8 dK/dV and dQ kernels, each on its `fp8_arguments`."""
+  """A variant's FP8 dK/dV and dQ kernels, each on its `fp8_arguments`
+  (a `_product` variant's dQ on `dq_arguments`)."""
   dkdv_tuning, dq_tuning = tunings(name)
+  if name.endswith("_product"):
+    return (lambda *a: backward_dkdv_mosaic(*a[:-1], Masks(), config, dkdv_tuning, fp8=a[-1],
+                                            write_ds=True),
+            lambda ds8, fp8: backward_dq_product(ds8, fp8, config, jnp.bfloat16))
   return (lambda *a: backward_dkdv_mosaic(*a[:-1], Masks(), config, dkdv_tuning, fp8=a[-1]),
           lambda *a: backward_dq_mosaic(*a[:-1], Masks(), config, dq_tuning, fp8=a[-1]))
+
+
+def dq_arguments(dq_args, dkdv_outputs):
+  """The dQ kernel's arguments: `dq_args`, or after a dK/dV that wrote dS''
+  (a `_product` variant), dS'' and the FP8 operands."""
+  return (dkdv_outputs[2], dq_args[-1]) if len(dkdv_outputs) == 3 else dq_args
 
 
 def operands(qkv, v, pre, row_max, lse, config: Config):
@@ -156,7 +171,8 @@ def main():
       dkdv, dq = jax.jit(dkdv), jax.jit(dq)
       dkdv_args, dq_args = inputs
       try:
-        dk, dv = jax.block_until_ready(dkdv(*dkdv_args))
+        dkdv_out = jax.block_until_ready(dkdv(*dkdv_args))
+        (dk, dv, *_), dq_args = dkdv_out, dq_arguments(dq_args, dkdv_out)
         dq_out = jax.block_until_ready(dq(*dq_args))
         t_dkdv, t_dq = time_call(dkdv, *dkdv_args), time_call(dq, *dq_args)
       except Exception as e:  # report and go on with the other variants

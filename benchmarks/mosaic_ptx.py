@@ -120,7 +120,10 @@ def backward_kernels(name: str, shapes, causal: bool):
   config = fp8_config(shapes, causal)
   inputs, _, _ = jax.eval_shape(functools.partial(mosaic_backward.fp8_inputs, config=config),
                                 *shapes)
-  return zip(mosaic_backward.fp8_kernels(name, config), mosaic_backward.fp8_arguments(*inputs))
+  (dkdv, dq), (dkdv_args, dq_args) = (mosaic_backward.fp8_kernels(name, config),
+                                      mosaic_backward.fp8_arguments(*inputs))
+  dq_args = mosaic_backward.dq_arguments(dq_args, jax.eval_shape(dkdv, *dkdv_args))
+  return [(dkdv, dkdv_args), (dq, dq_args)]
 
 
 def forward_kernels(name: str, shapes, causal: bool, causal_exact: bool = False):

@@ -34,9 +34,12 @@ from conftest import (CPU, FP8_TUNINGS, MOSAIC_BACKWARD_CASES, MOSAIC_EXACT_CASE
 from pallas_kernels.fp8_operands import fp8_operands
 from pallas_kernels.layouts import REGISTER_B, TOKENS
 from pallas_kernels.mosaic import forward as mosaic_forward
+from pallas_kernels.mosaic import backend as mosaic_backend
 from pallas_kernels.mosaic.backend import MosaicBackend
+from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
 from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic
+from pallas_kernels.mosaic.backward_dq_product import backward_dq_product
 from pallas_kernels.types import QUANTIZATIONS, Masks, Numerics
 from sagebwd_jax import dot_product_attention, implementations
 from sagebwd_jax.reference import ReferenceBackend
@@ -376,6 +379,62 @@ def _fp8_kernels(config, tuning, qkv, v, lse, pre, do):
   return dq, dk, dv
 
 
+# The op's FP8 backward (`backend.launches`): dK/dV with the overlap writes
+# dS'' and dQ is its one product.
+PRODUCT_TUNING = BackwardTuning(pipelined=True, overlap=True, schedule_barrier=False)
+
+
+def _fp8_product(config, qkv, v, lse, pre, do):
+  """dQ, dK, dV from the FP8 dK/dV kernel that writes dS'' and dQ's product."""
+  dk, dv, ds8 = backward_dkdv_mosaic(qkv, v, lse, pre.delta, do, pre.do8_t, pre.do_scale,
+                                     Masks(), config, PRODUCT_TUNING, fp8=pre.fp8,
+                                     write_ds=True)
+  return backward_dq_product(ds8, pre.fp8, config, do.dtype), dk, dv
+
+
+@pytest.mark.parametrize("case", [(1, 256, 2, 1, 64, True), (1, 256, 2, 2, 128, False)],
+                         ids=str)
+def test_fp8_backward_product_lowers_for_cuda(case):
+  """dK/dV writing dS'' (transposed by stmatrix) and dQ's product lower for
+  CUDA without a GPU, with no XLA layout pass between them."""
+  inputs, arrays, config = _fp8_backward_case(*case)
+  args = jax.eval_shape(inputs, *arrays)
+  assert_lowers_to_mosaic_gpu(functools.partial(_fp8_product, config), *args)
+  _, _, ds8 = jax.eval_shape(lambda qkv, v, lse, pre, do: backward_dkdv_mosaic(
+      qkv, v, lse, pre.delta, do, pre.do8_t, pre.do_scale, Masks(), config, PRODUCT_TUNING,
+      fp8=pre.fp8, write_ds=True), *args)
+  batch, seq, heads = case[:3]
+  assert (ds8.shape, ds8.dtype) == ((batch, heads, seq // 64, seq, 64), jnp.float8_e4m3fn)
+
+
+def test_fp8_backward_product_refuses_what_it_cannot_run():
+  inputs, arrays, config = _fp8_backward_case(1, 128, 1, 1, 64, True)
+  qkv, v, lse, pre, do = jax.eval_shape(inputs, *arrays)
+  with pytest.raises(ValueError, match="write_ds"):
+    backward_dkdv_mosaic(qkv, v, lse, pre.delta, do, pre.do8_t, pre.do_scale, Masks(), config,
+                         FP8_TUNINGS["pipelined"], fp8=pre.fp8, write_ds=True)
+  ds8 = jax.ShapeDtypeStruct((1, 1, 2, 128, 64), jnp.float8_e4m3fn)
+  with pytest.raises(ValueError, match="causal_exact"):
+    backward_dq_product(ds8, pre.fp8, dataclasses.replace(config, causal_exact=True),
+                        jnp.bfloat16)
+  with pytest.raises(ValueError, match="ds8"):
+    backward_dq_product(jax.ShapeDtypeStruct((1, 1, 2, 128, 64), jnp.int8), pre.fp8, config,
+                        jnp.bfloat16)
+
+
+def test_the_op_takes_dq_as_a_product_up_to_its_memory_cap():
+  """`backend.launches`: with FP8 products and the overlap, dK/dV writes dS''
+  for dQ's product up to DS_BYTES (B1 T16384 H16 takes it; twice that does
+  not), never with causal_exact (its 16-bit diagonal) nor in the INT8 mode."""
+  fp8 = mosaic_config(128, True, quantization="int8_fp8")
+  launch = mosaic_backend.launches(fp8)
+  assert launch.dq_product(1, 16, 16384, 16384)
+  assert not launch.dq_product(2, 16, 16384, 16384)
+  assert not mosaic_backend.launches(
+      dataclasses.replace(fp8, causal_exact=True)).dq_product(1, 1, 128, 128)
+  assert not mosaic_backend.launches(mosaic_config(128, True)).dq_product(1, 1, 128, 128)
+
+
 @pytest.mark.parametrize("tuning", sorted(FP8_TUNINGS))
 @pytest.mark.parametrize("case", [(1, 256, 2, 1, 64, True), (1, 256, 2, 2, 128, False)],
                          ids=str)
@@ -421,6 +480,22 @@ def test_gpu_fp8_backward_kernels_match_reference(case, tuning):
   inputs, arrays, config = _fp8_backward_case(*case)
   args = jax.jit(inputs)(*arrays)
   got = jax.jit(functools.partial(_fp8_kernels, config, FP8_TUNINGS[tuning]))(*args)
+  _check_against_reference(got, args, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", MOSAIC_BACKWARD_CASES, ids=str)
+def test_gpu_fp8_backward_product_matches_reference(case):
+  """dQ as the product of dK/dV's dS'' (and dK/dV writing it) against the
+  reference's FP8 backward, as the kernels above."""
+  inputs, arrays, config = _fp8_backward_case(*case)
+  args = jax.jit(inputs)(*arrays)
+  _check_against_reference(jax.jit(functools.partial(_fp8_product, config))(*args), args,
+                           config)
+
+
+def _check_against_reference(got, args, config):
+  """The kernels' dQ, dK, dV within 1% of the reference's on the CPU."""
   with jax.default_device(CPU):
     cpu = jax.device_put(args, CPU)
     want = jax.jit(lambda qkv, v, lse, pre, do: ReferenceBackend().backward(

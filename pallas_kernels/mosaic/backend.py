@@ -35,6 +35,7 @@ from pallas_kernels.mosaic import common
 from pallas_kernels.mosaic.backward_common import BackwardTuning
 from pallas_kernels.mosaic.backward_dkdv import backward_dkdv_mosaic
 from pallas_kernels.mosaic.backward_dq import backward_dq_mosaic, dq_step_keys
+from pallas_kernels.mosaic.backward_dq_product import backward_dq_product
 from pallas_kernels.mosaic import forward
 from pallas_kernels.layouts import check_layout
 from pallas_kernels.types import (Backend, Config, Fp8Operands, Layouts, Masks, Numerics,
@@ -43,15 +44,26 @@ from pallas_kernels.types import (Backend, Config, Fp8Operands, Layouts, Masks, 
 # How the Mosaic kernels quantize P (the forward, per row of a step's keys)
 # and P^T (dK/dV, per key row), both unsigned.
 MOSAIC_NUMERICS = Numerics(p_block=forward.KV_STEP, unsigned_p=True, unsigned_p_t=True)
+# The largest dS'' of one call that the FP8 backward holds (a byte a score,
+# alive between its two kernels): 4 GiB, B1 T16384 H16.
+DS_BYTES = 4 << 30
 
 
 @dataclasses.dataclass(frozen=True)
 class Launches:
-  """The launch settings of one call's Mosaic kernels."""
+  """The launch settings of one call's Mosaic kernels. `ds_bytes` (FP8):
+  the largest dS'' (B * H * Tq * Tk bytes) that dK/dV writes for dQ to be
+  one product of (`backward_dq_product`), else 0; past it the dQ kernel
+  recomputes dS, in O(T) memory."""
 
   forward: forward.ForwardTuning
   dkdv: BackwardTuning
   dq: BackwardTuning
+  ds_bytes: int = 0
+
+  def dq_product(self, batch: int, heads: int, q_len: int, kv_len: int) -> bool:
+    """Whether dQ is the product of dK/dV's dS'' for a call of these sizes."""
+    return batch * heads * q_len * kv_len <= self.ds_bytes
 
 
 def launches(config: Config) -> Launches:
@@ -61,12 +73,15 @@ def launches(config: Config) -> Launches:
   FP8 products: FlashAttention-3's overlap (the next step's first products
   issued before this step's last, its chain under them) without the
   barrier, but with `Config.exact_edges` (the diagonal's 16-bit step, which
-  the overlap does not take), which keeps the barrier."""
+  the overlap does not take), which keeps the barrier. With the overlap and
+  without `Config.causal_exact`, dK/dV writes dS'' for dQ's one product up
+  to `DS_BYTES`."""
   if not config.fp8 or config.exact_edges:
     return Launches(forward.ForwardTuning(), BackwardTuning(), BackwardTuning())
   overlap = dict(pipelined=True, overlap=True, schedule_barrier=False)
   backward = BackwardTuning(**overlap)
-  return Launches(forward.ForwardTuning(**overlap), backward, backward)
+  return Launches(forward.ForwardTuning(**overlap), backward, backward,
+                  ds_bytes=0 if config.causal_exact else DS_BYTES)
 
 
 def backward_takes(masks: Masks, config: Config, q_len: int, kv_len: int, head_dim: int,
@@ -198,8 +213,14 @@ class MosaicBackend:
       return self._fallback(config).backward(qkv, v, lse, do, prepass, masks, config)
     check_layout("do8_t", prepass.do8_t, TransposedLayout.REGISTER_B)
     launch = self._launches(config)
+    if config.fp8 and launch.dq_product(*qkv.q8.shape[:3], qkv.k8.shape[2]):
+      dk, dv, ds8 = backward_dkdv_mosaic(qkv, v, lse, prepass.delta, do, prepass.do8_t,
+                                         prepass.do_scale, masks, config, launch.dkdv,
+                                         fp8=prepass.fp8, write_ds=True)
+      return backward_dq_product(ds8, prepass.fp8, config, do.dtype), dk, dv
     dk, dv = backward_dkdv_mosaic(qkv, v, lse, prepass.delta, do, prepass.do8_t,
                                   prepass.do_scale, masks, config, launch.dkdv, fp8=prepass.fp8)
     dq = backward_dq_mosaic(qkv, v, lse, prepass.delta, do, masks, config, launch.dq,
                             fp8=prepass.fp8)
     return dq, dk, dv
+

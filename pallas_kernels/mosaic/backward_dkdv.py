@@ -69,8 +69,8 @@ from pallas_kernels.types import Config, Fp8Operands, Masks, QuantizedQKV, Trans
 
 
 def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns, out_scales,
-               edge_operands: bc.EdgeOperands | None, *, causal: bool, multiplier: float, out_dtype,
-               tuning: BackwardTuning):
+               edge_operands: bc.EdgeOperands | None, ds_factors, *, causal: bool,
+               multiplier: float, out_dtype, tuning: BackwardTuning):
   """q8_t, do8_t: REGISTER_B (B, H, Tq / 64, D, 64), int8 or with FP8
   products (`out_scales` given) E4M3 (`types.TransposedLayout`); scales per
   token (B, H, T). `step_scale` (B, H, Tq): dO's block scale, or with FP8
@@ -79,7 +79,10 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
   c: dS^T's column factor);
   `out_scales`: dK's and dV's factors after the loop (B, Hkv), or None;
   `edge_operands`: the edge tiles' operands (`Config.exact_edges`), whose scores
-  `multiplier` scales, or None."""
+  `multiplier` scales, or None; `ds_factors` (FP8, the overlap): dQ's dS''
+  over dK's dS' per query (B, H, Tq) and per key (K''s block scale, (B, Hkv,
+  Tk)), for dS'' in E4M3 as a third output (`backward_dq_product`'s
+  operand, (B, H, Tk / 64, Tq, 64)), or None."""
   batch, heads, q_len, head_dim = q8.shape
   kv_heads, kv_len = k8.shape[1], k8.shape[2]
   group = heads // kv_heads
@@ -92,6 +95,8 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
   v_transforms = smem_transforms(head_dim, v.dtype)
   edges = edge_operands is not None
   edge_inputs = (edge_operands.q16, edge_operands.k16, edge_operands.lse) if edges else ()
+  writes_ds = ds_factors is not None
+  ds_transforms = smem_transforms(BLOCK, jnp.float8_e4m3fn)
 
   def q_range(j):
     """Query blocks key block j sees: [start, full) masked, [full, end) whole."""
@@ -102,8 +107,10 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
 
   def kernel(q_ref, q8_t_ref, qs_ref, k_ref, ks_ref, v_ref, do_ref, do8_t_ref, step_ref, *refs):
     edge_refs, refs = refs[:len(edge_inputs)], refs[len(edge_inputs):]
-    col_refs, out_scale_refs = refs[:len(columns)], refs[len(columns):-3]
-    dk_ref, dv_ref, scoped = refs[-3:]
+    ds_factor_refs, refs = refs[:len(ds_factors or ())], refs[len(ds_factors or ()):]
+    outputs = 3 if writes_ds else 2
+    col_refs, out_scale_refs = refs[:len(columns)], refs[len(columns):-outputs - 1]
+    (dk_ref, dv_ref, *ds_ref), scoped = refs[-outputs - 1:-1], refs[-1]
     b, h, t = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("kv_seq")
     wg = lax.axis_index("wg")
     kvh = lax.div(h, jnp.array(group, h.dtype))
@@ -112,7 +119,7 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
     # are released on their own barriers, the rest's once S^T and dP^T are
     # done.
     consumed, consumed_t = releases if pipelined else releases * 2
-    k_smem2, v_smem2, q_ring, q8_t_ring, do_ring, do8_t_ring, col_rings, out_smem2 = smem
+    k_smem2, v_smem2, q_ring, q8_t_ring, do_ring, do8_t_ring, col_rings, out_smem2, *ds_smem2 = smem
     if edges:  # Q16 in the output's staging tile until the loop's first step is done
       out_smem, q16_smem = bc.shared_tiles(out_smem2, wg)
     else:
@@ -142,6 +149,8 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
       if edges:  # the diagonal's queries are the block's own 64 positions
         edge_k16, edge_lse = load_edge(kv)
       k_scale = ks_ref[b, kvh, j * BLOCK]
+      if writes_ds:
+        key_factor = ds_factor_refs[1][b, kvh, j * BLOCK]
       plgpu.barrier_wait(k_bars.at[wg])
       plgpu.barrier_wait(v_bars.at[wg])
 
@@ -171,10 +180,24 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         return bc.exponent(f, q_scale * k_scale, lse, along=1, cap=shift)
 
       def scalars(i):
-        """Step i's Q block scale and step scale, loaded from global memory:
-        a pipelined step asks for the next step's before its wait, so the
-        loads' latency hides behind it."""
+        """Step i's Q block scale and step scale (writing dS'', also its
+        factor over dS'), loaded from global memory: a pipelined step asks
+        for the next step's before its wait, so the loads' latency hides
+        behind it."""
+        if writes_ds:
+          return (qs_ref[b, h, i * BLOCK], step_ref[b, h, i * BLOCK],
+                  ds_factor_refs[0][b, h, i * BLOCK] * key_factor)
         return qs_ref[b, h, i * BLOCK], step_ref[b, h, i * BLOCK]
+
+      def write_ds(i, ds8):
+        """dS'' of step i (this warpgroup's keys by the step's queries) to
+        global memory, transposed (`registers.store_transposed`), through
+        one of two staging tiles, which the store of step i - 2 has read."""
+        staging = ds_smem2[0].at[wg, lax.rem(i, 2)]
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+        registers.store_transposed(ds8, staging, ds_transforms)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(staging, ds_ref[0].at[b, h, j, pl.ds(i * BLOCK, BLOCK)])
 
       def scaled_dp(slot, dp):
         """(dP^T - Delta) * c from dP^T started at zero: one FMA a score, and
@@ -182,12 +205,17 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         col = lambda c: lax.broadcast_in_dim(column(slot, c), bc.TILE, [1])
         return dp * col(2) + col(1)
 
-      def fp8_chain(i, s, dp_c, q_scale, step, *, masked: bool, edge: bool = False, lse=None):
+      def fp8_chain(i, s, dp_c, q_scale, step, *, masked: bool, edge: bool = False, lse=None,
+                    ds_factor=None):
         """P'^T = P^T * p_factor (the exponent shifted by its log2, capped
-        there) and dS'^T = P'^T * `dp_c` (`scaled_dp`) of step i, in E4M3.
+        there) and dS'^T = P'^T * `dp_c` (`scaled_dp`) of step i, in E4M3;
+        with `ds_factor`, dQ's dS'' = dS' * ds_factor written (`write_ds`).
         `lse`: the ring's column, if read already."""
         p = jnp.exp2(exponent(i, s, q_scale, masked=masked, shift=step, edge=edge, lse=lse))
-        return registers.pack_e4m3(p), registers.pack_e4m3(p * dp_c)
+        ds = p * dp_c
+        if ds_factor is not None:
+          write_ds(i, registers.pack_e4m3(ds * ds_factor))
+        return registers.pack_e4m3(p), registers.pack_e4m3(ds)
 
       def q_step(i, carry, *, masked: bool, edge: bool = False):
         dk, dv = carry
@@ -262,8 +290,9 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
         slot = ring.slot(i)
         dp_c, lse = scaled_dp(slot, dp), column(slot, 0)
         plgpu.barrier_arrive(consumed.at[slot])
-        q_scale, step = step_scalars
-        return fp8_chain(i, s, dp_c, q_scale, step, masked=masked, edge=edge, lse=lse)
+        q_scale, step, *ds_factor = step_scalars
+        return fp8_chain(i, s, dp_c, q_scale, step, masked=masked, edge=edge, lse=lse,
+                         ds_factor=ds_factor[0] if ds_factor else None)
 
       def issue_dv_dk(i, dk, dv, p8, ds8):
         """(dV + P'^T.dO8, dK + dS'^T.Q'8) of step i, left in flight."""
@@ -427,6 +456,8 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
   out_tile = plgpu.SMEM((wgs, BLOCK, head_dim), out_dtype,
                         transforms=smem_transforms(head_dim, out_dtype))  # dK, then dV
   scratch += (bc.sharing(out_tile, edge_operands.q16.dtype) if edges else out_tile,)
+  if writes_ds:  # dS'' staging, two tiles a warpgroup
+    scratch += (plgpu.SMEM((wgs, 2, BLOCK, BLOCK), jnp.float8_e4m3fn, transforms=ds_transforms),)
   barriers = ((plgpu.Barrier(num_barriers=wgs),) * 2,
               (plgpu.Barrier(num_barriers=slots),) * (4 + len(columns)),
               (plgpu.Barrier(num_arrivals=wgs, num_barriers=slots),) * (
@@ -435,19 +466,26 @@ def _dkdv_call(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, columns
   if edges:
     barriers += (plgpu.Barrier(num_barriers=wgs),)  # Q16's
   shape = jax.ShapeDtypeStruct((batch, kv_len, heads, head_dim), out_dtype)
+  out_type = (shape, shape)
+  if writes_ds:
+    out_type += (jax.ShapeDtypeStruct((batch, heads, kv_len // BLOCK, q_len, BLOCK),
+                                      jnp.float8_e4m3fn),)
   return pipeline.kernel(
-      kernel, tuning=tuning, scratch=scratch, barriers=barriers, out_type=(shape, shape),
+      kernel, tuning=tuning, scratch=scratch, barriers=barriers, out_type=out_type,
       grid=(heads, kv_len // (wgs * BLOCK), batch), grid_names=("heads", "kv_seq", "batch"),
       name="sagebwd_backward_dkdv_fp8_mosaic" if fp8 else "sagebwd_backward_dkdv_mosaic",
-  )(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, *edge_inputs, *columns,
-    *(out_scales or ()))
+  )(q8, q8_t, q_scale, k8, k_scale, v, do, do8_t, step_scale, *edge_inputs, *(ds_factors or ()),
+    *columns, *(out_scales or ()))
+
 
 
 def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
                          masks: Masks, config: Config,
                          tuning: BackwardTuning = BackwardTuning(),
-                         fp8: Fp8Operands | None = None):
-  """dK, dV (B, Tk, Hkv, D) in V's dtype, summed over each kv head's group.
+                         fp8: Fp8Operands | None = None, write_ds: bool = False):
+  """dK, dV (B, Tk, Hkv, D) in V's dtype, summed over each kv head's group;
+  with `write_ds` (FP8, the overlap) also dQ's dS'' in E4M3, (B, H, Tk / 64,
+  Tq, 64), the operand of `backward_dq_product`.
 
   Same contract as `triton.backward_dkdv.backward_dkdv` for the cases
   `mosaic.common.supports` accepts, with whole CTA tiles, but Q8^T and dO8^T
@@ -472,6 +510,9 @@ def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
     raise ValueError("backward_dkdv_mosaic: tuning=BackwardTuning(pipelined=True) with the "
                      "schedule barrier or issue turns does not take causal_exact; pass "
                      "schedule_barrier=False, issue_turns=False")
+  if write_ds and not (config.fp8 and tuning.pipelined and tuning.overlap):
+    raise ValueError("backward_dkdv_mosaic: write_ds=True needs quantization='int8_fp8' and "
+                     "tuning=BackwardTuning(pipelined=True, overlap=True)")
   q8_t = qkv.q8_t if fp8 is None else fp8.q8_t
   for name, x8_t in (("q8_t", q8_t), ("do8_t", do8_t)):
     check_layout(name, x8_t, TransposedLayout.REGISTER_B)
@@ -480,20 +521,31 @@ def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
   group = heads // kv_heads
   out_dtype = v.dtype if group == 1 else jnp.dtype(jnp.float32)
   lse, edge_operands = bc.causal_exact_operands(qkv, lse, config, "backward_dkdv_mosaic")
+  ds_factors = None
   if fp8 is None:
     step_scale, columns, out_scales = do_scale, (lse, delta), None
   else:
     # dS^T's column factor over P's: the kernel forms dS^T * factor from P^T * p_factor.
+    # A block of zeros in Q has q_fold 0, which would zero dS' where dQ's
+    # dS'' is formed from it; its Q' is zero, so dK takes nothing from it.
+    q_fold = jnp.where(fp8.q_fold == 0, 1.0, fp8.q_fold)
     positive = fp8.p_factor > 0
-    ds_col = jnp.where(positive, nm.inverse_scale(fp8.ds_bound, nm.E4M3_MAX) * fp8.q_fold
+    ds_col = jnp.where(positive, nm.inverse_scale(fp8.ds_bound, nm.E4M3_MAX) * q_fold
                        / jnp.where(positive, fp8.p_factor, 1.0), 0.0)
     step_scale = jnp.log2(fp8.p_factor)
     columns = (lse - step_scale, -delta * ds_col, ds_col)
     out_scales = (fp8.dk_scale * nm.LN_2, fp8.dv_scale)
-  dk, dv = _dkdv_call(qkv.q8, q8_t, qkv.q_scale, qkv.k8, qkv.k_scale, v, do, do8_t,
-                      step_scale, columns, out_scales, edge_operands, causal=config.causal,
-                      multiplier=config.scale * nm.LOG2_E, out_dtype=out_dtype, tuning=tuning)
+    if write_ds:
+      # dS'' / dS' = k_scale'_j / (k_top_i q_fold_i) (`types.Fp8Operands`); a
+      # row whose keys are all zero (k_top 0) gets dQ = 0 from any dS''.
+      top = fp8.k_top * q_fold
+      ds_factors = (jnp.where(top == 0, 0.0, 1.0 / jnp.where(top == 0, 1.0, top)), fp8.k_scale)
+  dk, dv, *ds = _dkdv_call(qkv.q8, q8_t, qkv.q_scale, qkv.k8, qkv.k_scale, v, do, do8_t,
+                           step_scale, columns, out_scales, edge_operands, ds_factors,
+                           causal=config.causal, multiplier=config.scale * nm.LOG2_E,
+                           out_dtype=out_dtype, tuning=tuning)
   if group > 1:
     sum_group = lambda x: x.reshape(batch, kv_len, kv_heads, group, head_dim).sum(axis=3)
     dk, dv = sum_group(dk).astype(v.dtype), sum_group(dv).astype(v.dtype)
-  return dk, dv
+  return (dk, dv, *ds)
+
