@@ -19,8 +19,9 @@ use all 256 levels.
 
 FP8 (`Config.fp8`): fp32 values in the same places, two conversions to an
 E4M3 pair and one move pack four (`pack_e4m3`, round to nearest even,
-saturated at 448 as `numerics.to_e4m3`), and `dots` adds
-the products into running fp32 accumulators (no merge instruction).
+saturated at 448 as `numerics.to_e4m3`); `dots` adds the products into
+running fp32 accumulators, and `store_transposed` writes such a tile
+transposed to shared memory, for a product over its rows.
 
 A `dots` group is fenced once, before its first wgmma. Left in flight
 (`InFlight`), it keeps the A tiles its wgmmas read live until `wait_for`;
@@ -188,46 +189,28 @@ def pack_e4m3(p: jax.Array) -> jax.Array:
 
 
 def store_transposed(x8: jax.Array, ref, transforms) -> None:
-  """Stores a (64, 64) E4M3 register tile (`pack_e4m3`'s: WGMMA_8BIT, rows
-  r, columns in `layouts.permute_keys` order) transposed into the (64, 64)
-  shared-memory tile `ref` (`transforms`: 64-byte rows, 64-byte swizzle):
-  row c of `ref` holds column c, its 64 bytes rows r in `permute_keys` order
-  within each 16, so that `ref` is the K-major A operand of a product over r
-  whose B tiles are REGISTER_B (dQ = dS.K' from dK/dV's dS^T).
-
-  E4M3 wgmma operands are K-major only, and a thread holds rows (r, r + 8)
-  of a column: one shuffle (xor 4) gives a thread the pair that
-  `permute_keys` puts side by side (rows (2u, 2u + 1) or (2u + 8, 2u + 9)),
-  two byte permutes pack the pairs of four columns, and stmatrix's
-  transposed 8 x 8 b16 form writes them as 16-byte rows: per 16 values, a
-  shuffle, three selects, two permutes and a quarter of a stmatrix."""
-  swizzle = transforms[-1].swizzle
-  if x8.shape != (ROWS, ROWS) or ref.shape != (ROWS, ROWS) or swizzle != 64:
-    raise ValueError(f"store_transposed takes a (64, 64) tile into a (64, 64) tile with "
-                     f"64-byte swizzle; got {x8.shape}, {ref.shape}, swizzle {swizzle}")
+  """A (64, 64) `pack_e4m3` tile (rows r) transposed into the (64, 64) tile
+  `ref` (64-byte swizzle, rows r in `permute_keys` order): the K-major A
+  operand (E4M3's only kind) of a product over r with REGISTER_B tiles, by a
+  shuffle (xor 4), byte permutes and stmatrix's transposed b16 form."""
+  assert x8.shape == ref.shape == (ROWS, ROWS) and transforms[-1].swizzle == 64
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_8BIT, plgpu.RefType(transforms)))
-  def store(ctx, x, smem):
-    del ctx
+  def store(_, x, smem):
     i32 = ir.IntegerType.get_signless(32)
     const = lambda v: arith.constant(i32, v)
-    asm = lambda text, *args: llvm.inline_asm(i32, list(args), text,
-                                              "=r," + ",".join(["r"] * len(args)),
+    asm = lambda text, *args: llvm.inline_asm(i32, list(args), text, "=r" + ",r" * len(args),
                                               has_side_effects=False)
-    tid = mgpu_utils.thread_idx()
-    lane = arith.remui(tid, const(32))
-    warp = arith.remui(arith.divui(tid, const(32)), const(4))
-    # Lanes 4 apart hold rows r and r + 1 (r even) of the same columns.
-    odd = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(lane, const(4)), const(0))
-    base = llvm.ptrtoint(i32, mgpu_utils.memref_ptr(smem))
-    # Lane L gives the address of transposed row (column) L of the x4 store's
-    # four 8 x 8 matrices; warp w's 16 rows are 16 bytes of every row, their
-    # 16-byte chunk swizzled by bits 1-2 of the row (64-byte swizzle).
+    lane = arith.remui(mgpu_utils.thread_idx(), const(32))
+    warp = arith.remui(arith.divui(mgpu_utils.thread_idx(), const(32)), const(4))
+    odd = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(lane, const(4)), const(0))  # row r odd
+    # Lane L: row L of the x4 store's matrices, warp w's bytes 16w.. (swizzled).
     chunk = arith.xori(warp, arith.andi(arith.shrui(lane, const(1)), const(3)))
-    lane_row = arith.addi(arith.muli(lane, const(ROWS)), arith.shli(chunk, const(4)))
-    word = lambda reg: llvm.extractelement(
-        vector.bitcast(ir.VectorType.get((1,), i32), reg), const(0))
-    for first in (0, 2):  # 16-column groups (first, first + 1): columns 16 * first + L
+    row = arith.addi(llvm.ptrtoint(i32, mgpu_utils.memref_ptr(smem)),
+                     arith.addi(arith.muli(lane, const(ROWS)), arith.shli(chunk, const(4))))
+    word = lambda reg: llvm.extractelement(vector.bitcast(ir.VectorType.get((1,), i32), reg),
+                                           const(0))
+    for first in (0, 2):  # 16-column groups first, first + 1: columns 16 * first + L
       words = []
       for group in (first, first + 1):
         top, bottom = (word(x.registers[(0, group, 0, 0, half, 0, 0, 0, 0)]) for half in (0, 1))
@@ -236,10 +219,9 @@ def store_transposed(x8: jax.Array, ref, transforms) -> None:
         low, high = arith.select(odd, received, top), arith.select(odd, bottom, received)
         words += [asm("prmt.b32 $0, $1, $2, 0x5140;", low, high),
                   asm("prmt.b32 $0, $1, $2, 0x7362;", low, high)]
-      address = arith.addi(base, arith.addi(lane_row, const(16 * first * ROWS)))
-      llvm.inline_asm(ir.Type.parse("!llvm.void"), [address, *words],
-                      "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [$0], {$1, $2, $3, $4};",
-                      "r,r,r,r,r", has_side_effects=True)
+      llvm.inline_asm(ir.Type.parse("!llvm.void"), [arith.addi(row, const(16 * first * ROWS)),
+                      *words], "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [$0], {$1, $2, "
+                      "$3, $4};", "r,r,r,r,r", has_side_effects=True)
 
   store(x8, ref)
 
