@@ -422,17 +422,23 @@ def test_fp8_backward_product_refuses_what_it_cannot_run():
                         jnp.bfloat16)
 
 
-def test_the_op_takes_dq_as_a_product_up_to_its_memory_cap():
-  """`backend.launches`: with FP8 products and the overlap, dK/dV writes dS''
-  for dQ's product up to DS_BYTES (B1 T16384 H16 takes it; twice that does
-  not), never with causal_exact (its 16-bit diagonal) nor in the INT8 mode."""
-  fp8 = mosaic_config(128, True, quantization="int8_fp8")
-  launch = mosaic_backend.launches(fp8)
-  assert launch.dq_product(1, 16, 16384, 16384)
-  assert not launch.dq_product(2, 16, 16384, 16384)
-  assert not mosaic_backend.launches(
-      dataclasses.replace(fp8, causal_exact=True)).dq_product(1, 1, 128, 128)
-  assert not mosaic_backend.launches(mosaic_config(128, True)).dq_product(1, 1, 128, 128)
+def test_the_backend_takes_dq_as_a_product_when_launched_so():
+  """`Launches.ds_bytes`: with FP8 products and the overlap, dK/dV writes dS''
+  and dQ is its product for calls of up to that many bytes of dS'' (B * H *
+  Tq * Tk); the default launch (0) keeps the dQ kernel."""
+  inputs, arrays, config = _fp8_backward_case(1, 256, 2, 1, 64, True)
+  default = mosaic_backend.launches(config)
+  assert not default.dq_product(1, 1, 128, 128)
+  capped = dataclasses.replace(default, ds_bytes=16 * 16384 * 16384)
+  assert capped.dq_product(1, 16, 16384, 16384) and not capped.dq_product(2, 16, 16384, 16384)
+  qkv, v, lse, pre, do = jax.eval_shape(inputs, *arrays)
+
+  def lowered(launch):
+    backend = MosaicBackend(ReferenceBackend(), fp8_fallback=ReferenceBackend(), launches=launch)
+    run = lambda qkv, v, lse, pre, do: backend.backward(qkv, v, lse, do, pre, Masks(), config)
+    return jax.jit(run).trace(qkv, v, lse, pre, do).lower(lowering_platforms=("cuda",)).as_text()
+
+  assert "dq_product" in lowered(capped) and "dq_product" not in lowered(default)
 
 
 @pytest.mark.parametrize("tuning", sorted(FP8_TUNINGS))

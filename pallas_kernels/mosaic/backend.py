@@ -44,17 +44,17 @@ from pallas_kernels.types import (Backend, Config, Fp8Operands, Layouts, Masks, 
 # How the Mosaic kernels quantize P (the forward, per row of a step's keys)
 # and P^T (dK/dV, per key row), both unsigned.
 MOSAIC_NUMERICS = Numerics(p_block=forward.KV_STEP, unsigned_p=True, unsigned_p_t=True)
-# The largest dS'' of one call that the FP8 backward holds (a byte a score,
-# alive between its two kernels): 4 GiB, B1 T16384 H16.
-DS_BYTES = 4 << 30
 
 
 @dataclasses.dataclass(frozen=True)
 class Launches:
-  """The launch settings of one call's Mosaic kernels. `ds_bytes` (FP8):
-  the largest dS'' (B * H * Tq * Tk bytes) that dK/dV writes for dQ to be
-  one product of (`backward_dq_product`), else 0; past it the dQ kernel
-  recomputes dS, in O(T) memory."""
+  """The launch settings of one call's Mosaic kernels. `ds_bytes` (FP8 with
+  the overlap, without `Config.causal_exact`): the largest dS'' (B * H * Tq *
+  Tk bytes, alive between the two kernels) for which dK/dV writes it and dQ
+  is its one product (`backward_dq_product`); past it, and with the default
+  0, the dQ kernel recomputes dS in O(T) memory. `launches` leaves it at 0
+  until it is measured on a GPU (docs/performance-log.md, 2026-12-08);
+  `MosaicBackend(launches=...)` takes it."""
 
   forward: forward.ForwardTuning
   dkdv: BackwardTuning
@@ -73,15 +73,12 @@ def launches(config: Config) -> Launches:
   FP8 products: FlashAttention-3's overlap (the next step's first products
   issued before this step's last, its chain under them) without the
   barrier, but with `Config.exact_edges` (the diagonal's 16-bit step, which
-  the overlap does not take), which keeps the barrier. With the overlap and
-  without `Config.causal_exact`, dK/dV writes dS'' for dQ's one product up
-  to `DS_BYTES`."""
+  the overlap does not take), which keeps the barrier."""
   if not config.fp8 or config.exact_edges:
     return Launches(forward.ForwardTuning(), BackwardTuning(), BackwardTuning())
   overlap = dict(pipelined=True, overlap=True, schedule_barrier=False)
   backward = BackwardTuning(**overlap)
-  return Launches(forward.ForwardTuning(**overlap), backward, backward,
-                  ds_bytes=0 if config.causal_exact else DS_BYTES)
+  return Launches(forward.ForwardTuning(**overlap), backward, backward)
 
 
 def backward_takes(masks: Masks, config: Config, q_len: int, kv_len: int, head_dim: int,
@@ -213,7 +210,9 @@ class MosaicBackend:
       return self._fallback(config).backward(qkv, v, lse, do, prepass, masks, config)
     check_layout("do8_t", prepass.do8_t, TransposedLayout.REGISTER_B)
     launch = self._launches(config)
-    if config.fp8 and launch.dq_product(*qkv.q8.shape[:3], qkv.k8.shape[2]):
+    if (config.fp8 and not config.causal_exact and launch.dkdv.overlap
+        and launch.dq_product(*qkv.q8.shape[:3], qkv.k8.shape[2])):
+
       dk, dv, ds8 = backward_dkdv_mosaic(qkv, v, lse, prepass.delta, do, prepass.do8_t,
                                          prepass.do_scale, masks, config, launch.dkdv,
                                          fp8=prepass.fp8, write_ds=True)
