@@ -423,14 +423,19 @@ def test_fp8_backward_product_refuses_what_it_cannot_run():
 
 
 def test_the_backend_takes_dq_as_a_product_when_launched_so():
-  """`Launches.ds_bytes`: with FP8 products and the overlap, dK/dV writes dS''
-  and dQ is its product for calls of up to that many bytes of dS'' (B * H *
-  Tq * Tk); the default launch (0) keeps the dQ kernel."""
+  """`Launches.ds_bytes`: with FP8 products and the overlap (not
+  causal_exact), dK/dV writes dS'' and dQ is its product for calls of up to
+  that many bytes of dS'' (B * H * Tq * Tk); the default launch (0) keeps
+  the dQ kernel."""
   inputs, arrays, config = _fp8_backward_case(1, 256, 2, 1, 64, True)
   default = mosaic_backend.launches(config)
-  assert not default.dq_product(1, 1, 128, 128)
+  assert not default.dq_product(config, 1, 1, 128, 128)
   capped = dataclasses.replace(default, ds_bytes=16 * 16384 * 16384)
-  assert capped.dq_product(1, 16, 16384, 16384) and not capped.dq_product(2, 16, 16384, 16384)
+  assert capped.dq_product(config, 1, 16, 16384, 16384)
+  assert not capped.dq_product(config, 2, 16, 16384, 16384)
+  for other in (dataclasses.replace(config, causal_exact=True),
+                dataclasses.replace(config, quantization="int8")):
+    assert not capped.dq_product(other, 1, 1, 128, 128)
   qkv, v, lse, pre, do = jax.eval_shape(inputs, *arrays)
 
   def lowered(launch):

@@ -61,9 +61,11 @@ class Launches:
   dq: BackwardTuning
   ds_bytes: int = 0
 
-  def dq_product(self, batch: int, heads: int, q_len: int, kv_len: int) -> bool:
+  def dq_product(self, config: Config, batch: int, heads: int, q_len: int,
+                 kv_len: int) -> bool:
     """Whether dQ is the product of dK/dV's dS'' for a call of these sizes."""
-    return batch * heads * q_len * kv_len <= self.ds_bytes
+    return (config.fp8 and not config.causal_exact and self.dkdv.overlap
+            and batch * heads * q_len * kv_len <= self.ds_bytes)
 
 
 def launches(config: Config) -> Launches:
@@ -210,9 +212,7 @@ class MosaicBackend:
       return self._fallback(config).backward(qkv, v, lse, do, prepass, masks, config)
     check_layout("do8_t", prepass.do8_t, TransposedLayout.REGISTER_B)
     launch = self._launches(config)
-    if (config.fp8 and not config.causal_exact and launch.dkdv.overlap
-        and launch.dq_product(*qkv.q8.shape[:3], qkv.k8.shape[2])):
-
+    if launch.dq_product(config, *qkv.q8.shape[:3], qkv.k8.shape[2]):
       dk, dv, ds8 = backward_dkdv_mosaic(qkv, v, lse, prepass.delta, do, prepass.do8_t,
                                          prepass.do_scale, masks, config, launch.dkdv,
                                          fp8=prepass.fp8, write_ds=True)

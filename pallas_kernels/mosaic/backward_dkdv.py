@@ -28,6 +28,10 @@ With FP8 products (`Config.fp8`; the operands and factors of
   dV += P'^T.dO8, dK += dS'^T.Q'8      E4M3 from registers, into fp32 dV and
         dK across the loop; their group scales multiply them at the end.
 
+With the overlap it can also write dQ's dS'' (dS' times a scalar a step,
+E4M3, transposed through shared memory by `registers.store_transposed`),
+of which `backward_dq_product` makes dQ in one product.
+
 Causal: a
 warpgroup starts at the query block holding its diagonal (masked); the ring
 starts at the CTA's first warpgroup's, and later warpgroups release the
