@@ -11,10 +11,10 @@ product (docs/performance.md).
 
 Each CTA owns `compute_wgs` blocks of 64 queries, one per compute warpgroup;
 the producer streams, per 64-key step, the CTA's rows of dS'' (one tile)
-and K'^T's block (REGISTER_B: its keys in the order of dS'' 's) through a
-ring deep enough to stream at the SM's share of the bandwidth, and a
-warpgroup adds dS''.K' into fp32 dQ, one wgmma group and its wait a step
-(the tensor cores take ~70 ns of the ~350 a step's bytes take). Causal:
+and K'^T's block (REGISTER_B, whose key order dS'' shares) through a ring
+deep enough to stream at the SM's share of the bandwidth, and a warpgroup
+adds dS''.K' into fp32 dQ, one wgmma group and its wait a step: the
+tensor work is a small part of the time a step's bytes take. Causal:
 query block i stops after key block i (dK/dV wrote no later one), the
 longest CTAs launch first.
 """
@@ -77,8 +77,7 @@ def _dq_product_call(ds8, k8_t, row_out, *, causal: bool, out_dtype, tuning: Bac
                               wait=False)
 
       def step(j, carry):
-        """Step j's product issued; then step j - 1's waited for (groups
-        complete in order) and its slot released."""
+        """Step j's product, issued and waited for; its slot released."""
         dq_group = issue(j, carry)
         (dq,) = registers.wait_for(dq_group)
         plgpu.barrier_arrive(consumed.at[ring.slot(j)])
