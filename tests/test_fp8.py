@@ -379,8 +379,8 @@ def _fp8_kernels(config, tuning, qkv, v, lse, pre, do):
   return dq, dk, dv
 
 
-# The op's FP8 backward (`backend.launches`): dK/dV with the overlap writes
-# dS'' and dQ is its one product.
+# dQ as one product (`backend.Launches.ds_bytes`): dK/dV, with the op's
+# overlap launch, writes dS'' and dQ is its product.
 PRODUCT_TUNING = BackwardTuning(pipelined=True, overlap=True, schedule_barrier=False)
 
 
