@@ -159,8 +159,11 @@ def assemble(q8_t: jax.Array, q_scale: jax.Array, k8_t: jax.Array, k_scale: jax.
   do_top = _group_max(do_scale, kv_heads)
   safe = lambda x: jnp.where(x > 0, x, 1.0)
   group = lambda x: jnp.repeat(x, heads // kv_heads, axis=1)[..., None]
+  # A block of zeros in Q folds 1, not 0: its Q' is zero, so dK takes nothing
+  # from it either way, and dS' keeps what the Hopper dQ product reads.
+  q_fold = jnp.where(q_scale == 0, 1.0, q_scale / group(safe(q_top)))
   return Fp8Operands(
-      q8_t=q8_t, q_fold=q_scale / group(safe(q_top)), dk_scale=q_top / nm.E4M3_MAX,
+      q8_t=q8_t, q_fold=q_fold, dk_scale=q_top / nm.E4M3_MAX,
       k8_t=k8_t, k_scale=k_scale, k_top=k_top,
       p_factor=nm.inverse_scale(group(do_top), nm.E4M3_MAX) * do_scale,
       dv_scale=do_top / nm.E4M3_MAX, ds_bound=ds_bound)

@@ -269,7 +269,8 @@ class Fp8Operands(NamedTuple):
   the group's largest) to E4M3; the sum times `dv_scale` (B, Hkv).
   dK = dS^T.Q': Q' = Q * scale * log2(e) * b_i in E4M3 per block_q rows
   (`q8_t`, transposed); dS^T / b_i times 448 * `q_fold` (Q''s block scale
-  over the group's largest) to E4M3; the sum times `dk_scale` (B, Hkv).
+  over the group's largest; 1 for a block of zeros) to E4M3; the sum times
+  `dk_scale` (B, Hkv).
   dQ = dS.K': K' the smoothed K in E4M3 per block_kv rows (`k8_t`,
   transposed, block scales `k_scale`); dS / (b_i * `k_top`) times 448 times
   K''s block scale to E4M3, with `k_top` the largest K' block scale the

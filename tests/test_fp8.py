@@ -422,6 +422,24 @@ def test_fp8_backward_product_refuses_what_it_cannot_run():
                         jnp.bfloat16)
 
 
+def test_a_block_of_zeros_in_q_folds_one_and_leaves_the_gradients():
+  """`Fp8Operands.q_fold` is 1, not 0, for a block of zeros in Q (so dS'
+  keeps what the Hopper dQ product forms dS'' from): the reference's
+  gradients are those of a fold of 0, bit for bit (its Q' is zero)."""
+  inputs, (q, k, v, do), config = _fp8_backward_case(1, 256, 2, 1, 64, False)
+  qkv, v, lse, pre, do = jax.jit(inputs)(q.at[:, 64:128, 1].set(0), k, v, do)
+  zero = np.zeros(pre.fp8.q_fold.shape, bool)
+  zero[:, 1, 64:128] = True
+  np.testing.assert_array_equal(np.asarray(pre.fp8.q_fold)[zero], 1.0)
+  assert np.all(np.asarray(pre.fp8.q_fold)[~zero] < 1.0 + 1e-6)
+  folded_zero = pre._replace(fp8=pre.fp8._replace(q_fold=jnp.where(zero, 0.0, pre.fp8.q_fold)))
+  backward = jax.jit(lambda pre: ReferenceBackend().backward(qkv, v, lse, do, pre, Masks(),
+                                                             config))
+  for name, got, want in zip(("dQ", "dK", "dV"), backward(pre), backward(folded_zero)):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                  err_msg=name)
+
+
 def test_the_backend_takes_dq_as_a_product_when_launched_so():
   """`Launches.ds_bytes`: with FP8 products and the overlap (not
   causal_exact), dK/dV writes dS'' and dQ is its product for calls of up to

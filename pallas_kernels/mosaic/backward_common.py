@@ -34,7 +34,7 @@ import jax.experimental.pallas.mosaic_gpu as plgpu
 from pallas_kernels import numerics as nm
 from pallas_kernels.mosaic import pipeline, registers
 from pallas_kernels.mosaic.common import BLOCK, positive_scale, smem_transforms
-from pallas_kernels.types import Config, QuantizedQKV
+from pallas_kernels.types import Config, Fp8Operands, QuantizedQKV
 
 TILE = (BLOCK, BLOCK)
 ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per accumulator row
@@ -162,6 +162,13 @@ def merge(acc, product, row_scale):
   back by one add) this saves a move per element and step
   (docs/performance-log.md, 2026-12-02)."""
   return acc + product.astype(jnp.float32) * lax.broadcast_in_dim(row_scale, acc.shape, [0])
+
+
+def dq_row_factor(fp8: Fp8Operands, scale: float) -> jax.Array:
+  """dQ's factor per row after its FP8 product (B, H, Tq): b_i k_top_i / 448,
+  times `scale` (Q was quantized times scale * log2(e); dS is in base-2
+  units)."""
+  return fp8.ds_bound * fp8.k_top / nm.E4M3_MAX * scale
 
 
 def write_tile(value, smem, dst):

@@ -530,11 +530,8 @@ def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
     step_scale, columns, out_scales = do_scale, (lse, delta), None
   else:
     # dS^T's column factor over P's: the kernel forms dS^T * factor from P^T * p_factor.
-    # A block of zeros in Q has q_fold 0, which would zero dS' where dQ's
-    # dS'' is formed from it; its Q' is zero, so dK takes nothing from it.
-    q_fold = jnp.where(fp8.q_fold == 0, 1.0, fp8.q_fold)
     positive = fp8.p_factor > 0
-    ds_col = jnp.where(positive, nm.inverse_scale(fp8.ds_bound, nm.E4M3_MAX) * q_fold
+    ds_col = jnp.where(positive, nm.inverse_scale(fp8.ds_bound, nm.E4M3_MAX) * fp8.q_fold
                        / jnp.where(positive, fp8.p_factor, 1.0), 0.0)
     step_scale = jnp.log2(fp8.p_factor)
     columns = (lse - step_scale, -delta * ds_col, ds_col)
@@ -542,8 +539,7 @@ def backward_dkdv_mosaic(qkv: QuantizedQKV, v, lse, delta, do, do8_t, do_scale,
     if write_ds:
       # dS'' / dS' = k_scale'_j / (k_top_i q_fold_i) (`types.Fp8Operands`); a
       # row whose keys are all zero (k_top 0) gets dQ = 0 from any dS''.
-      top = fp8.k_top * q_fold
-      ds_factors = (jnp.where(top == 0, 0.0, 1.0 / jnp.where(top == 0, 1.0, top)), fp8.k_scale)
+      ds_factors = (nm.inverse_scale(fp8.k_top * fp8.q_fold, 1.0), fp8.k_scale)
   dk, dv, *ds = _dkdv_call(qkv.q8, q8_t, qkv.q_scale, qkv.k8, qkv.k_scale, v, do, do8_t,
                            step_scale, columns, out_scales, edge_operands, ds_factors,
                            causal=config.causal, multiplier=config.scale * nm.LOG2_E,

@@ -499,9 +499,8 @@ def backward_dq_mosaic(qkv: QuantizedQKV, v, lse, delta, do, masks: Masks, confi
   if fp8 is None:
     step_scale, fp8_rows = qkv.k_scale, None
   else:
-    bound = fp8.ds_bound * fp8.k_top
-    fp8_rows = (jnp.log2(nm.inverse_scale(bound, nm.E4M3_MAX)),
-                bound / nm.E4M3_MAX * config.scale)
+    fp8_rows = (jnp.log2(nm.inverse_scale(fp8.ds_bound * fp8.k_top, nm.E4M3_MAX)),
+                bc.dq_row_factor(fp8, config.scale))
     step_scale = jnp.log2(fp8.k_scale)
   return _dq_call(qkv.q8, qkv.q_scale, lse, delta, do, qkv.k8, k8_t, qkv.k_scale, v,
                   step_scale, fp8_rows, edge_operands, causal=config.causal, scale=config.scale,

@@ -27,7 +27,6 @@ from jax import lax
 import jax.experimental.pallas as pl
 import jax.experimental.pallas.mosaic_gpu as plgpu
 
-from pallas_kernels import numerics as nm
 from pallas_kernels.layouts import check_layout
 from pallas_kernels.mosaic import backward_common as bc
 from pallas_kernels.mosaic import pipeline, registers
@@ -139,6 +138,5 @@ def backward_dq_product(ds8: jax.Array, fp8: Fp8Operands, config: Config, out_dt
     raise ValueError(f"backward_dq_product: ds8 must be float8_e4m3fn (B, H, Tk / 64, Tq, 64) "
                      f"with Tq a multiple of {tuning.compute_wgs * BLOCK} and Tk the keys' "
                      f"{fp8.k8_t.shape[2] * BLOCK}; got {ds8.dtype} {ds8.shape}")
-  row_out = fp8.ds_bound * fp8.k_top / nm.E4M3_MAX * config.scale
-  return _dq_product_call(ds8, fp8.k8_t, row_out, causal=config.causal, out_dtype=out_dtype,
-                          tuning=tuning)
+  return _dq_product_call(ds8, fp8.k8_t, bc.dq_row_factor(fp8, config.scale),
+                          causal=config.causal, out_dtype=out_dtype, tuning=tuning)
